@@ -1,0 +1,41 @@
+# `make demo` and `make test` set everything up themselves: the virtual
+# environment, the packages, the native library (C++ build against the
+# installed OpenVINO wheel), then run.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.numaov-installed
+# Reinstall (and so rebuild the native library) when any of these change.
+NATIVE_INPUTS := pyproject.toml CMakeLists.txt $(wildcard numaov/custom_ops/csrc/*)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Build tools and OpenVINO go in first so the native build runs without
+# isolation, against the very wheel that will load the library. flock keeps
+# two concurrent `make` runs from installing into the venv at once.
+$(STAMP): $(BIN)/python $(NATIVE_INPUTS)
+	flock $(VENV)/.install.lock sh -c '\
+	  $(BIN)/python -m pip install --quiet "scikit-build-core>=0.10" "pybind11>=2.12" ninja "cmake>=3.21" \
+	      "torch==2.13.0" "openvino>=2026.4,<2026.5" && \
+	  $(BIN)/python -m pip install --quiet --no-build-isolation -e ".[dev]"'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m numaov.cli demo
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check numaov tests benchmarks
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf build $(VENV)

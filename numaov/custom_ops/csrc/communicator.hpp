@@ -1,0 +1,60 @@
+// numaov shared-memory communicator: the contract shared by the Python
+// binding (python_binding.cpp) and the OpenVINO extension ops.
+//
+// A group is (name, rank, world_size). Every collective is blocking, works on
+// contiguous host memory, and either completes on every rank or throws
+// CollectiveError on every rank (mismatch, timeout, peer failure).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace numaov {
+
+// Element types the collectives move and reduce. Reductions accumulate in
+// fp32 and round back to nearest even.
+enum class DType : uint32_t { f32 = 0, bf16 = 1, f16 = 2 };
+
+const char* dtype_name(DType dtype);
+size_t dtype_size(DType dtype);
+
+class CollectiveError : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+class Communicator {
+public:
+    virtual ~Communicator() = default;
+
+    virtual const std::string& name() const = 0;
+    virtual int rank() const = 0;
+    virtual int world_size() const = 0;
+
+    // In place: data (count elements) becomes the element-wise sum over ranks.
+    virtual void all_reduce(void* data, uint64_t count, DType dtype) = 0;
+    // output holds world_size * count elements; rank r's input lands at r * count.
+    virtual void all_gather_into_tensor(void* output, const void* input, uint64_t count,
+                                        DType dtype) = 0;
+    // input holds world_size * count elements; output (count elements) is the
+    // sum over ranks of input[rank * count : (rank + 1) * count].
+    virtual void reduce_scatter_tensor(void* output, const void* input, uint64_t count,
+                                       DType dtype) = 0;
+    // data holds count elements, overwritten on every rank by root's.
+    virtual void broadcast(void* data, uint64_t count, DType dtype, int root) = 0;
+    virtual void barrier() = 0;
+};
+
+// Process-wide registry, filled by the runtime before inference and read by
+// the OpenVINO ops' evaluate(): the group name is the only state that crosses
+// the op boundary.
+std::shared_ptr<Communicator> create_communicator(const std::string& name, int rank,
+                                                  int world_size, const std::string& job_id,
+                                                  double timeout_s);
+// Throws CollectiveError saying "not found" or "destroyed".
+std::shared_ptr<Communicator> find_communicator(const std::string& name);
+void destroy_communicator(const std::string& name);
+
+}  // namespace numaov
