@@ -1,0 +1,188 @@
+"""`numaov doctor`: what this machine offers numaov, and what to fix.
+
+`collect_report()` returns a plain dict (the `--json` output; its keys are
+listed in the README); `format_report()` turns it into text. Nothing here
+prints.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numaov
+from numaov import NumaovError
+from numaov.runtime.binding import BindingPlan
+from numaov.runtime.topology import Topology, format_cpu_list, read_topology
+
+REPORT_KEYS = (
+    "numaov_version", "python", "topology", "isa", "binding_plan", "openvino", "extension",
+    "shm", "warnings",
+)
+
+_ISA_MEANING = {
+    "amx_usable": "AMX tiles: OpenVINO runs bf16/int8 matmuls on the matrix units (fastest)",
+    "avx512_bf16": "AVX512-BF16: OpenVINO runs bf16 matmuls with vector dot products",
+    "avx512f": "AVX-512: fp32 kernels and fast fp32<->bf16 conversion",
+    "avx2": "AVX2: baseline vector kernels",
+}
+
+
+def _isa_summary(topology: Topology) -> dict[str, Any]:
+    isa = topology.isa
+    if isa.amx_usable:
+        bf16 = "bf16 matmuls on AMX (OpenVINO's default inference precision here is bf16)"
+    elif isa.amx_tile:
+        bf16 = ("the CPU has AMX but the kernel does not grant its tile state: bf16 matmuls fall "
+                "back to AVX512-BF16" if isa.avx512_bf16 else "no bf16 matmul support usable")
+    elif isa.avx512_bf16:
+        bf16 = "bf16 matmuls on AVX512-BF16 (no AMX: several times slower than AMX machines)"
+    else:
+        bf16 = "no native bf16: OpenVINO computes in f32; bf16 models only save memory"
+    return {
+        "flags": isa.as_dict(),
+        "meaning": {k: v for k, v in _ISA_MEANING.items() if getattr(isa, k)},
+        "bf16_matmuls": bf16,
+    }
+
+
+def _type_name(value: Any) -> str:
+    to_string = getattr(value, "to_string", None)
+    return to_string() if callable(to_string) else str(value)
+
+
+def _openvino_info() -> dict[str, Any]:
+    try:
+        import openvino as ov
+
+        core = ov.Core()
+        return {
+            "version": ov.get_version(),
+            "cpu": core.get_property("CPU", "FULL_DEVICE_NAME"),
+            "cpu_capabilities": list(core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")),
+            "default_inference_precision": _type_name(core.get_property("CPU", "INFERENCE_PRECISION_HINT")),
+        }
+    except Exception as exc:  # doctor reports, never crashes
+        return {"error": f"OpenVINO is not usable: {exc}"}
+
+
+def _extension_info() -> dict[str, Any]:
+    try:
+        import openvino as ov
+
+        from numaov.custom_ops.native import add_extension, library_path
+
+        path = library_path()
+        add_extension(ov.Core())
+        return {"path": str(path), "loads": True}
+    except Exception as exc:  # doctor reports, never crashes
+        return {"path": None, "loads": False, "error": str(exc)}
+
+
+def _shm_needed(world_size: int) -> int | None:
+    try:
+        from numaov.custom_ops.collectives import shm_bytes_needed
+    except ImportError:
+        return None
+    return shm_bytes_needed(world_size)
+
+
+def collect_report(topology: Topology | None = None, env: dict[str, str] | None = None) -> dict:
+    topology = topology or read_topology()
+    warnings: list[str] = list(topology.assumptions)
+
+    plan_info: dict[str, Any]
+    world_size = 1
+    try:
+        plan = BindingPlan.resolve(topology, env=env)
+        world_size = plan.world_size
+        plan_info = {"source": plan.source, "ranks": plan.describe()}
+        warnings += plan.warnings(topology)
+    except NumaovError as exc:
+        plan_info = {"error": str(exc)}
+        warnings.append(f"no usable binding plan: {exc}")
+
+    shm = topology.shm
+    needed = _shm_needed(max(world_size, 2))
+    if shm.free_bytes is None:
+        warnings.append(f"{shm.path} is not available: the shared-memory collectives cannot run")
+    elif needed is not None and shm.free_bytes < needed:
+        warnings.append(
+            f"{shm.path} has {shm.free_bytes / 2**20:.0f} MiB free but a {max(world_size, 2)}-rank "
+            f"group needs {needed / 2**20:.0f} MiB; enlarge it (e.g. docker --shm-size)"
+        )
+
+    extension = _extension_info()
+    if not extension["loads"]:
+        warnings.append(f"the numaov extension does not load: {extension['error']}")
+    openvino_info = _openvino_info()
+    if "error" in openvino_info:
+        warnings.append(openvino_info["error"])
+
+    return {
+        "numaov_version": numaov.__version__,
+        "python": platform.python_version(),
+        "topology": {
+            "numa_nodes": [
+                {"id": n.id, "cpus": format_cpu_list(n.cpus),
+                 "physical_cores": format_cpu_list(n.physical_cores),
+                 "memory_bytes": n.memory_bytes}
+                for n in topology.nodes
+            ],
+            "physical_cores": len(topology.physical_cores),
+            "online_cpus": format_cpu_list(topology.online_cpus),
+            "allowed_cpus": format_cpu_list(topology.allowed_cpus),
+            "assumptions": list(topology.assumptions),
+        },
+        "isa": _isa_summary(topology),
+        "binding_plan": plan_info,
+        "openvino": openvino_info,
+        "extension": extension,
+        "shm": {"path": shm.path, "total_bytes": shm.total_bytes, "free_bytes": shm.free_bytes,
+                "needed_bytes": needed},
+        "warnings": warnings,
+    }
+
+
+def _mib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def format_report(report: dict) -> str:
+    topo, isa, ov = report["topology"], report["isa"], report["openvino"]
+    lines = [f"numaov {report['numaov_version']} (Python {report['python']})", "", "Topology"]
+    lines.append(f"  {len(topo['numa_nodes'])} NUMA node(s), {topo['physical_cores']} physical "
+                 f"core(s); allowed CPUs {topo['allowed_cpus']}")
+    for node in topo["numa_nodes"]:
+        lines.append(f"  node {node['id']}: CPUs {node['cpus']}, physical cores "
+                     f"{node['physical_cores']}, memory {_mib(node['memory_bytes'])}")
+    lines += ["", "ISA"]
+    flags = isa["flags"]
+    lines.append("  " + "  ".join(f"{k}={'yes' if v else 'no'}" for k, v in flags.items()))
+    lines.append(f"  bf16: {isa['bf16_matmuls']}")
+    lines += ["", "Binding plan"]
+    plan = report["binding_plan"]
+    if "error" in plan:
+        lines.append(f"  none: {plan['error']}")
+    else:
+        lines.append(f"  source: {plan['source']}")
+        for r in plan["ranks"]:
+            lines.append(f"  rank {r['rank']}: CPUs {r['cpus']}, NUMA node(s) "
+                         f"{','.join(map(str, r['nodes']))}, {r['threads']} thread(s)")
+    lines += ["", "OpenVINO"]
+    if "error" in ov:
+        lines.append(f"  {ov['error']}")
+    else:
+        lines.append(f"  {ov['version']} on {ov['cpu']}")
+        lines.append(f"  capabilities: {', '.join(ov['cpu_capabilities'])}; default inference "
+                     f"precision {ov['default_inference_precision']}")
+    ext = report["extension"]
+    lines.append(f"  numaov extension: {'loads' if ext['loads'] else 'FAILS'} "
+                 f"({ext['path'] or ext.get('error')})")
+    shm = report["shm"]
+    lines += ["", f"Shared memory: {shm['path']} {_mib(shm['free_bytes'])} free of "
+              f"{_mib(shm['total_bytes'])}"
+              + (f" (a group needs {_mib(shm['needed_bytes'])})" if shm["needed_bytes"] else "")]
+    lines += ["", "Warnings" if report["warnings"] else "No warnings."]
+    lines += [f"  - {w}" for w in report["warnings"]]
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""The native library builds and loads into OpenVINO; `numaov doctor` reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import openvino as ov
+
+from numaov.custom_ops import add_extension, library_path
+from numaov.runtime.doctor import REPORT_KEYS
+from numaov.runtime.topology import read_topology
+
+
+def test_extension_library_loads_into_openvino() -> None:
+    path = library_path()
+    assert path.is_file() and path.name == "libnumaov.so"
+    add_extension(ov.Core())
+
+
+def _doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "numaov.cli", "doctor", *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_doctor_json_has_documented_keys() -> None:
+    result = _doctor("--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert tuple(report) == REPORT_KEYS
+    topo = read_topology()
+    assert len(report["topology"]["numa_nodes"]) == len(topo.nodes)
+    assert report["topology"]["physical_cores"] == len(topo.physical_cores)
+    assert report["isa"]["flags"]["avx512_bf16"] == topo.isa.avx512_bf16
+    assert report["isa"]["flags"]["amx_usable"] == topo.isa.amx_usable
+    assert report["extension"]["loads"] is True
+    assert report["openvino"]["version"].startswith(ov.get_version().split("-")[0])
+    assert report["binding_plan"]["ranks"]
+
+
+def test_doctor_text_and_bad_bind_string_warning() -> None:
+    import os
+
+    env = dict(os.environ, NUMAOV_CPU_BIND="0|4096")
+    result = _doctor(env=env)
+    assert result.returncode == 0, result.stderr
+    assert "Binding plan" in result.stdout
+    assert "CPU 4096 is unknown or offline" in result.stdout
