@@ -45,6 +45,90 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
+# -- demo ---------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's first command: the main job on the embedded default models."""
+    from numaov.runtime.doctor import collect_report
+
+    report = collect_report()
+    topo = report["topology"]
+    print(f"machine: {len(topo['numa_nodes'])} NUMA node(s), {topo['physical_cores']} physical "
+          f"core(s); {report['isa']['bf16_matmuls']}")
+    for warning in report["warnings"]:
+        print(f"warning: {warning}")
+    return 0
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="export and run the small embedded models, print parity and speed")
+    p.add_argument("--out", default="out/demo", help="where exported models go (default out/demo)")
+    _add_common(p)
+    p.set_defaults(func=cmd_demo)
+
+
+# -- export wan / run wan ---------------------------------------------------------------
+
+
+def cmd_export_wan(args: argparse.Namespace) -> int:
+    from numaov.exporter.wan_export import export_wan
+
+    manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args))
+    print(manifest.summary(args.out))
+    return 0
+
+
+def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("wan", help="export a diffusers Wan transformer checkpoint")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="diffusers WanTransformer3DModel directory (config.json + safetensors)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where ONNX, IR and manifest go")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="IR weights and inference precision (default f32)")
+    p.add_argument("--ops", choices=["decomposed", "opset23"], default="decomposed",
+                   help="ONNX lowering of the fallback ops (default decomposed)")
+    _add_common(p)
+    p.set_defaults(func=cmd_export_wan)
+
+
+def cmd_run_wan(args: argparse.Namespace) -> int:
+    from numaov.runtime.wan_pipeline import WanSampleRequest, run_wan
+
+    request = WanSampleRequest(frames=args.frames, height=args.height, width=args.width,
+                               steps=args.steps, guidance=args.guidance, seed=args.seed,
+                               shift=args.shift)
+    result = run_wan(args.model_dir, request, args.text_embeddings, args.out,
+                     negative_embeddings=args.negative_embeddings, backend=args.backend,
+                     workers=args.workers, progress=_progress(args))
+    print(result.summary(args.out))
+    return 0
+
+
+def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("wan", help="sample video latents with an exported Wan model")
+    p.add_argument("--model-dir", required=True, metavar="DIR", help="output of `numaov export wan`")
+    p.add_argument("--frames", type=int, required=True, help="video frames, 4k+1 (e.g. 81)")
+    p.add_argument("--height", type=int, required=True, help="video height in pixels, multiple of 16")
+    p.add_argument("--width", type=int, required=True, help="video width in pixels, multiple of 16")
+    p.add_argument("--steps", type=int, required=True, help="Euler steps")
+    p.add_argument("--guidance", type=float, required=True, help="classifier-free guidance scale")
+    p.add_argument("--seed", type=int, required=True, help="seed of the initial noise")
+    p.add_argument("--text-embeddings", required=True, metavar="FILE.npy",
+                   help="text encoder output, [S, D] or [1, S, D]")
+    p.add_argument("--negative-embeddings", metavar="FILE.npy",
+                   help="unconditional embeddings, same shape (default zeros)")
+    p.add_argument("--out", required=True, metavar="FILE.npy", help="final latents [1, C, F, H, W]")
+    p.add_argument("--backend", choices=["openvino", "onnxruntime", "torch"], default="openvino",
+                   help="what runs the transformer (default openvino)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="2 runs the two guidance branches on two pinned workers (default 1)")
+    p.add_argument("--shift", type=float, default=5.0,
+                   help="timestep shift (default 5.0, Wan 2.1 T2V; 3.0 for 480p)")
+    _add_common(p)
+    p.set_defaults(func=cmd_run_wan)
+
+
 # -- parser and entry point ---------------------------------------------------------------
 
 
@@ -60,11 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="library log level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_doctor_parser(sub)
+    _add_demo_parser(sub)
     export = sub.add_parser("export", help="export a model to ONNX and OpenVINO IR")
     export_sub = export.add_subparsers(dest="model", required=True, metavar="MODEL")
     run = sub.add_parser("run", help="run an exported model")
     run_sub = run.add_subparsers(dest="model", required=True, metavar="MODEL")
-    del export_sub, run_sub
+    _add_export_wan_parser(export_sub)
+    _add_run_wan_parser(run_sub)
     return parser
 
 

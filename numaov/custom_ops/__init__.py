@@ -1,6 +1,62 @@
 """The op registry: every op a model needs beyond plain PyTorch, with its
 eager, ONNX and OpenVINO faces (see DESIGN.md)."""
 
+from typing import Any
+
+from numaov.custom_ops.collective_ops import (
+    CollectiveOpError,
+    OnnxRuntimeUnsupportedError,
+    all_gather_into_tensor,
+    all_reduce,
+    check_onnxruntime_can_run,
+    reduce_scatter_tensor,
+)
+from numaov.custom_ops.fallback_ops import (
+    FallbackOpError,
+    fuse_scale_shift,
+    norm_infer,
+    rotary_embedding,
+    rows_copy,
+    scale_residual_norm_scale_shift,
+)
 from numaov.custom_ops.native import add_extension, library_path
 
-__all__ = ["add_extension", "library_path"]
+
+def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:
+    """The ``custom_translation_table`` for ``torch.onnx.export(dynamo=True)``.
+
+    ``lowering`` is ``"decomposed"`` (standard ops, opset 18) or ``"opset23"`` (ONNX
+    RMSNormalization / RotaryEmbedding; export with ``opset_version=23``). Imported lazily:
+    onnxscript is only needed when exporting.
+    """
+    from numaov.custom_ops.fallback_onnx import fallback_translation_table
+
+    table = fallback_translation_table(lowering)
+    return table
+
+
+def onnx_opset_version(lowering: str = "decomposed") -> int:
+    """The ``opset_version`` ``torch.onnx.export`` needs for a lowering (18 or 23)."""
+    from numaov.custom_ops.fallback_onnx import onnx_opset_version as version
+
+    return version(lowering)
+
+
+__all__ = [
+    "CollectiveOpError",
+    "FallbackOpError",
+    "OnnxRuntimeUnsupportedError",
+    "add_extension",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "check_onnxruntime_can_run",
+    "fuse_scale_shift",
+    "library_path",
+    "norm_infer",
+    "onnx_opset_version",
+    "onnx_translation_table",
+    "reduce_scatter_tensor",
+    "rotary_embedding",
+    "rows_copy",
+    "scale_residual_norm_scale_shift",
+]

@@ -1,11 +1,154 @@
 // Python binding of the numaov native library.
+//
+// The library is not built against torch: collectives take raw addresses,
+// element counts and dtype codes, which numaov/custom_ops/collectives.py
+// computes from numpy arrays or torch tensors (bf16 tensors have no numpy
+// dtype, so addresses come from data_ptr()). Blocking calls release the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "communicator.hpp"
+#include "reduce_kernels.hpp"
+#include "shm_communicator.hpp"
+#include "shm_segment.hpp"
 
 namespace py = pybind11;
+
+namespace {
+
+// The Python class CollectiveError(NumaovError) lives in collectives.py,
+// which installs it here; until then errors surface as RuntimeError.
+py::object& collective_error_type() {
+    static py::object* type = new py::object();  // leaked: must outlive interpreter teardown
+    return *type;
+}
+
+numaov::DType dtype_from_code(uint32_t code) {
+    if (code > uint32_t(numaov::DType::f16)) {
+        throw numaov::CollectiveError("unsupported dtype code " + std::to_string(code) +
+                                      "; expected f32 (0), bf16 (1) or f16 (2)");
+    }
+    return numaov::DType(code);
+}
+
+template <class T>
+T* address(uintptr_t a) {
+    return reinterpret_cast<T*>(a);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "numaov native library: shared-memory collectives and OpenVINO extension ops";
     // Checked at import against the running openvino: the extension must be
     // loaded by the same release it was compiled against.
     m.attr("openvino_build_version") = NUMAOV_OPENVINO_VERSION;
+
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const numaov::CollectiveError& e) {
+            const py::object& type = collective_error_type();
+            PyErr_SetString(type ? type.ptr() : PyExc_RuntimeError, e.what());
+        }
+    });
+    m.def(
+        "set_collective_error_type", [](py::object type) { collective_error_type() = type; },
+        "Raise this Python exception class for numaov::CollectiveError.");
+
+    using numaov::ShmCommunicator;
+    using Release = py::call_guard<py::gil_scoped_release>;
+    py::class_<ShmCommunicator, std::shared_ptr<ShmCommunicator>>(m, "ShmCommunicator")
+        .def_property_readonly("name", &ShmCommunicator::name)
+        .def_property_readonly("rank", &ShmCommunicator::rank)
+        .def_property_readonly("world_size", &ShmCommunicator::world_size)
+        .def_property_readonly("job_id", &ShmCommunicator::job_id)
+        .def_property_readonly("segment_name", &ShmCommunicator::segment_name)
+        .def_property_readonly("timeout_s", &ShmCommunicator::timeout_s)
+        .def_property_readonly("seq", &ShmCommunicator::seq)
+        .def_property_readonly("buffer_bytes", &ShmCommunicator::buffer_bytes)
+        .def_property_readonly("oneshot_bytes", &ShmCommunicator::oneshot_bytes)
+        .def_property_readonly("isa", &ShmCommunicator::isa)
+        .def_property_readonly("notes", &ShmCommunicator::notes)
+        .def_property_readonly("closed", &ShmCommunicator::closed)
+        .def(
+            "all_reduce",
+            [](ShmCommunicator& c, uintptr_t data, uint64_t count, uint32_t dtype) {
+                c.all_reduce(address<void>(data), count, dtype_from_code(dtype));
+            },
+            Release())
+        .def(
+            "all_gather_into_tensor",
+            [](ShmCommunicator& c, uintptr_t out, uintptr_t in, uint64_t count, uint32_t dtype) {
+                c.all_gather_into_tensor(address<void>(out), address<const void>(in), count,
+                                         dtype_from_code(dtype));
+            },
+            Release())
+        .def(
+            "reduce_scatter_tensor",
+            [](ShmCommunicator& c, uintptr_t out, uintptr_t in, uint64_t count, uint32_t dtype) {
+                c.reduce_scatter_tensor(address<void>(out), address<const void>(in), count,
+                                        dtype_from_code(dtype));
+            },
+            Release())
+        .def(
+            "broadcast",
+            [](ShmCommunicator& c, uintptr_t data, uint64_t count, uint32_t dtype, int root) {
+                c.broadcast(address<void>(data), count, dtype_from_code(dtype), root);
+            },
+            Release())
+        .def("barrier", &ShmCommunicator::barrier, Release())
+        .def("fail", &ShmCommunicator::fail, Release())
+        .def(
+            "close",
+            [](const std::shared_ptr<ShmCommunicator>& c) { numaov::close_communicator(c); },
+            Release());
+
+    m.def("create_communicator", &numaov::create_shm_communicator, py::arg("name"),
+          py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("timeout_s"),
+          Release(),
+          "Create the group's shared-memory communicator (blocks until every rank attached) "
+          "and register it under `name` in the process-wide registry.");
+    m.def(
+        "find_communicator",
+        [](const std::string& name) {
+            return std::dynamic_pointer_cast<ShmCommunicator>(numaov::find_communicator(name));
+        },
+        py::arg("name"));
+    m.def("destroy_communicator", &numaov::destroy_communicator, py::arg("name"));
+    m.def(
+        "segment_name",
+        [](const std::string& group, const std::string& job_id) {
+            return numaov::shm::segment_name(group, numaov::shm::resolve_job_id(job_id));
+        },
+        py::arg("group"), py::arg("job_id") = "",
+        "The /dev/shm name (with a leading '/') a group's segment gets.");
+    m.def("resolve_job_id", &numaov::shm::resolve_job_id, py::arg("job_id") = "");
+    m.def("collective_defaults", [] {
+        py::dict d;
+        d["timeout_s"] = numaov::kDefaultTimeoutSeconds;
+        d["buffer_bytes"] = numaov::kDefaultBufferBytes;
+        d["oneshot_bytes"] = numaov::kDefaultOneshotBytes;
+        d["max_world_size"] = numaov::shm::kMaxWorldSize;
+        return d;
+    });
+
+    m.def("best_isa", [] { return numaov::kernels::isa_name(numaov::kernels::best_isa()); });
+    m.def(
+        "reduce_sum",
+        [](uintptr_t dst, const std::vector<uintptr_t>& srcs, uint64_t count, uint32_t dtype,
+           const std::string& isa) {
+            std::vector<const void*> pointers;
+            for (uintptr_t s : srcs) pointers.push_back(address<const void>(s));
+            numaov::kernels::reduce_sum(address<void>(dst), pointers.data(), int(pointers.size()),
+                                        count, dtype_from_code(dtype),
+                                        numaov::kernels::isa_from_name(isa.c_str()));
+        },
+        py::arg("dst"), py::arg("srcs"), py::arg("count"), py::arg("dtype"), py::arg("isa"),
+        Release(),
+        "The collectives' sum kernel on local buffers (for tests and benchmarks): "
+        "dst = sum of srcs in order, in fp32, rounded to the dtype.");
 }

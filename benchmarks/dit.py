@@ -1,0 +1,377 @@
+"""Wan DiT forward: numaov on PyTorch / ONNX Runtime / OpenVINO versus the naive export.
+
+One forward of a Wan-1.3B-width transformer (hidden 1536, 12 heads, FFN 8960, text dim 4096,
+2 blocks) at 1,280 and 5,120 video tokens, batch 1, 64 text tokens, side by side:
+
+- numaov's model in PyTorch eager, fp32 and bf16;
+- numaov's ONNX export in ONNX Runtime (fp32);
+- numaov's IR in OpenVINO, f32 and bf16 inference precision;
+- the naive path: diffusers' own ``WanTransformer3DModel`` (same weights) exported with
+  ``torch.onnx.export(dynamo=True)`` and run by OpenVINO, f32 and bf16.
+
+Competitors are timed round-robin (one forward each per round, best of the rounds), so load
+from other processes hits them alike. Also printed: the compiled models' executed layer types
+(how many RMS / MVN / RoPE / attention / Reorder / Transpose nodes), and per-block time and
+memory, measured against a 0-block model, extrapolated to Wan 2.1 T2V 1.3B (30 blocks).
+
+    python benchmarks/dit.py [--quick] [--rounds 3]
+
+Writes benchmarks/out/dit.json. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from numaov.exporter.onnx_export import export_onnx
+from numaov.exporter.openvino_convert import compile_config, convert_to_ir
+from numaov.models.builtin.wan_tiny import save_wan_checkpoint
+from numaov.models.wan import WanTransformer, WanTransformerConfig
+
+OUT = Path(__file__).resolve().parent / "out" / "dit.json"
+SEED = 0
+TEXT_LEN = 64
+# Latent (frames, height, width) giving 1,280 and 5,120 tokens with patch (1, 2, 2).
+SHAPES = {1280: (5, 32, 32), 5120: (5, 64, 64)}
+# Wan 2.1 T2V 1.3B at 480x832, 81 frames: latent 21 x 60 x 104 -> 32,760 tokens.
+WAN_480P_TOKENS = 21 * 30 * 52
+WAN_1_3B_BLOCKS = 30
+SAMPLING_FORWARDS = 50 * 2  # 50 steps, conditional + unconditional
+
+WIDTH_1_3B = WanTransformerConfig(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=2,
+    cross_attn_norm=True, eps=1e-6,
+)
+# Layer types of interest in OpenVINO's executed graph (rt_info "layerType").
+INVENTORY = {
+    "RMS": ("RMS",),
+    "MVN": ("MVN",),
+    "RoPE": ("RoPE",),
+    "attention": ("ScaledDotProductAttention", "ScaledAttn", "MHA", "SDPA"),
+    "Reorder": ("Reorder",),
+    "Transpose": ("Transpose",),
+}
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_inputs(tokens: int) -> dict[str, np.ndarray]:
+    frames, height, width = SHAPES[tokens]
+    rng = np.random.default_rng(SEED + tokens)
+    return {
+        "hidden_states": rng.standard_normal((1, 16, frames, height, width), dtype=np.float32),
+        "timestep": np.array([700.0], dtype=np.float32),
+        "encoder_hidden_states": rng.standard_normal((1, TEXT_LEN, 4096), dtype=np.float32),
+    }
+
+
+def dynamic_shapes() -> dict[str, dict[int, object]]:
+    dim = torch.export.Dim
+    batch, text = dim("batch", min=1, max=256), dim("text_length", min=1, max=4096)
+    return {
+        "hidden_states": {
+            0: batch,
+            2: dim("frame_patches", min=1, max=1024),
+            3: 2 * dim("height_patches", min=1, max=1024),
+            4: 2 * dim("width_patches", min=1, max=1024),
+        },
+        "timestep": {0: batch},
+        "encoder_hidden_states": {0: batch, 1: text},
+    }
+
+
+def example_inputs() -> dict[str, torch.Tensor]:
+    # Sizes other than 0/1 on every dynamic axis (torch.export would specialise those).
+    gen = torch.Generator().manual_seed(SEED)
+    return {
+        "hidden_states": torch.randn(2, 16, 3, 8, 10, generator=gen),
+        "timestep": torch.tensor([10.0, 500.0]),
+        "encoder_hidden_states": torch.randn(2, 11, 4096, generator=gen),
+    }
+
+
+class DiffusersForward(torch.nn.Module):
+    """diffusers' model with a plain-tensor output, as a user would export it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states):
+        return self.model(hidden_states, timestep, encoder_hidden_states, return_dict=False)[0]
+
+
+def build_checkpoint(directory: Path, config: WanTransformerConfig) -> Path:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = WanTransformer(config)
+    return save_wan_checkpoint(model, directory)
+
+
+def diffusers_model(checkpoint: Path) -> torch.nn.Module:
+    import diffusers
+    from safetensors.torch import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    model = diffusers.WanTransformer3DModel.from_config(config).eval()
+    model.load_state_dict(load_file(checkpoint / "diffusion_pytorch_model.safetensors"))
+    return model
+
+
+def export_numaov(checkpoint: Path, out: Path) -> tuple[Path, Path, float]:
+    model = WanTransformer.from_pretrained(checkpoint)
+    start = time.perf_counter()
+    graph = export_onnx(model, (), example_inputs(), dynamic_shapes(), out / "model.onnx")
+    xml = convert_to_ir(graph.path, out / "model.xml", "f32")
+    return graph.path, xml, time.perf_counter() - start
+
+
+def export_naive(checkpoint: Path, out: Path) -> tuple[Path, float, str]:
+    """diffusers -> torch.onnx.export -> openvino.convert_model, no numaov involved."""
+    import openvino as ov
+
+    module = DiffusersForward(diffusers_model(checkpoint)).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    shapes = "dynamic"
+    with torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                module, (), kwargs=example_inputs(), dynamo=True,
+                dynamic_shapes=dynamic_shapes(), optimize=True, verbose=False,
+            )
+        except Exception as exc:  # the naive path may not export dynamically; say so
+            log(f"  naive dynamic export failed ({type(exc).__name__}); using static shapes")
+            shapes = "static (per token count)"
+            raise
+    program.save(str(out / "model.onnx"), external_data=True)
+    xml = out / "model.xml"
+    ov.save_model(ov.convert_model(str(out / "model.onnx")), str(xml), compress_to_fp16=False)
+    return xml, time.perf_counter() - start, shapes
+
+
+def inventory(compiled) -> dict[str, object]:
+    types = Counter(
+        op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ordered_ops()
+    )
+    counts = {key: sum(n for t, n in types.items() if t in names) for key, names in INVENTORY.items()}
+    return {"counts": counts, "all": dict(sorted(types.items()))}
+
+
+class Runner:
+    """A named forward over numpy inputs, plus the memory its setup took."""
+
+    def __init__(self, name: str, run: Callable[[dict[str, np.ndarray]], np.ndarray], memory: int):
+        self.name, self.run, self.memory = name, run, memory
+
+
+def torch_runner(name: str, model: torch.nn.Module, dtype: torch.dtype) -> Runner:
+    def run(inputs: dict[str, np.ndarray]) -> np.ndarray:
+        with torch.no_grad():
+            out = model(
+                torch.from_numpy(inputs["hidden_states"]).to(dtype),
+                torch.from_numpy(inputs["timestep"]),
+                torch.from_numpy(inputs["encoder_hidden_states"]).to(dtype),
+            )
+        return out.float().numpy()
+
+    return Runner(name, run, 0)
+
+
+def openvino_runner(name: str, core, xml: Path, precision: str) -> tuple[Runner, object]:
+    before = rss_bytes()
+    compiled = core.compile_model(str(xml), "CPU", compile_config(precision))
+    request = compiled.create_infer_request()
+
+    def run(inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return request.infer(inputs)[0].copy()
+
+    return Runner(name, run, rss_bytes() - before), compiled
+
+
+def onnxruntime_runner(name: str, onnx_path: Path) -> Runner:
+    import onnxruntime as ort
+
+    before = rss_bytes()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = os.cpu_count() or 1
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+    def run(inputs: dict[str, np.ndarray]) -> np.ndarray:
+        return session.run(None, inputs)[0]
+
+    return Runner(name, run, rss_bytes() - before)
+
+
+def time_round_robin(runners: list[Runner], inputs: dict[str, np.ndarray], rounds: int) -> dict:
+    results = {}
+    outputs = {}
+    for runner in runners:  # warm-up (OpenVINO shape inference, allocator, caches)
+        before = rss_bytes()
+        outputs[runner.name] = runner.run(inputs)
+        results[runner.name] = {"times_s": [], "rss_after_first_run_bytes": rss_bytes() - before}
+    for _ in range(rounds):
+        for runner in runners:
+            start = time.perf_counter()
+            runner.run(inputs)
+            results[runner.name]["times_s"].append(time.perf_counter() - start)
+    reference = outputs["torch eager fp32"]
+    scale = float(np.abs(reference).max())
+    for name, result in results.items():
+        result["best_s"] = min(result["times_s"])
+        result["max_abs_diff_vs_eager_fp32"] = float(np.abs(outputs[name] - reference).max())
+        result["output_scale"] = scale
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1,280 tokens only")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (best is kept)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+
+    import openvino as ov
+
+    torch.manual_seed(SEED)
+    torch.set_num_threads(os.cpu_count() or 1)
+    token_counts = [1280] if args.quick else [1280, 5120]
+    report: dict[str, object] = {
+        "config": WIDTH_1_3B.to_dict(), "text_len": TEXT_LEN, "rounds": args.rounds,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": sys.version.split()[0]},
+        "versions": {"torch": torch.__version__, "openvino": ov.__version__},
+        "results": {},
+    }
+    work = Path(tempfile.mkdtemp(prefix="numaov-dit-bench-"))
+    log(f"work dir {work}")
+    checkpoint = build_checkpoint(work / "ckpt", WIDTH_1_3B)
+    empty_checkpoint = build_checkpoint(work / "ckpt0", replace(WIDTH_1_3B, num_layers=0))
+
+    log("exporting numaov (2 blocks, 0 blocks) and the naive diffusers path ...")
+    onnx_path, xml, seconds = export_numaov(checkpoint, work / "numaov")
+    log(f"  numaov export + IR: {seconds:.1f} s")
+    _, xml0, _ = export_numaov(empty_checkpoint, work / "numaov0")
+    naive_xml, seconds, naive_shapes = export_naive(checkpoint, work / "naive")
+    log(f"  naive export + IR: {seconds:.1f} s ({naive_shapes} shapes)")
+    report["naive_shapes"] = naive_shapes
+    gc.collect()
+
+    core = ov.Core()
+    eager32 = WanTransformer.from_pretrained(checkpoint)
+    eager16 = WanTransformer.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    runners = [
+        torch_runner("torch eager fp32", eager32, torch.float32),
+        torch_runner("torch eager bf16", eager16, torch.bfloat16),
+        onnxruntime_runner("onnxruntime fp32", onnx_path),
+    ]
+    compiled = {}
+    for label, path in (("numaov", xml), ("naive", naive_xml), ("numaov 0-block", xml0)):
+        for precision in ("f32", "bf16"):
+            if label == "numaov 0-block" and precision == "f32":
+                continue
+            runner, compiled[(label, precision)] = openvino_runner(
+                f"openvino {precision} {label}", core, path, precision
+            )
+            runners.append(runner)
+
+    for tokens in token_counts:
+        log(f"\n== {tokens} video tokens, {TEXT_LEN} text tokens, best of {args.rounds} ==")
+        inputs = make_inputs(tokens)
+        results = time_round_robin(runners, inputs, args.rounds)
+        for name, result in results.items():
+            log(f"  {name:28s} {result['best_s']:7.3f} s   max|diff| vs eager fp32 "
+                f"{result['max_abs_diff_vs_eager_fp32']:.2e} (scale {result['output_scale']:.2f})")
+        best = {name: r["best_s"] for name, r in results.items()}
+        ratios = {
+            "openvino bf16 / eager bf16 speedup": best["torch eager bf16"] / best["openvino bf16 numaov"],
+            "openvino bf16 numaov / naive speedup": best["openvino bf16 naive"] / best["openvino bf16 numaov"],
+            "openvino f32 numaov / naive speedup": best["openvino f32 naive"] / best["openvino f32 numaov"],
+            "openvino f32 / eager fp32 speedup": best["torch eager fp32"] / best["openvino f32 numaov"],
+            "openvino f32 / onnxruntime fp32 speedup": best["onnxruntime fp32"] / best["openvino f32 numaov"],
+        }
+        for name, value in ratios.items():
+            log(f"  {name:42s} {value:5.2f}x")
+        per_block = (best["openvino bf16 numaov"] - best["openvino bf16 numaov 0-block"]) / 2
+        report["results"][str(tokens)] = {
+            "shape": SHAPES[tokens], "runners": results, "ratios": ratios,
+            "openvino_bf16_per_block_s": per_block,
+            "openvino_bf16_outside_blocks_s": best["openvino bf16 numaov 0-block"],
+        }
+        log(f"  per block (OpenVINO bf16): {per_block:.3f} s; outside the blocks "
+            f"{best['openvino bf16 numaov 0-block']:.3f} s")
+
+    log("\n== executed layer types (OpenVINO, after the runs) ==")
+    inventories = {}
+    for (label, precision), model in compiled.items():
+        if label == "numaov 0-block":
+            continue
+        inventories[f"{label} {precision}"] = inventory(model)
+        log(f"  {label:7s} {precision:4s} {inventories[f'{label} {precision}']['counts']}")
+    report["inventory"] = inventories
+
+    # Memory: what compiling took (weights repacked for the inference precision + buffers),
+    # and the per-block share from the 2-block minus 0-block difference.
+    memory = {r.name: r.memory for r in runners if r.memory}
+    block_memory = (memory["openvino bf16 numaov"] - memory["openvino bf16 numaov 0-block"]) / 2
+    params_per_block = sum(p.numel() for p in eager32.blocks[0].parameters())
+    params_outside = sum(p.numel() for n, p in eager32.named_parameters() if not n.startswith("blocks."))
+    report["memory"] = {"compile_rss_bytes": memory, "openvino_bf16_per_block_bytes": block_memory,
+                        "params_per_block": params_per_block, "params_outside_blocks": params_outside}
+    log(f"\n  parameters per block {params_per_block / 1e6:.1f} M, outside blocks "
+        f"{params_outside / 1e6:.1f} M; OpenVINO bf16 compiled memory per block "
+        f"{block_memory / 2**20:.0f} MiB")
+
+    if len(token_counts) == 2:
+        # Per-block time as a*L + b*L^2 (projections/FFN linear in L, attention quadratic),
+        # fitted through the two measured token counts, to extrapolate to 480p x 81 frames.
+        (l1, t1), (l2, t2) = [
+            (tokens, report["results"][str(tokens)]["openvino_bf16_per_block_s"])
+            for tokens in token_counts
+        ]
+        b = (t2 / l2 - t1 / l1) / (l2 - l1)
+        a = t1 / l1 - b * l1
+        outside = report["results"]["5120"]["openvino_bf16_outside_blocks_s"] * WAN_480P_TOKENS / 5120
+        forward = outside + WAN_1_3B_BLOCKS * (a * WAN_480P_TOKENS + b * WAN_480P_TOKENS**2)
+        weights = (WAN_1_3B_BLOCKS * params_per_block + params_outside) * 2
+        estimate = {
+            "tokens": WAN_480P_TOKENS, "forward_s": forward,
+            "sampling_50_steps_cfg_s": forward * SAMPLING_FORWARDS,
+            "bf16_weights_bytes": weights, "fit_a_s_per_token": a, "fit_b_s_per_token2": b,
+        }
+        report["wan_1_3b_480p_81f_estimate"] = estimate
+        log(f"\n  Wan 2.1 T2V 1.3B, 480x832 x 81 frames ({WAN_480P_TOKENS} tokens), OpenVINO bf16 "
+            f"on {os.cpu_count()} cores: ~{forward:.0f} s per forward, "
+            f"~{forward * SAMPLING_FORWARDS / 3600:.1f} h for 50 steps with CFG; "
+            f"bf16 weights {weights / 2**30:.1f} GiB")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    log(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

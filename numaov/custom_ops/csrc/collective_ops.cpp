@@ -1,0 +1,185 @@
+#include "collective_ops.hpp"
+
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <utility>
+
+namespace numaov {
+
+namespace {
+
+bool is_supported_type(const ov::element::Type& type) {
+    return type == ov::element::f32 || type == ov::element::bf16 || type == ov::element::f16;
+}
+
+DType to_dtype(const ov::element::Type& type) {
+    if (type == ov::element::f32) return DType::f32;
+    if (type == ov::element::bf16) return DType::bf16;
+    if (type == ov::element::f16) return DType::f16;
+    throw CollectiveError("numaov collective op: element type " + type.get_type_name() +
+                          " is not supported; expected f32, bf16 or f16");
+}
+
+// "AllReduce 'node_name'": how errors raised at run time name the op.
+std::string describe(const ov::Node& op) {
+    return std::string(op.get_type_name()) + " '" + op.get_friendly_name() + "'";
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- CollectiveOp
+
+CollectiveOp::CollectiveOp(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size)
+    : Op({arg}),
+      m_group(std::move(group)),
+      m_world_size(world_size) {}
+
+bool CollectiveOp::visit_attributes(ov::AttributeVisitor& visitor) {
+    visitor.on_attribute("group", m_group);
+    visitor.on_attribute("world_size", m_world_size);
+    return true;
+}
+
+bool CollectiveOp::has_evaluate() const {
+    return is_supported_type(get_input_element_type(0));
+}
+
+bool CollectiveOp::can_constant_fold(const ov::OutputVector&) const {
+    return false;
+}
+
+ov::PartialShape CollectiveOp::validate_common(bool splits_dim0) {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 1, "expected exactly one input, got ", get_input_size());
+    NODE_VALIDATION_CHECK(this, !m_group.empty(), "attribute 'group' is empty; expected a communicator group name");
+    NODE_VALIDATION_CHECK(this, m_world_size >= 1, "attribute 'world_size' is ", m_world_size,
+                          "; expected a positive number of ranks");
+    const auto& type = get_input_element_type(0);
+    NODE_VALIDATION_CHECK(this, type.is_dynamic() || is_supported_type(type), "element type ", type,
+                          " is not supported; expected f32, bf16 or f16");
+    const auto& shape = get_input_partial_shape(0);
+    NODE_VALIDATION_CHECK(this, !splits_dim0 || shape.rank().is_dynamic() || shape.rank().get_length() >= 1,
+                          "the input is a scalar; expected at least one dimension (dim 0 is split across ranks)");
+    return shape;
+}
+
+CollectiveOp::Call CollectiveOp::begin_call(const ov::Tensor& input) const {
+    // The communicator works on dense memory; the CPU plugin's reference path
+    // hands dense tensors, but a strided view would be read wrong silently.
+    if (!input.is_continuous()) {
+        throw CollectiveError(describe(*this) + ": the input tensor is not contiguous; expected a dense tensor");
+    }
+    const DType dtype = to_dtype(input.get_element_type());
+    auto comm = find_communicator(m_group);
+    // A model exported for 4 ranks running in a group of 2 would move the
+    // wrong number of rows.
+    if (comm->world_size() != m_world_size) {
+        std::ostringstream msg;
+        msg << describe(*this) << ": the model was exported for world_size " << m_world_size
+            << " but communicator group '" << m_group << "' has " << comm->world_size()
+            << " ranks; expected the same world size (export the model for this group)";
+        throw CollectiveError(msg.str());
+    }
+    return {std::move(comm), dtype};
+}
+
+// ---------------------------------------------------------------- AllReduce
+
+AllReduce::AllReduce(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size)
+    : CollectiveOp(arg, std::move(group), world_size) {
+    constructor_validate_and_infer_types();
+}
+
+void AllReduce::validate_and_infer_types() {
+    set_output_type(0, get_input_element_type(0), validate_common(false));
+}
+
+std::shared_ptr<ov::Node> AllReduce::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    return clone_as<AllReduce>(new_args);
+}
+
+bool AllReduce::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const auto& in = inputs[0];
+    auto& out = outputs[0];
+    const auto call = begin_call(in);
+    out.set_shape(in.get_shape());
+    // The communicator reduces in place; the plugin may already have placed
+    // the output on the input's memory.
+    if (out.data() != in.data()) std::memcpy(out.data(), in.data(), in.get_byte_size());
+    call.comm->all_reduce(out.data(), in.get_size(), call.dtype);
+    return true;
+}
+
+// ---------------------------------------------------------------- AllGatherIntoTensor
+
+AllGatherIntoTensor::AllGatherIntoTensor(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size)
+    : CollectiveOp(arg, std::move(group), world_size) {
+    constructor_validate_and_infer_types();
+}
+
+void AllGatherIntoTensor::validate_and_infer_types() {
+    auto shape = validate_common(true);
+    // [n, ...] -> [world_size * n, ...]; a dynamic n stays dynamic (an
+    // interval is scaled).
+    if (shape.rank().is_static()) shape[0] = shape[0] * ov::Dimension(m_world_size);
+    set_output_type(0, get_input_element_type(0), shape);
+}
+
+std::shared_ptr<ov::Node> AllGatherIntoTensor::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    return clone_as<AllGatherIntoTensor>(new_args);
+}
+
+bool AllGatherIntoTensor::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const auto& in = inputs[0];
+    auto& out = outputs[0];
+    const auto call = begin_call(in);
+    ov::Shape shape = in.get_shape();
+    shape.at(0) *= static_cast<size_t>(m_world_size);
+    out.set_shape(shape);
+    call.comm->all_gather_into_tensor(out.data(), in.data(), in.get_size(), call.dtype);
+    return true;
+}
+
+// ---------------------------------------------------------------- ReduceScatterTensor
+
+ReduceScatterTensor::ReduceScatterTensor(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size)
+    : CollectiveOp(arg, std::move(group), world_size) {
+    constructor_validate_and_infer_types();
+}
+
+void ReduceScatterTensor::validate_and_infer_types() {
+    auto shape = validate_common(true);
+    // [world_size * n, ...] -> [n, ...]; a dynamic dim 0 stays dynamic and
+    // its divisibility is checked by evaluate().
+    if (shape.rank().is_static()) {
+        auto& dim0 = shape[0];
+        NODE_VALIDATION_CHECK(this, dim0.is_dynamic() || dim0.get_length() % m_world_size == 0, "input dim 0 is ",
+                              dim0, "; expected a multiple of world_size ", m_world_size);
+        dim0 = dim0 / m_world_size;
+    }
+    set_output_type(0, get_input_element_type(0), shape);
+}
+
+std::shared_ptr<ov::Node> ReduceScatterTensor::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    return clone_as<ReduceScatterTensor>(new_args);
+}
+
+bool ReduceScatterTensor::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const auto& in = inputs[0];
+    auto& out = outputs[0];
+    ov::Shape shape = in.get_shape();
+    const auto ranks = static_cast<size_t>(m_world_size);
+    if (shape.at(0) % ranks != 0) {
+        std::ostringstream msg;
+        msg << describe(*this) << ": input dim 0 is " << shape[0] << "; expected a multiple of world_size "
+            << m_world_size;
+        throw CollectiveError(msg.str());
+    }
+    const auto call = begin_call(in);
+    shape[0] /= ranks;
+    out.set_shape(shape);
+    call.comm->reduce_scatter_tensor(out.data(), in.data(), out.get_size(), call.dtype);
+    return true;
+}
+
+}  // namespace numaov

@@ -1,0 +1,369 @@
+// Sum kernels for the collectives: scalar, AVX2 and AVX-512 versions of one
+// loop, picked at run time. See reduce_kernels.hpp for the contract.
+#include "reduce_kernels.hpp"
+
+// GCC 12 warns about the deliberately undefined source operand inside its own
+// AVX-512 intrinsics (GCC bug 105593); the warning is located in the header.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <cstring>
+#include <string>
+
+// Each vector kernel is compiled for its own instruction set, so the library
+// itself needs no -march flag and runs on any x86-64.
+#define NUMAOV_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define NUMAOV_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+namespace numaov::kernels {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Scalar conversions. They round exactly like the vector instructions below
+// (round to nearest even, NaN kept quiet with the top payload bits), so a tail
+// or a machine without AVX2 gives the same bits as the vector path.
+
+inline uint32_t bits_of(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+inline float float_of(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+inline float bf16_to_f32(uint16_t h) { return float_of(uint32_t(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {
+    const uint32_t x = bits_of(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // quiet NaN
+    return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+    if (exponent == 0x1f) {
+        // Inf or NaN; a NaN comes out quiet, as vcvtph2ps makes it.
+        return float_of(sign | 0x7f800000u | (mantissa << 13) | (mantissa ? 0x400000u : 0u));
+    }
+    if (exponent == 0) {
+        if (mantissa == 0) return float_of(sign);
+        // Subnormal half: shift the leading one up to the implicit bit.
+        const int shift = __builtin_clz(mantissa) - 21;
+        mantissa = (mantissa << shift) & 0x3ffu;
+        exponent = uint32_t(1 - shift);
+    }
+    return float_of(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+inline uint16_t f32_to_f16(float f) {
+    const uint32_t x = bits_of(f);
+    const uint16_t sign = uint16_t((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // quiet NaN
+    if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // 65520 and up round to inf
+    if (ax >= 0x38800000u) {
+        // Normal half: rebias the exponent (-112 << 23, mod 2^32) and round
+        // the 13 dropped mantissa bits to nearest even in one add.
+        const uint32_t r = ax + 0xc8000fffu + ((ax >> 13) & 1u);
+        return uint16_t(sign | (r >> 13));
+    }
+    if (ax <= 0x33000000u) return sign;  // at most 2^-25: ties to the even zero
+    // Subnormal half: value / 2^-24, rounded to nearest even.
+    const uint32_t exponent = ax >> 23;
+    const uint32_t mantissa = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - exponent;  // 14..24
+    uint32_t r = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (r & 1u))) ++r;
+    return uint16_t(sign | r);
+}
+
+template <DType D>
+struct ScalarOps;
+template <>
+struct ScalarOps<DType::f32> {
+    using T = float;
+    static float load(T v) { return v; }
+    static T store(float v) { return v; }
+};
+template <>
+struct ScalarOps<DType::bf16> {
+    using T = uint16_t;
+    static float load(T v) { return bf16_to_f32(v); }
+    static T store(float v) { return f32_to_bf16(v); }
+};
+template <>
+struct ScalarOps<DType::f16> {
+    using T = uint16_t;
+    static float load(T v) { return f16_to_f32(v); }
+    static T store(float v) { return f32_to_f16(v); }
+};
+
+template <DType D>
+void reduce_scalar(void* dst, const void* const* srcs, int n, uint64_t count) {
+    using Ops = ScalarOps<D>;
+    using T = typename Ops::T;
+    T* out = static_cast<T*>(dst);
+    for (uint64_t i = 0; i < count; ++i) {
+        float acc = Ops::load(static_cast<const T*>(srcs[0])[i]);
+        for (int p = 1; p < n; ++p) acc += Ops::load(static_cast<const T*>(srcs[p])[i]);
+        out[i] = Ops::store(acc);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// AVX2: 8 lanes. The tail goes through a zero-padded stack block so the
+// vector code (and its rounding) handles it without touching memory past the
+// end.
+
+struct Avx2F32 {
+    using T = float;
+    NUMAOV_TARGET_AVX2 static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
+    NUMAOV_TARGET_AVX2 static void store(T* p, __m256 v) { _mm256_storeu_ps(p, v); }
+};
+
+struct Avx2Bf16 {
+    using T = uint16_t;
+    NUMAOV_TARGET_AVX2 static __m256 load(const T* p) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    NUMAOV_TARGET_AVX2 static void store(T* p, __m256 v) {
+        const __m256i bits = _mm256_castps_si256(v);
+        const __m256i high = _mm256_srli_epi32(bits, 16);
+        const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+        __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+        r = _mm256_srli_epi32(r, 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+        // packus works per 128-bit lane: pick the low quadword of each lane.
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    }
+};
+
+struct Avx2F16 {
+    using T = uint16_t;
+    NUMAOV_TARGET_AVX2 static __m256 load(const T* p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    NUMAOV_TARGET_AVX2 static void store(T* p, __m256 v) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                         _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+};
+
+template <class V>
+NUMAOV_TARGET_AVX2 void reduce_avx2(void* dst, const void* const* srcs, int n, uint64_t count) {
+    using T = typename V::T;
+    T* out = static_cast<T*>(dst);
+    uint64_t i = 0;
+    for (; i + 32 <= count; i += 32) {
+        const T* s = static_cast<const T*>(srcs[0]) + i;
+        __m256 a0 = V::load(s), a1 = V::load(s + 8), a2 = V::load(s + 16), a3 = V::load(s + 24);
+        for (int p = 1; p < n; ++p) {
+            s = static_cast<const T*>(srcs[p]) + i;
+            a0 = _mm256_add_ps(a0, V::load(s));
+            a1 = _mm256_add_ps(a1, V::load(s + 8));
+            a2 = _mm256_add_ps(a2, V::load(s + 16));
+            a3 = _mm256_add_ps(a3, V::load(s + 24));
+        }
+        V::store(out + i, a0);
+        V::store(out + i + 8, a1);
+        V::store(out + i + 16, a2);
+        V::store(out + i + 24, a3);
+    }
+    for (; i + 8 <= count; i += 8) {
+        __m256 a = V::load(static_cast<const T*>(srcs[0]) + i);
+        for (int p = 1; p < n; ++p) a = _mm256_add_ps(a, V::load(static_cast<const T*>(srcs[p]) + i));
+        V::store(out + i, a);
+    }
+    if (i < count) {
+        const size_t rest = size_t(count - i) * sizeof(T);
+        alignas(32) T block[8] = {};
+        std::memcpy(block, static_cast<const T*>(srcs[0]) + i, rest);
+        __m256 a = V::load(block);
+        for (int p = 1; p < n; ++p) {
+            std::memcpy(block, static_cast<const T*>(srcs[p]) + i, rest);
+            a = _mm256_add_ps(a, V::load(block));
+        }
+        V::store(block, a);
+        std::memcpy(out + i, block, rest);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// AVX-512: 16 lanes, masked loads and stores for the tail.
+
+struct Avx512F32 {
+    using T = float;
+    NUMAOV_TARGET_AVX512 static __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+    NUMAOV_TARGET_AVX512 static __m512 load(const T* p, __mmask16 k) {
+        return _mm512_maskz_loadu_ps(k, p);
+    }
+    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v) { _mm512_storeu_ps(p, v); }
+    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v, __mmask16 k) {
+        _mm512_mask_storeu_ps(p, k, v);
+    }
+};
+
+struct Avx512Bf16 {
+    using T = uint16_t;
+    NUMAOV_TARGET_AVX512 static __m512 widen(__m256i h) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    NUMAOV_TARGET_AVX512 static __m512i round(__m512 v) {
+        const __m512i bits = _mm512_castps_si512(v);
+        const __m512i high = _mm512_srli_epi32(bits, 16);
+        const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        r = _mm512_srli_epi32(r, 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        return _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
+    }
+    NUMAOV_TARGET_AVX512 static __m512 load(const T* p) {
+        return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    NUMAOV_TARGET_AVX512 static __m512 load(const T* p, __mmask16 k) {
+        return widen(_mm256_maskz_loadu_epi16(k, p));
+    }
+    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round(v)));
+    }
+    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v, __mmask16 k) {
+        _mm512_mask_cvtepi32_storeu_epi16(p, k, round(v));
+    }
+};
+
+struct Avx512F16 {
+    using T = uint16_t;
+    static constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    NUMAOV_TARGET_AVX512 static __m512 load(const T* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    NUMAOV_TARGET_AVX512 static __m512 load(const T* p, __mmask16 k) {
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+    }
+    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
+    }
+    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v, __mmask16 k) {
+        _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, kRound));
+    }
+};
+
+template <class V>
+NUMAOV_TARGET_AVX512 void reduce_avx512(void* dst, const void* const* srcs, int n,
+                                        uint64_t count) {
+    using T = typename V::T;
+    T* out = static_cast<T*>(dst);
+    uint64_t i = 0;
+    for (; i + 64 <= count; i += 64) {
+        const T* s = static_cast<const T*>(srcs[0]) + i;
+        __m512 a0 = V::load(s), a1 = V::load(s + 16), a2 = V::load(s + 32), a3 = V::load(s + 48);
+        for (int p = 1; p < n; ++p) {
+            s = static_cast<const T*>(srcs[p]) + i;
+            a0 = _mm512_add_ps(a0, V::load(s));
+            a1 = _mm512_add_ps(a1, V::load(s + 16));
+            a2 = _mm512_add_ps(a2, V::load(s + 32));
+            a3 = _mm512_add_ps(a3, V::load(s + 48));
+        }
+        V::store(out + i, a0);
+        V::store(out + i + 16, a1);
+        V::store(out + i + 32, a2);
+        V::store(out + i + 48, a3);
+    }
+    for (; i < count; i += 16) {
+        const uint64_t rest = count - i;
+        const __mmask16 k = rest >= 16 ? __mmask16(0xffff) : __mmask16((1u << rest) - 1u);
+        __m512 a = V::load(static_cast<const T*>(srcs[0]) + i, k);
+        for (int p = 1; p < n; ++p)
+            a = _mm512_add_ps(a, V::load(static_cast<const T*>(srcs[p]) + i, k));
+        V::store(out + i, a, k);
+    }
+}
+
+bool cpu_has_avx512() {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx2() {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::scalar: return "scalar";
+        case Isa::avx2: return "avx2";
+        case Isa::avx512: return "avx512";
+    }
+    return "unknown";
+}
+
+Isa isa_from_name(const char* name) {
+    const std::string s(name);
+    if (s == "scalar") return Isa::scalar;
+    if (s == "avx2") return Isa::avx2;
+    if (s == "avx512") return Isa::avx512;
+    throw CollectiveError("unknown instruction set '" + s +
+                          "'; expected 'scalar', 'avx2' or 'avx512'");
+}
+
+Isa best_isa() {
+    static const Isa isa = [] {
+        __builtin_cpu_init();
+        if (cpu_has_avx512()) return Isa::avx512;
+        if (cpu_has_avx2()) return Isa::avx2;
+        return Isa::scalar;
+    }();
+    return isa;
+}
+
+void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t count, DType dtype,
+                Isa isa) {
+    if (count == 0 || n_srcs <= 0) return;
+    if (isa > best_isa()) {
+        throw CollectiveError(std::string("instruction set ") + isa_name(isa) +
+                              " is not available on this CPU; best is " + isa_name(best_isa()));
+    }
+    switch (isa) {
+        case Isa::avx512:
+            switch (dtype) {
+                case DType::f32: return reduce_avx512<Avx512F32>(dst, srcs, n_srcs, count);
+                case DType::bf16: return reduce_avx512<Avx512Bf16>(dst, srcs, n_srcs, count);
+                case DType::f16: return reduce_avx512<Avx512F16>(dst, srcs, n_srcs, count);
+            }
+            break;
+        case Isa::avx2:
+            switch (dtype) {
+                case DType::f32: return reduce_avx2<Avx2F32>(dst, srcs, n_srcs, count);
+                case DType::bf16: return reduce_avx2<Avx2Bf16>(dst, srcs, n_srcs, count);
+                case DType::f16: return reduce_avx2<Avx2F16>(dst, srcs, n_srcs, count);
+            }
+            break;
+        case Isa::scalar:
+            switch (dtype) {
+                case DType::f32: return reduce_scalar<DType::f32>(dst, srcs, n_srcs, count);
+                case DType::bf16: return reduce_scalar<DType::bf16>(dst, srcs, n_srcs, count);
+                case DType::f16: return reduce_scalar<DType::f16>(dst, srcs, n_srcs, count);
+            }
+            break;
+    }
+    throw CollectiveError("unsupported dtype code " + std::to_string(uint32_t(dtype)) +
+                          "; expected f32 (0), bf16 (1) or f16 (2)");
+}
+
+}  // namespace numaov::kernels

@@ -1,0 +1,114 @@
+"""ONNX -> OpenVINO IR (``.xml`` graph + ``.bin`` weights), with numaov's extension loaded.
+
+The extension library is loaded before the ONNX frontend reads the graph so that the
+``numaov.collective`` nodes map to numaov's C++ ops; a graph without such nodes converts
+the same either way.
+
+Precision (what ``"bf16"`` does, precisely):
+
+- ``"f32"``: weights stay f32 in the IR. The runtime compiles with
+  ``INFERENCE_PRECISION_HINT=f32``: without it OpenVINO picks bf16 on CPUs with
+  AVX512-BF16 or AMX, and the f32 export would silently run in bf16.
+- ``"bf16"``: every f32 weight constant of ``BF16_MIN_ELEMENTS`` elements or more is stored
+  in the IR as bf16 followed by a Convert back to f32, which halves the ``.bin``. The CPU
+  plugin folds that Convert when it compiles, so memory after compilation is that of the
+  f32 model; the compute precision comes from ``INFERENCE_PRECISION_HINT=bf16``, under
+  which matmuls and attention run in bf16 (norms and softmax accumulate in f32). The graph
+  inputs and outputs stay f32 either way, so callers never handle bf16 arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from numaov import NumaovError
+
+logger = logging.getLogger(__name__)
+
+PRECISIONS = ("f32", "bf16")
+# The OpenVINO inference precision each export precision is compiled with.
+INFERENCE_PRECISION = {"f32": "f32", "bf16": "bf16"}
+# Smaller constants are shape arithmetic, norm epsilons and the like: left in f32,
+# since rounding them buys nothing and could change integer-valued shape data.
+BF16_MIN_ELEMENTS = 1024
+
+
+class ConversionError(NumaovError):
+    """The ONNX model could not be converted to OpenVINO IR."""
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConversionError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def compile_config(precision: str) -> dict[str, str]:
+    """The OpenVINO CPU properties an IR exported at ``precision`` is compiled with."""
+    return {"INFERENCE_PRECISION_HINT": INFERENCE_PRECISION[check_precision(precision)]}
+
+
+def _store_weights_as_bf16(model) -> int:
+    """Replace big f32 constants with bf16 constants plus a Convert to f32; returns the count."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    replaced = 0
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Constant" or node.get_element_type() != ov.Type.f32:
+            continue
+        shape = node.get_output_partial_shape(0)
+        if not shape.is_static or int(np.prod(list(node.get_output_shape(0)))) < BF16_MIN_ELEMENTS:
+            continue
+        compressed = ops.constant(node.get_data(), dtype=ov.Type.bf16)
+        compressed.set_friendly_name(node.get_friendly_name())
+        expanded = ops.convert(compressed, ov.Type.f32)
+        for target in list(node.output(0).get_target_inputs()):
+            target.replace_source_output(expanded.output(0))
+        replaced += 1
+    model.validate_nodes_and_infer_types()
+    return replaced
+
+
+def convert_to_ir(
+    onnx_path: str | Path,
+    xml_path: str | Path,
+    precision: str = "f32",
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path."""
+    import openvino as ov
+
+    from numaov.custom_ops import library_path
+
+    check_precision(precision)
+    onnx_path, xml_path = Path(onnx_path), Path(xml_path)
+    if not onnx_path.is_file():
+        raise ConversionError(f"ONNX model {str(onnx_path)!r} not found")
+    if xml_path.suffix != ".xml":
+        raise ConversionError(f"IR output path {str(xml_path)!r} must end in .xml")
+    report = progress or (lambda _msg: None)
+
+    report(f"converting {onnx_path.name} to OpenVINO IR ({precision})")
+    try:
+        model = ov.convert_model(str(onnx_path), extension=str(library_path()))
+    except NumaovError:
+        raise
+    except Exception as exc:  # OpenVINO raises its own RuntimeError subclasses with long text
+        raise ConversionError(f"OpenVINO could not convert {str(onnx_path)!r}: {exc}") from exc
+    if precision == "bf16":
+        replaced = _store_weights_as_bf16(model)
+        report(f"stored {replaced} weight tensors as bf16")
+    xml_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # compress_to_fp16 must be off: its default (on) would store f16 weights, which
+        # neither precision asks for (f16 overflows above 65504 and is not what bf16 means).
+        ov.save_model(model, str(xml_path), compress_to_fp16=False)
+    except Exception as exc:
+        raise ConversionError(f"cannot write OpenVINO IR to {str(xml_path)!r} ({exc})") from exc
+    logger.info("wrote %s", xml_path)
+    return xml_path

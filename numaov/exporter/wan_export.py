@@ -1,0 +1,180 @@
+"""Export a Wan DiT checkpoint to ONNX and OpenVINO IR with dynamic video shapes.
+
+``export_wan`` writes, into ``out_dir``:
+
+- ``model.onnx`` + ``model.onnx.data`` (weights as external data), always f32;
+- ``model.xml`` + ``model.bin``, the OpenVINO IR (bf16 weights for ``precision="bf16"``,
+  see ``openvino_convert``);
+- ``manifest.json``, written last, so a directory with a manifest is a complete export
+  (a stale manifest is removed first, so a failed re-export never looks complete).
+
+Batch, latent frames, height, width and text length stay dynamic. Frames, height and width
+are declared as multiples of the patch size (``2 * Dim("height_patches")``), which is the
+only shape the model accepts, so ``torch.export`` proves the graph valid for all of them.
+The parity check runs at shapes other than the export example's on every axis.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from numaov import NumaovError
+from numaov.exporter.manifest import MANIFEST_NAME, ExportManifest, RankFiles, library_versions
+from numaov.exporter.onnx_export import check_lowering, export_onnx
+from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
+from numaov.exporter.parity import check_parity, torch_reference
+
+logger = logging.getLogger(__name__)
+
+ONNX_NAME = "model.onnx"
+IR_NAME = "model.xml"
+OUTPUT_NAME = "sample"
+# Example sizes the graph is traced with, as (batch, frame / height / width patches, text
+# length): all different from each other and from 0/1, which torch.export would specialise.
+EXAMPLE_SIZES = (2, 3, 4, 5, 11)
+# Parity shapes: every axis differs from the example (and batch 1 is covered).
+PARITY_SIZES = ((1, 1, 2, 3, 5), (2, 2, 3, 2, 16))
+PARITY_SEED = 0
+# Generous upper bounds for the dynamic axes: Wan 2.1 at 720p x 81 frames is 21 x 45 x 80
+# patches with 512 text tokens.
+_MAX_PATCHES = 1024
+_MAX_TEXT = 4096
+_MAX_BATCH = 256
+
+
+class WanExportError(NumaovError):
+    """The Wan export request is malformed (bad output directory and the like)."""
+
+
+def _inputs(config, sizes: tuple[int, int, int, int, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random f32 model inputs for ``sizes`` = (batch, F', H', W', text length)."""
+    batch, frames, height, width, text = sizes
+    p_t, p_h, p_w = config.patch_size
+    return {
+        "hidden_states": rng.standard_normal(
+            (batch, config.in_channels, frames * p_t, height * p_h, width * p_w), dtype=np.float32
+        ),
+        # Timesteps as the sampler gives them: 1000 * sigma, anywhere in [0, 1000].
+        "timestep": rng.uniform(0.0, 1000.0, size=(batch,)).astype(np.float32),
+        "encoder_hidden_states": rng.standard_normal((batch, text, config.text_dim), dtype=np.float32),
+    }
+
+
+def _dynamic_shapes(config) -> dict[str, dict[int, object]]:
+    dim = torch.export.Dim
+    batch = dim("batch", min=1, max=_MAX_BATCH)
+    text = dim("text_length", min=1, max=_MAX_TEXT)
+    video = {}
+    for axis, name, patch in zip((2, 3, 4), ("frame", "height", "width"), config.patch_size, strict=True):
+        patches = dim(f"{name}_patches", min=1, max=_MAX_PATCHES)
+        video[axis] = patches if patch == 1 else patch * patches
+    return {
+        "hidden_states": {0: batch, **video},
+        "timestep": {0: batch},
+        "encoder_hidden_states": {0: batch, 1: text},
+    }
+
+
+def _prepare_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise WanExportError(f"--out {str(out_dir)!r} is a file; expected a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+
+
+def export_wan(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    precision: str = "f32",
+    lowering: str = "decomposed",
+    progress: Callable[[str], None] | None = None,
+) -> ExportManifest:
+    """Export the Wan checkpoint in ``checkpoint_dir`` to ``out_dir``; returns the manifest.
+
+    Raises ``ParityError`` (nothing written as complete) when ONNX Runtime or OpenVINO
+    differ from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
+    """
+    from numaov.models.wan import WanTransformer
+
+    report = progress or (lambda _msg: None)
+    check_precision(precision)
+    check_lowering(lowering)
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    _prepare_out_dir(out_dir)
+    timings: dict[str, float] = {}
+
+    start = time.perf_counter()
+    report(f"loading Wan checkpoint {checkpoint_dir}")
+    model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    config = model.config
+    timings["load"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    example = _inputs(config, EXAMPLE_SIZES, np.random.default_rng(PARITY_SEED + 1))
+    graph = export_onnx(
+        model,
+        (),
+        {name: torch.from_numpy(array) for name, array in example.items()},
+        _dynamic_shapes(config),
+        out_dir / ONNX_NAME,
+        lowering,
+        progress,
+        output_names=[OUTPUT_NAME],
+    )
+    timings["onnx_export"] = time.perf_counter() - start
+
+    # PyTorch's outputs first, then free the model: ONNX Runtime and OpenVINO each load a
+    # copy of the weights, and three copies of a 14B model do not fit most machines.
+    rng = np.random.default_rng(PARITY_SEED)
+    input_sets = [_inputs(config, sizes, rng) for sizes in PARITY_SIZES]
+    start = time.perf_counter()
+    report("running PyTorch on the parity inputs")
+    reference = torch_reference(model, input_sets)
+    timings["torch_reference"] = time.perf_counter() - start
+    del model
+    gc.collect()
+
+    start = time.perf_counter()
+    xml_path = convert_to_ir(graph.path, out_dir / IR_NAME, precision, progress)
+    timings["openvino_convert"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    figures = check_parity(
+        input_sets,
+        reference,
+        [OUTPUT_NAME],
+        graph.path,
+        xml_path,
+        openvino_precision=INFERENCE_PRECISION[precision],
+        progress=progress,
+    )
+    timings["parity"] = time.perf_counter() - start
+
+    manifest = ExportManifest(
+        kind="wan",
+        config=config.to_dict(),
+        inputs=graph.inputs,
+        outputs=graph.outputs,
+        precision=precision,
+        inference_precision=INFERENCE_PRECISION[precision],
+        lowering=lowering,
+        ranks=[RankFiles(rank=0, onnx=ONNX_NAME, ir_xml=IR_NAME, ir_bin=xml_path.with_suffix(".bin").name)],
+        versions=library_versions(),
+        parity=[f.as_dict() for f in figures],
+        source_checkpoint=str(checkpoint_dir.resolve()),
+        export_seconds={k: round(v, 3) for k, v in timings.items()},
+    )
+    manifest.write(out_dir)
+    report(
+        f"exported to {out_dir} in {sum(timings.values()):.1f} s ("
+        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+        + ")"
+    )
+    return manifest

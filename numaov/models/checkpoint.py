@@ -1,0 +1,195 @@
+"""Checkpoint loading for the diffusers / Hugging Face directory layouts.
+
+A checkpoint directory holds ``config.json`` plus either one
+``<weights_name>`` safetensors file or a ``<index_name>`` JSON index whose
+``weight_map`` maps every tensor name to the shard file that holds it
+(what ``save_pretrained(max_shard_size=...)`` writes). Both the Wan DiT and
+the DeepSeek LM load through here, so a broken checkpoint gets the same
+kind of message whichever model it was meant for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from numaov import NumaovError
+
+logger = logging.getLogger(__name__)
+
+# Long name lists are cut in the message (the count is always stated in full) so that
+# pointing a model at the wrong checkpoint gives a readable error, not a page of names.
+_MAX_NAMES_SHOWN = 12
+
+
+class CheckpointError(NumaovError):
+    """A checkpoint directory, config or tensor set does not fit the model."""
+
+
+def _require_directory(directory: str | Path, what: str) -> Path:
+    path = Path(directory)
+    if not path.exists():
+        raise CheckpointError(f"{what}: checkpoint directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{what}: checkpoint path {str(path)!r} is a file; expected a directory holding "
+            "config.json and the safetensors weights"
+        )
+    return path
+
+
+def read_config(
+    directory: str | Path, name: str = "config.json", what: str = "checkpoint"
+) -> dict[str, Any]:
+    """Read ``directory/name`` as a JSON object, with a clear error for each way it can fail."""
+    path = _require_directory(directory, what) / name
+    if not path.is_file():
+        raise CheckpointError(f"{what}: {name} not found in {str(path.parent)!r}")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{what}: {str(path)!r} is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{what}: {str(path)!r} holds a JSON {type(config).__name__}; expected an object "
+            "of configuration keys"
+        )
+    return config
+
+
+def _load_file(path: Path, what: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(
+            f"{what}: cannot read safetensors file {str(path)!r} ({exc})"
+        ) from exc
+
+
+def load_safetensors_state_dict(
+    directory: str | Path,
+    weights_name: str,
+    index_name: str,
+    what: str = "checkpoint",
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of a single-file or sharded safetensors checkpoint.
+
+    ``weights_name`` (e.g. ``diffusion_pytorch_model.safetensors``) wins when
+    present; otherwise ``index_name`` (e.g.
+    ``diffusion_pytorch_model.safetensors.index.json``) must exist and every
+    shard it names must hold exactly the tensors the index assigns to it, so a
+    partially copied checkpoint fails here rather than as missing weights later.
+    """
+    path = _require_directory(directory, what)
+    single = path / weights_name
+    if single.is_file():
+        logger.debug("loading %s", single)
+        return _load_file(single, what)
+
+    index_path = path / index_name
+    if not index_path.is_file():
+        present = sorted(p.name for p in path.glob("*.safetensors*"))
+        raise CheckpointError(
+            f"{what}: neither {weights_name} nor {index_name} found in {str(path)!r}"
+            f" (safetensors files present: {', '.join(present) if present else 'none'})"
+        )
+    index = read_config(path, index_name, what)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{what}: {str(index_path)!r} has no 'weight_map' object mapping tensor names "
+            "to shard files"
+        )
+
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(str(shard), set()).add(name)
+    missing_shards = sorted(s for s in by_shard if not (path / s).is_file())
+    if missing_shards:
+        raise CheckpointError(
+            f"{what}: shard files named by {index_name} are missing from {str(path)!r}: "
+            f"{_format_names(missing_shards)}"
+        )
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in sorted(by_shard):
+        logger.debug("loading shard %s", shard)
+        tensors = _load_file(path / shard, what)
+        absent = sorted(by_shard[shard] - tensors.keys())
+        if absent:
+            raise CheckpointError(
+                f"{what}: shard {shard!r} lacks tensors that {index_name} assigns to it: "
+                f"{_format_names(absent)}"
+            )
+        # Tensors a shard holds beyond its index entries are kept: load_into_module then
+        # reports them as unexpected, with the model's point of view on what is wrong.
+        state_dict.update(tensors)
+    return state_dict
+
+
+def _format_names(names: Iterable[str]) -> str:
+    names = list(names)
+    shown = ", ".join(names[:_MAX_NAMES_SHOWN])
+    if len(names) > _MAX_NAMES_SHOWN:
+        shown += f", ... ({len(names) - _MAX_NAMES_SHOWN} more)"
+    return shown
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def check_state_dict(
+    expected: Mapping[str, torch.Size | tuple[int, ...]],
+    state_dict: Mapping[str, torch.Tensor],
+    what: str,
+) -> None:
+    """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+    missing = sorted(expected.keys() - state_dict.keys())
+    unexpected = sorted(state_dict.keys() - expected.keys())
+    misshaped = sorted(
+        f"{name} (expected {list(expected[name])}, found {list(state_dict[name].shape)})"
+        for name in expected.keys() & state_dict.keys()
+        if tuple(expected[name]) != tuple(state_dict[name].shape)
+    )
+    problems = []
+    if missing:
+        problems.append(f"{_plural(len(missing), 'missing tensor')}: {_format_names(missing)}")
+    if unexpected:
+        problems.append(
+            f"{_plural(len(unexpected), 'unexpected tensor')}: {_format_names(unexpected)}"
+        )
+    if misshaped:
+        problems.append(
+            f"{_plural(len(misshaped), 'mis-shaped tensor')}: {_format_names(misshaped)}"
+        )
+    if problems:
+        raise CheckpointError(
+            f"{what}: checkpoint does not match the model config; " + "; ".join(problems)
+        )
+
+
+def load_into_module(
+    module: torch.nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    what: str,
+    assign: bool = False,
+) -> None:
+    """Load ``state_dict`` into ``module``'s parameters and persistent buffers.
+
+    Every name must match exactly with the same shape (else CheckpointError).
+    By default values are copied and cast to the dtype the module already has,
+    so a bf16 checkpoint loads into an fp32 model and the other way round.
+    ``assign=True`` adopts the tensors themselves (dtype included): the way to
+    fill a module built on the meta device without allocating it twice.
+    """
+    expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
+    check_state_dict(expected, state_dict, what)
+    module.load_state_dict(dict(state_dict), strict=True, assign=assign)

@@ -1,0 +1,168 @@
+"""Read an exported model directory's ``manifest.json`` for the runtime.
+
+The runtime never imports the exporter (DESIGN.md), so this is a small, strict reader of
+the JSON the exporter writes (schema in ``numaov/exporter/manifest.py``): it checks the
+fields the runtime relies on and that the files they name exist, and turns every way a
+model directory can be wrong into one ``ModelDirError`` saying what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from numaov import NumaovError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+SUPPORTED_FORMAT_VERSION = 1
+_PRECISIONS = ("f32", "bf16")
+
+
+class ModelDirError(NumaovError):
+    """A model directory that is missing, incomplete, or not what the command expects."""
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """Absolute paths of one rank's exported graphs."""
+
+    rank: int
+    onnx: Path
+    ir_xml: Path
+
+
+@dataclass(frozen=True)
+class ModelManifest:
+    """The parts of ``manifest.json`` the runtime uses."""
+
+    directory: Path
+    kind: str
+    config: dict[str, Any]
+    inputs: dict[str, list[int | str]]
+    precision: str
+    inference_precision: str
+    lowering: str
+    world_size: int
+    ranks: list[RankModel]
+    versions: dict[str, str]
+    source_checkpoint: Path | None
+
+    def rank(self, rank: int = 0) -> RankModel:
+        for entry in self.ranks:
+            if entry.rank == rank:
+                return entry
+        raise ModelDirError(
+            f"model directory {str(self.directory)!r} has no rank {rank}; it was exported for "
+            f"ranks {[r.rank for r in self.ranks]}"
+        )
+
+
+def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: Path) -> Any:
+    if key not in data:
+        raise ModelDirError(f"{str(where)!r} has no {key!r} field; re-export the model with numaov")
+    value = data[key]
+    if not isinstance(value, kind):
+        raise ModelDirError(f"{str(where)!r}: field {key!r} is malformed ({value!r})")
+    return value
+
+
+def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> ModelManifest:
+    """Validate ``model_dir`` and its ``manifest.json``; ``expected_kind`` e.g. ``"wan"``."""
+    directory = Path(model_dir)
+    if not directory.exists():
+        raise ModelDirError(
+            f"model directory {str(directory)!r} does not exist; expected the --out directory "
+            "of `numaov export`"
+        )
+    if not directory.is_dir():
+        raise ModelDirError(f"model directory {str(directory)!r} is a file; expected a directory")
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise ModelDirError(
+            f"{str(directory)!r} has no {MANIFEST_NAME}; expected a directory written by "
+            "`numaov export` (an export that failed part-way writes no manifest)"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelDirError(f"cannot read {str(path)!r} as JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object")
+
+    version = _field(data, "format_version", int, path)
+    if version != SUPPORTED_FORMAT_VERSION:
+        raise ModelDirError(
+            f"{str(path)!r} has format_version {version}; this numaov reads version "
+            f"{SUPPORTED_FORMAT_VERSION}: re-export the model"
+        )
+    kind = _field(data, "kind", str, path)
+    if expected_kind is not None and kind != expected_kind:
+        raise ModelDirError(
+            f"{str(directory)!r} holds a {kind!r} model; expected a {expected_kind!r} model"
+        )
+    precision = _field(data, "precision", str, path)
+    inference_precision = _field(data, "inference_precision", str, path)
+    for key, value in (("precision", precision), ("inference_precision", inference_precision)):
+        if value not in _PRECISIONS:
+            raise ModelDirError(f"{str(path)!r}: {key} {value!r} is not one of {_PRECISIONS}")
+
+    ranks = []
+    for entry in _field(data, "ranks", list, path):
+        if not isinstance(entry, dict) or not {"rank", "onnx", "ir_xml", "ir_bin"} <= entry.keys():
+            raise ModelDirError(f"{str(path)!r}: malformed ranks entry {entry!r}")
+        for key in ("onnx", "ir_xml", "ir_bin"):
+            if not (directory / entry[key]).is_file():
+                raise ModelDirError(
+                    f"{str(directory)!r} is incomplete: {entry[key]!r} (rank {entry['rank']} "
+                    f"{key}) is missing; re-export the model"
+                )
+        ranks.append(
+            RankModel(rank=int(entry["rank"]), onnx=directory / entry["onnx"], ir_xml=directory / entry["ir_xml"])
+        )
+    world_size = _field(data, "world_size", int, path)
+    if sorted(r.rank for r in ranks) != list(range(world_size)):
+        raise ModelDirError(
+            f"{str(path)!r}: ranks {[r.rank for r in ranks]} do not cover world_size {world_size}"
+        )
+
+    inputs = {}
+    for spec in _field(data, "inputs", list, path):
+        if not isinstance(spec, dict) or "name" not in spec or not isinstance(spec.get("shape"), list):
+            raise ModelDirError(f"{str(path)!r}: malformed inputs entry {spec!r}")
+        inputs[spec["name"]] = spec["shape"]
+
+    versions = _field(data, "versions", dict, path)
+    _warn_on_version_change(versions)
+    source = data.get("source_checkpoint")
+    return ModelManifest(
+        directory=directory.resolve(),
+        kind=kind,
+        config=_field(data, "config", dict, path),
+        inputs=inputs,
+        precision=precision,
+        inference_precision=inference_precision,
+        lowering=_field(data, "lowering", str, path),
+        world_size=world_size,
+        ranks=ranks,
+        versions={str(k): str(v) for k, v in versions.items()},
+        source_checkpoint=Path(source) if isinstance(source, str) else None,
+    )
+
+
+def _warn_on_version_change(versions: dict[str, Any]) -> None:
+    """An IR from another OpenVINO release usually loads; say so in the log when it might not."""
+    import openvino
+
+    exported = str(versions.get("openvino", "")).split("-")[0]
+    running = openvino.get_version().split("-")[0]
+    if exported and exported.split(".")[:2] != running.split(".")[:2]:
+        logger.warning(
+            "model was exported with OpenVINO %s and is run with %s; re-export if loading fails",
+            exported,
+            running,
+        )

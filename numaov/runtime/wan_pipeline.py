@@ -1,0 +1,519 @@
+"""Sampling Wan video latents: flow-matching Euler with classifier-free guidance.
+
+The loop is diffusers' ``WanPipeline`` with ``FlowMatchEulerDiscreteScheduler(shift=...)``
+(the scheduler class WanPipeline is declared with), on latents only (no text encoder,
+no VAE): text embeddings come from a ``.npy`` file, the final latents go to one.
+
+- Schedule: ``FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=s)``
+  followed by ``set_timesteps(N)``, reproduced exactly (``flow_match_sigmas``): N sigmas
+  evenly spaced from 1 down to the shifted training minimum ``s*0.001 / (1 + (s-1)*0.001)``,
+  each passed through Wan's shift ``sigma' = s*sigma / (1 + (s-1)*sigma)``, then a
+  terminal 0. The model is given ``timestep = 1000 * sigma``. Wan 2.1 T2V uses ``s = 5``.
+- Step: ``x <- x + (sigma_next - sigma) * v`` with ``v = v_uncond + g * (v_cond - v_uncond)``,
+  all in f32.
+- Guidance: the conditional and unconditional predictions come from one batch of two
+  (``[cond, uncond]``) on one worker, or from two workers (one branch each) whose halves
+  are joined every step by the shared-memory ``all_gather_into_tensor``. The loop does not
+  know which: it asks a ``GuidedPredictor`` for both halves.
+- Backends: OpenVINO (the compiled IR, one infer request), ONNX Runtime (the ONNX file),
+  PyTorch (``numaov.models.wan`` on the exported checkpoint). All take and return f32
+  numpy arrays behind ``Denoiser``, so no call site branches on the backend.
+- Noise: ``torch.randn(shape, generator=torch.Generator().manual_seed(seed))`` as diffusers'
+  ``prepare_latents`` does with a CPU generator, so every backend starts from the same noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numaov import NumaovError
+from numaov.runtime.manifest_reader import ModelManifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("openvino", "onnxruntime", "torch")
+DEFAULT_SHIFT = 5.0
+NUM_TRAIN_TIMESTEPS = 1000
+# Wan's VAE: 4x temporal compression with the first frame kept (frames = 4k + 1), 8x spatial.
+VAE_TEMPORAL_FACTOR = 4
+VAE_SPATIAL_FACTOR = 8
+INPUT_NAMES = ("hidden_states", "timestep", "encoder_hidden_states")
+MAX_WORKERS = 2  # one per guidance branch
+
+
+class SamplerInputError(NumaovError):
+    """A sampling request whose arguments or input files do not fit the model."""
+
+
+Progress = Callable[[str], None] | None
+
+
+# -- schedule ---------------------------------------------------------------------------------
+
+
+def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
+    """Wan's timestep shift ``s*sigma / (1 + (s-1)*sigma)``: more steps at high noise for s > 1."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flow_match_sigmas(steps: int, shift: float = DEFAULT_SHIFT) -> np.ndarray:
+    """``steps + 1`` f32 sigmas (the last is 0), as diffusers' FlowMatchEulerDiscreteScheduler.
+
+    The arithmetic follows diffusers step by step, including its precisions (the training
+    table in f32, the inference spacing in f64), so the schedule matches it bit for bit.
+    """
+    if steps < 1:
+        raise SamplerInputError(f"steps={steps}; expected at least 1")
+    if not (math.isfinite(shift) and shift > 0):
+        raise SamplerInputError(f"shift={shift}; expected a positive number (Wan uses 3.0 to 5.0)")
+    train = np.arange(NUM_TRAIN_TIMESTEPS, 0, -1, dtype=np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
+    train = shift_sigmas(train, np.float32(shift)).astype(np.float32)
+    sigma_max, sigma_min = float(train[0]), float(train[-1])
+    spaced = np.linspace(sigma_max * NUM_TRAIN_TIMESTEPS, sigma_min * NUM_TRAIN_TIMESTEPS, steps)
+    sigmas = shift_sigmas(spaced / NUM_TRAIN_TIMESTEPS, shift).astype(np.float32)
+    return np.concatenate([sigmas, np.zeros(1, dtype=np.float32)])
+
+
+# -- request validation -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WanSampleRequest:
+    """What to sample: the video size (in pixels / frames), the schedule and the seed."""
+
+    frames: int
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    seed: int
+    shift: float = DEFAULT_SHIFT
+
+
+def latent_shape(config: dict[str, Any], frames: int, height: int, width: int) -> tuple[int, ...]:
+    """``(1, C, F, H, W)`` latents for a video of ``frames`` x ``height`` x ``width`` pixels.
+
+    Wan's VAE maps ``frames = 4k + 1`` to ``k + 1`` latent frames and divides height and
+    width by 8; the transformer then needs latent sizes divisible by its patch size. Sizes
+    that do not fit are errors (diffusers rounds them; here nothing is silently changed).
+    """
+    patch = list(config.get("patch_size", (1, 2, 2)))
+    channels = int(config["in_channels"])
+    for name, value in (("frames", frames), ("height", height), ("width", width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SamplerInputError(f"{name}={value!r}; expected a positive integer")
+    if (frames - 1) % VAE_TEMPORAL_FACTOR != 0:
+        lower = (frames - 1) // VAE_TEMPORAL_FACTOR * VAE_TEMPORAL_FACTOR + 1
+        raise SamplerInputError(
+            f"frames={frames}; expected {VAE_TEMPORAL_FACTOR}k+1 video frames (Wan's VAE keeps "
+            f"the first frame and compresses the rest {VAE_TEMPORAL_FACTOR}x), e.g. {lower} or "
+            f"{lower + VAE_TEMPORAL_FACTOR}"
+        )
+    latent_frames = (frames - 1) // VAE_TEMPORAL_FACTOR + 1
+    if latent_frames % patch[0] != 0:
+        raise SamplerInputError(
+            f"frames={frames} gives {latent_frames} latent frames, not a multiple of the temporal "
+            f"patch size {patch[0]}"
+        )
+    dims = [latent_frames]
+    for name, value, p in (("height", height, patch[1]), ("width", width, patch[2])):
+        multiple = VAE_SPATIAL_FACTOR * p
+        if value % multiple != 0:
+            lower = max(multiple, value // multiple * multiple)
+            raise SamplerInputError(
+                f"{name}={value}; expected a multiple of {multiple} (VAE factor "
+                f"{VAE_SPATIAL_FACTOR} x patch size {p}), e.g. {lower} or {lower + multiple}"
+            )
+        dims.append(value // VAE_SPATIAL_FACTOR)
+    return (1, channels, *dims)
+
+
+def load_text_embeddings(path: str | Path, text_dim: int, what: str) -> np.ndarray:
+    """Read ``[S, D]`` (or ``[1, S, D]``) f32 text embeddings from a ``.npy`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise SamplerInputError(f"{what} file {str(path)!r} not found")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise SamplerInputError(f"{what} file {str(path)!r} is not a .npy array ({exc})") from exc
+    if array.ndim == 3 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != text_dim:
+        raise SamplerInputError(
+            f"{what} in {str(path)!r} have shape {list(array.shape)}; expected [text_length, "
+            f"{text_dim}] or [1, text_length, {text_dim}] (text_dim of the model)"
+        )
+    if not np.issubdtype(array.dtype, np.floating):
+        raise SamplerInputError(f"{what} in {str(path)!r} have dtype {array.dtype}; expected floats")
+    array = array.astype(np.float32)
+    if not np.all(np.isfinite(array)):
+        raise SamplerInputError(f"{what} in {str(path)!r} contain NaN or infinity")
+    return array
+
+
+def _check_against_manifest(manifest: ModelManifest, feeds: dict[str, tuple[int, ...]]) -> None:
+    """Static axes recorded in the manifest must match; dynamic (named) axes take any size."""
+    for name, shape in feeds.items():
+        expected = manifest.inputs.get(name)
+        if expected is None:
+            raise SamplerInputError(
+                f"model in {str(manifest.directory)!r} has no input {name!r}; expected a Wan export "
+                f"with inputs {', '.join(INPUT_NAMES)}"
+            )
+        if len(expected) != len(shape) or any(
+            isinstance(e, int) and e != s for e, s in zip(expected, shape, strict=False)
+        ):
+            raise SamplerInputError(
+                f"input {name!r} would have shape {list(shape)} but the model was exported for "
+                f"{expected} (names are dynamic axes)"
+            )
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+
+class Denoiser:
+    """One Wan transformer behind one call: f32 numpy in, f32 numpy out, whatever runs it."""
+
+    name = "base"
+
+    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the compiled model / session."""
+
+
+class OpenVINODenoiser(Denoiser):
+    name = "openvino"
+
+    def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
+        import openvino as ov
+
+        from numaov.custom_ops import add_extension
+
+        core = ov.Core()
+        add_extension(core)
+        # The export's precision decides the inference precision: f32 exports must say so, or
+        # OpenVINO runs them in bf16 on CPUs with AVX512-BF16 / AMX.
+        properties = {"INFERENCE_PRECISION_HINT": manifest.inference_precision, **(config or {})}
+        self._compiled = core.compile_model(str(manifest.rank(0).ir_xml), "CPU", properties)
+        self._request = self._compiled.create_infer_request()
+
+    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+        self._request.infer(
+            {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
+        )
+        return np.array(self._request.get_output_tensor(0).data, dtype=np.float32)
+
+    def close(self) -> None:
+        self._request = None
+        self._compiled = None
+
+
+class OnnxRuntimeDenoiser(Denoiser):
+    name = "onnxruntime"
+
+    def __init__(self, manifest: ModelManifest, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self._session = ort.InferenceSession(
+            str(manifest.rank(0).onnx), options, providers=["CPUExecutionProvider"]
+        )
+
+    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+        (out,) = self._session.run(
+            None, {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
+        )
+        return np.asarray(out, dtype=np.float32)
+
+    def close(self) -> None:
+        self._session = None
+
+
+class TorchDenoiser(Denoiser):
+    name = "torch"
+
+    def __init__(self, manifest: ModelManifest) -> None:
+        import torch
+
+        from numaov.models.wan import WanTransformer
+
+        source = manifest.source_checkpoint
+        if source is None or not source.is_dir():
+            raise SamplerInputError(
+                f"the torch backend loads the checkpoint the model was exported from, but "
+                f"{str(source)!r} (source_checkpoint in {str(manifest.directory)!r}) is not a "
+                "directory; use --backend openvino or onnxruntime"
+            )
+        dtype = torch.bfloat16 if manifest.precision == "bf16" else torch.float32
+        self._torch = torch
+        self._model = WanTransformer.from_pretrained(source, dtype=dtype)
+
+    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        with torch.inference_mode():
+            out = self._model(
+                torch.from_numpy(hidden_states), torch.from_numpy(timestep), torch.from_numpy(text)
+            )
+        return out.float().numpy()
+
+    def close(self) -> None:
+        self._model = None
+
+
+def open_denoiser(
+    manifest: ModelManifest, backend: str, openvino_config: dict[str, Any] | None = None
+) -> Denoiser:
+    """The backend named ``backend`` on ``manifest``'s model; ``openvino_config`` adds
+    compile properties (a worker's threads and pinning), and sets ONNX Runtime's threads."""
+    if backend == "openvino":
+        return OpenVINODenoiser(manifest, openvino_config)
+    if backend == "onnxruntime":
+        threads = (openvino_config or {}).get("INFERENCE_NUM_THREADS")
+        return OnnxRuntimeDenoiser(manifest, int(threads) if threads else None)
+    if backend == "torch":
+        return TorchDenoiser(manifest)
+    raise SamplerInputError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+# -- guidance ---------------------------------------------------------------------------------
+
+
+class GuidedPredictor:
+    """Both guidance branches' predictions ``(cond, uncond)`` for the current latents."""
+
+    def __call__(self, latents: np.ndarray, timestep: float) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+
+class BatchedGuidance(GuidedPredictor):
+    """Conditional and unconditional in one batch of two on one denoiser."""
+
+    def __init__(self, denoiser: Denoiser, text: np.ndarray, negative: np.ndarray) -> None:
+        self._denoiser = denoiser
+        self._text = np.ascontiguousarray(np.stack([text, negative]))  # [2, S, D]
+
+    def __call__(self, latents: np.ndarray, timestep: float) -> tuple[np.ndarray, np.ndarray]:
+        batch = np.ascontiguousarray(np.concatenate([latents, latents]))  # [2, C, F, H, W]
+        t = np.full((2,), timestep, dtype=np.float32)
+        out = self._denoiser.predict(batch, t, self._text)
+        return out[0:1], out[1:2]
+
+
+class GatheredGuidance(GuidedPredictor):
+    """This rank's branch (rank 0 conditional, rank 1 unconditional) on its own denoiser; the
+    two halves are joined through ``all_gather_into_tensor`` so every rank holds both."""
+
+    def __init__(self, denoiser: Denoiser, branch_text: np.ndarray, communicator: Any) -> None:
+        self._denoiser = denoiser
+        self._text = np.ascontiguousarray(branch_text[None])  # [1, S, D]
+        self._communicator = communicator
+
+    def __call__(self, latents: np.ndarray, timestep: float) -> tuple[np.ndarray, np.ndarray]:
+        t = np.full((1,), timestep, dtype=np.float32)
+        mine = np.ascontiguousarray(self._denoiser.predict(latents, t, self._text))
+        both = np.empty((2, *mine.shape[1:]), dtype=np.float32)
+        self._communicator.all_gather_into_tensor(both, mine)  # rank r's rows at [r]
+        return both[0:1], both[1:2]
+
+
+# -- the loop ---------------------------------------------------------------------------------
+
+
+def initial_noise(shape: Sequence[int], seed: int) -> np.ndarray:
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float32).numpy()
+
+
+@dataclass
+class SampleResult:
+    latents: np.ndarray
+    backend: str
+    workers: int
+    step_seconds: list[float] = field(default_factory=list)
+
+    def summary(self, out: str | Path | None = None) -> str:
+        """One line for the CLI."""
+        total = sum(self.step_seconds)
+        per_step = total / max(len(self.step_seconds), 1)
+        where = f"wrote {out}: " if out is not None else ""
+        return (
+            f"{where}latents {list(self.latents.shape)} from {len(self.step_seconds)} steps on "
+            f"{self.backend} with {self.workers} worker(s) in {total:.2f} s ({per_step:.3f} s/step)"
+        )
+
+
+def sample(
+    predictor: GuidedPredictor,
+    shape: Sequence[int],
+    request: WanSampleRequest,
+    progress: Progress = None,
+) -> tuple[np.ndarray, list[float]]:
+    """Run the Euler loop from seeded noise; returns the final latents and per-step seconds."""
+    report = progress or (lambda _msg: None)
+    sigmas = flow_match_sigmas(request.steps, request.shift)
+    latents = initial_noise(shape, request.seed)
+    guidance = np.float32(request.guidance)
+    seconds = []
+    for i in range(request.steps):
+        start = time.perf_counter()
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        timestep = float(sigma * np.float32(NUM_TRAIN_TIMESTEPS))
+        cond, uncond = predictor(latents, timestep)
+        velocity = uncond + guidance * (cond - uncond)
+        latents = (latents + (sigma_next - sigma) * velocity).astype(np.float32)
+        seconds.append(time.perf_counter() - start)
+        report(f"step {i + 1}/{request.steps} (t={timestep:.1f}) {seconds[-1]:.2f} s")
+    return latents, seconds
+
+
+@dataclass(frozen=True)
+class _RankJob:
+    """What a guidance worker needs; plain data, so it pickles into a spawned process."""
+
+    model_dir: str
+    backend: str
+    branch_text: np.ndarray
+    shape: tuple[int, ...]
+    request: WanSampleRequest
+
+
+def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]]:
+    """Worker body: this rank's branch, every step joined with the other rank's."""
+    from numaov.custom_ops.collectives import find_communicator
+
+    manifest = read_manifest(job.model_dir, expected_kind="wan")
+    denoiser = open_denoiser(manifest, job.backend, context.openvino_config())
+    try:
+        predictor = GatheredGuidance(denoiser, job.branch_text, find_communicator(context.group))
+        return sample(predictor, job.shape, job.request)
+    finally:
+        denoiser.close()
+
+
+def _validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
+    if backend not in BACKENDS:
+        raise SamplerInputError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if workers not in (1, MAX_WORKERS):
+        raise SamplerInputError(
+            f"workers={workers}; expected 1 (both guidance branches in one batch) or "
+            f"{MAX_WORKERS} (one branch per worker)"
+        )
+    if not isinstance(request.steps, int) or request.steps < 1:
+        raise SamplerInputError(f"steps={request.steps!r}; expected a positive integer")
+    if not (math.isfinite(request.guidance) and request.guidance >= 1.0):
+        raise SamplerInputError(
+            f"guidance={request.guidance}; expected a finite number >= 1 (1 disables guidance; "
+            "Wan uses 5)"
+        )
+    if not isinstance(request.seed, int) or not 0 <= request.seed < 2**63:
+        raise SamplerInputError(f"seed={request.seed!r}; expected an integer in [0, 2**63)")
+
+
+def run_wan(
+    model_dir: str | Path,
+    request: WanSampleRequest,
+    text_embeddings: str | Path,
+    out: str | Path | None,
+    *,
+    negative_embeddings: str | Path | None = None,
+    backend: str = "openvino",
+    workers: int = 1,
+    progress: Progress = None,
+) -> SampleResult:
+    """Sample latents with an exported Wan model and (if ``out`` is given) save them as .npy.
+
+    ``workers=2`` runs the two guidance branches on two worker processes of the binding plan
+    (``NUMAOV_CPU_BIND`` or one per NUMA node), each pinned with its own compiled model.
+    """
+    report = progress or (lambda _msg: None)
+    _validate_request(request, backend, workers)
+    manifest = read_manifest(model_dir, expected_kind="wan")
+    config = manifest.config
+    shape = latent_shape(config, request.frames, request.height, request.width)
+    out_path = Path(out) if out is not None else None
+    if out_path is not None:
+        if out_path.suffix != ".npy":
+            raise SamplerInputError(f"--out {str(out_path)!r} must end in .npy")
+        if not out_path.parent.is_dir():
+            raise SamplerInputError(f"directory of --out {str(out_path)!r} does not exist")
+    text_dim = int(config["text_dim"])
+    text = load_text_embeddings(text_embeddings, text_dim, "text embeddings")
+    if negative_embeddings is None:
+        # The unconditional branch: zeros, i.e. an all-padding prompt after UMT5's masking.
+        negative = np.zeros_like(text)
+    else:
+        negative = load_text_embeddings(negative_embeddings, text_dim, "negative embeddings")
+        if negative.shape != text.shape:
+            raise SamplerInputError(
+                f"negative embeddings have shape {list(negative.shape)} but text embeddings "
+                f"{list(text.shape)}; expected the same (pad both to the text encoder's length, "
+                "512 for Wan's UMT5)"
+            )
+    batch = 2 if workers == 1 else 1
+    _check_against_manifest(
+        manifest,
+        {
+            "hidden_states": (batch, *shape[1:]),
+            "timestep": (batch,),
+            "encoder_hidden_states": (batch, *text.shape),
+        },
+    )
+    report(
+        f"sampling latents {list(shape)} ({request.steps} steps, guidance {request.guidance}) on "
+        f"{backend} with {workers} worker(s)"
+    )
+    if workers == 1:
+        denoiser = open_denoiser(manifest, backend)
+        try:
+            latents, seconds = sample(BatchedGuidance(denoiser, text, negative), shape, request, progress)
+        finally:
+            denoiser.close()
+    else:
+        latents, seconds = _sample_on_workers(manifest, backend, text, negative, shape, request)
+    report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
+    if out_path is not None:
+        np.save(out_path, latents)
+        report(f"wrote {out_path}")
+    return SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=seconds)
+
+
+def _sample_on_workers(
+    manifest: ModelManifest,
+    backend: str,
+    text: np.ndarray,
+    negative: np.ndarray,
+    shape: tuple[int, ...],
+    request: WanSampleRequest,
+) -> tuple[np.ndarray, list[float]]:
+    from numaov.runtime.binding import BindingPlan
+    from numaov.runtime.topology import read_topology
+    from numaov.runtime.workers import run_on_ranks
+
+    plan = BindingPlan.resolve(read_topology(), ranks=MAX_WORKERS)
+    jobs = [
+        _RankJob(str(manifest.directory), backend, branch, tuple(shape), request)
+        for branch in (text, negative)
+    ]
+    results = run_on_ranks(plan, _guidance_rank, jobs)
+    (latents, seconds), (other, _) = results
+    # Both ranks apply the same update to the same gathered predictions, so they must agree
+    # exactly; a difference would mean the gather mixed up rows or steps.
+    if not np.array_equal(latents, other):
+        raise NumaovError("guidance workers ended with different latents; the gather is broken")
+    return latents, seconds

@@ -1,0 +1,245 @@
+"""The generic exporter on small modules: ONNX with external data, IR, parity, manifest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import openvino as ov
+import pytest
+import torch
+
+from numaov.exporter.manifest import ExportManifest, ManifestError, RankFiles, library_versions
+from numaov.exporter.onnx_export import ExportError, export_onnx
+from numaov.exporter.openvino_convert import ConversionError, convert_to_ir
+from numaov.exporter.parity import TOLERANCES, ParityError, check_parity, measure, torch_reference
+from numaov.runtime.manifest_reader import ModelDirError, read_manifest
+
+SEED = 1234
+
+
+class SmallBlock(torch.nn.Module):
+    """Linear, LayerNorm, attention and a per-sample scale: the op kinds a DiT block has."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, 3 * dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(self.norm(x)).chunk(3, dim=-1)
+        attn = torch.nn.functional.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])
+        return x + self.out(attn[:, 0]) * t[:, None, None]
+
+
+def _block(seed: int) -> SmallBlock:
+    torch.manual_seed(seed)
+    return SmallBlock().eval()
+
+
+def _inputs(batch: int, seq: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "x": rng.standard_normal((batch, seq, 64), dtype=np.float32),
+        "t": rng.uniform(0.5, 1.5, size=(batch,)).astype(np.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One export shared by the tests: ONNX, f32 IR and bf16 IR of SmallBlock."""
+    print(f"seed {SEED}")
+    out = tmp_path_factory.mktemp("small")
+    module = _block(SEED)
+    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=1, max=4096)
+    example = _inputs(2, 7, np.random.default_rng(SEED))
+    messages: list[str] = []
+    graph = export_onnx(
+        module,
+        (torch.from_numpy(example["x"]), torch.from_numpy(example["t"])),
+        None,
+        {"x": {0: batch, 1: seq}, "t": {0: batch}},
+        out / "model.onnx",
+        "decomposed",
+        messages.append,
+        output_names=["y"],
+    )
+    xml_f32 = convert_to_ir(graph.path, out / "model.xml", "f32", messages.append)
+    xml_bf16 = convert_to_ir(graph.path, out / "bf16" / "model.xml", "bf16", messages.append)
+    # Parity at shapes other than the example (2, 7) on both dynamic axes.
+    rng = np.random.default_rng(SEED + 1)
+    input_sets = [_inputs(1, 3, rng), _inputs(3, 20, rng)]
+    return {
+        "dir": out,
+        "module": module,
+        "graph": graph,
+        "xml_f32": xml_f32,
+        "xml_bf16": xml_bf16,
+        "input_sets": input_sets,
+        "reference": torch_reference(module, input_sets),
+        "messages": messages,
+    }
+
+
+def test_onnx_has_external_weights_and_dynamic_axes(exported: dict) -> None:
+    graph = exported["graph"]
+    assert graph.path.is_file() and graph.data_path is not None and graph.data_path.is_file()
+    model = onnx.load(str(graph.path), load_external_data=False)
+    external = [i.name for i in model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    # The two projection weights (64x192 and 64x64 f32) are far above the 1 KiB threshold.
+    assert len(external) >= 2
+    assert graph.data_path.stat().st_size >= (64 * 192 + 64 * 64) * 4
+    assert [(s.name, s.shape) for s in graph.inputs] == [("x", ["batch", "seq", 64]), ("t", ["batch"])]
+    assert [(s.name, s.shape) for s in graph.outputs] == [("y", ["batch", "seq", 64])]
+    assert any("weight tensors" in m and "model.onnx.data" in m for m in exported["messages"])
+
+
+def test_ir_is_written_with_dynamic_inputs(exported: dict) -> None:
+    xml = exported["xml_f32"]
+    assert xml.is_file() and xml.with_suffix(".bin").is_file()
+    model = ov.Core().read_model(str(xml))
+    assert [str(i.get_partial_shape()) for i in model.inputs] == ["[?,?,64]", "[?]"]
+
+
+def test_bf16_ir_stores_half_size_weights(exported: dict) -> None:
+    f32_bin = exported["xml_f32"].with_suffix(".bin").stat().st_size
+    bf16_bin = exported["xml_bf16"].with_suffix(".bin").stat().st_size
+    # Weights are ~65 KB of the f32 file; bf16 halves them, the small constants stay f32.
+    assert bf16_bin < 0.6 * f32_bin
+    assert any("as bf16" in m for m in exported["messages"])
+
+
+def test_parity_figures_at_other_shapes(exported: dict) -> None:
+    figures = check_parity(
+        exported["input_sets"], exported["reference"], ["y"], exported["graph"].path,
+        exported["xml_f32"], "f32",
+    )
+    assert {(f.backend, f.precision) for f in figures} == {("onnxruntime", "f32"), ("openvino", "f32")}
+    assert len(figures) == 4 and all(f.passed for f in figures)
+    assert {tuple(f.shapes["x"]) for f in figures} == {(1, 3, 64), (3, 20, 64)}
+    # f32 tolerance (1e-4 relative, see parity.TOLERANCES): reordered f32 math only.
+    assert max(f.rel_error for f in figures) < TOLERANCES["f32"].max_rel_error
+    bf16 = check_parity(
+        exported["input_sets"], exported["reference"], ["y"], None, exported["xml_bf16"], "bf16"
+    )
+    # bf16 tolerance (5e-2 relative): bf16 weights and activations; it must really be bf16,
+    # so the error is above f32 noise.
+    assert all(f.passed and f.rel_error > 1e-5 for f in bf16)
+
+
+def test_parity_error_on_a_wrong_reference(exported: dict) -> None:
+    # A module with other weights stands in for an export that computes the wrong thing.
+    wrong = torch_reference(_block(SEED + 99), exported["input_sets"])
+    with pytest.raises(ParityError, match=r"onnxruntime \(f32\) output 'y' at x=\[1, 3, 64\]") as info:
+        check_parity(
+            exported["input_sets"], wrong, ["y"], exported["graph"].path, exported["xml_f32"], "f32"
+        )
+    assert len(info.value.figures) == 4 and not any(f.passed for f in info.value.figures)
+
+
+def test_measure_flags_shape_mismatch_and_nan() -> None:
+    ref = np.ones((2, 3), dtype=np.float32)
+    with pytest.raises(ParityError, match=r"shape \[3, 2\]; expected \[2, 3\]"):
+        measure(ref, np.ones((3, 2)), "openvino", "f32", "y", {})
+    figure = measure(ref, np.full((2, 3), np.nan), "openvino", "f32", "y", {})
+    assert not figure.passed
+
+
+def _manifest(exported: dict) -> ExportManifest:
+    figures = check_parity(
+        exported["input_sets"], exported["reference"], ["y"], exported["graph"].path,
+        exported["xml_f32"], "f32",
+    )
+    return ExportManifest(
+        kind="small",
+        config={"dim": 64},
+        inputs=exported["graph"].inputs,
+        outputs=exported["graph"].outputs,
+        precision="f32",
+        inference_precision="f32",
+        lowering="decomposed",
+        ranks=[RankFiles(0, "model.onnx", "model.xml", "model.bin")],
+        versions=library_versions(),
+        parity=[f.as_dict() for f in figures],
+    )
+
+
+def test_manifest_round_trip(exported: dict) -> None:
+    manifest = _manifest(exported)
+    path = manifest.write(exported["dir"])
+    assert ExportManifest.read(exported["dir"]) == manifest
+    data = json.loads(path.read_text())
+    assert data["inputs"][0] == {"name": "x", "dtype": "float32", "shape": ["batch", "seq", 64]}
+    assert set(data["versions"]) == {"numaov", "torch", "onnx", "onnxruntime", "openvino"}
+    assert all(p["passed"] and p["rel_error"] < 1e-4 for p in data["parity"])
+    # The runtime's reader sees the same directory without importing the exporter.
+    read = read_manifest(exported["dir"], expected_kind="small")
+    assert read.rank(0).ir_xml == exported["xml_f32"].resolve()
+    assert read.inputs["x"] == ["batch", "seq", 64] and read.inference_precision == "f32"
+
+
+def test_model_dir_errors(exported: dict, tmp_path: Path) -> None:
+    with pytest.raises(ModelDirError, match="does not exist"):
+        read_manifest(tmp_path / "nowhere")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelDirError, match="is a file"):
+        read_manifest(tmp_path / "file")
+    with pytest.raises(ModelDirError, match="has no manifest.json"):
+        read_manifest(tmp_path)
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(exported["dir"], model_dir, ignore=shutil.ignore_patterns("bf16"))
+    _manifest(exported).write(model_dir)
+    with pytest.raises(ModelDirError, match="holds a 'small' model; expected a 'wan' model"):
+        read_manifest(model_dir, expected_kind="wan")
+
+    manifest_path = model_dir / "manifest.json"
+    good = json.loads(manifest_path.read_text())
+    for change, message in [
+        ({"format_version": 99}, "format_version 99"),
+        ({"precision": "f16"}, "precision 'f16' is not one of"),
+        ({"world_size": 2}, r"ranks \[0\] do not cover world_size 2"),
+        ({"inputs": "x"}, "field 'inputs' is malformed"),
+    ]:
+        manifest_path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ModelDirError, match=message):
+            read_manifest(model_dir)
+    manifest_path.write_text("{not json")
+    with pytest.raises(ModelDirError, match="cannot read .* as JSON"):
+        read_manifest(model_dir)
+    with pytest.raises(ManifestError, match="cannot read .* as JSON"):
+        ExportManifest.read(model_dir)
+
+    manifest_path.write_text(json.dumps(good))
+    (model_dir / "model.bin").unlink()
+    with pytest.raises(ModelDirError, match=r"incomplete: 'model.bin' \(rank 0 ir_bin\) is missing"):
+        read_manifest(model_dir)
+
+
+def test_export_request_errors(exported: dict, tmp_path: Path) -> None:
+    module = exported["module"]
+    x, t = torch.zeros(2, 7, 64), torch.ones(2)
+    with pytest.raises(ExportError, match="unknown ops lowering 'fast'; expected one of decomposed, opset23"):
+        export_onnx(module, (x, t), None, None, tmp_path / "m.onnx", "fast")
+    with pytest.raises(ExportError, match="must end in .onnx"):
+        export_onnx(module, (x, t), None, None, tmp_path / "m.bin")
+    with pytest.raises(ConversionError, match="unknown precision 'f16'"):
+        convert_to_ir(exported["graph"].path, tmp_path / "m.xml", "f16")
+    with pytest.raises(ConversionError, match="not found"):
+        convert_to_ir(tmp_path / "missing.onnx", tmp_path / "m.xml")
+
+
+class FixedBatch(torch.nn.Module):
+    """Adds a [2, 3] tensor: broadcasting pins the batch axis to 2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.ones(2, 3)
+
+
+def test_a_specialised_dynamic_axis_is_an_export_error(tmp_path: Path) -> None:
+    batch = torch.export.Dim("batch", min=1, max=64)
+    with pytest.raises(ExportError, match="torch.export of FixedBatch cannot keep the requested dynamic axes.*batch"):
+        export_onnx(FixedBatch(), (torch.zeros(2, 3),), None, {"x": {0: batch}}, tmp_path / "m.onnx")

@@ -1,0 +1,258 @@
+"""The tiny builtin Wan: CLI export with dynamic shapes, sampling on every backend, workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import pytest
+import torch
+
+from numaov.custom_ops import add_extension
+from numaov.models.builtin import build_tiny_wan
+from numaov.models.wan import WanTransformer
+from numaov.runtime.manifest_reader import ModelDirError
+from numaov.runtime.wan_pipeline import (
+    SamplerInputError,
+    WanSampleRequest,
+    flow_match_sigmas,
+    initial_noise,
+    latent_shape,
+    run_wan,
+)
+
+SEED = 7
+# The tiny model is 2 blocks of width 96; a clip of 5 frames at 32x48 pixels is 2 latent
+# frames of 4x6 latents, i.e. 2 x 2 x 3 = 12 tokens: a different shape on every axis from
+# the export example (3 x 4 x 5 patches) and from the export's parity shapes.
+REQUEST = WanSampleRequest(frames=5, height=32, width=48, steps=3, guidance=5.0, seed=SEED)
+TEXT_LENGTH = 12
+# Backends compute the same f32 math in different orders; per forward that is ~1e-6 of the
+# output scale (the export's own parity figures), and three Euler steps add three such
+# errors scaled by |dt| < 1. 1e-4 of the latents' scale leaves a wide margin, while a wrong
+# schedule, guidance or batch layout changes the latents by O(1).
+F32_SAMPLE_TOL = 1e-4
+CLI = [sys.executable, "-m", "numaov.cli"]
+
+
+def _rel_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny Wan exported once (f32, through the CLI), plus text embedding files."""
+    print(f"seed {SEED}")
+    root = tmp_path_factory.mktemp("wan")
+    checkpoint = build_tiny_wan(root / "checkpoint", seed=SEED)
+    model_dir = root / "model"
+    proc = subprocess.run(
+        [*CLI, "export", "wan", "--checkpoint", str(checkpoint), "--out", str(model_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rng = np.random.default_rng(SEED)
+    text_dim = json.loads((checkpoint / "config.json").read_text())["text_dim"]
+    text = root / "text.npy"
+    np.save(text, rng.standard_normal((1, TEXT_LENGTH, text_dim), dtype=np.float32))
+    negative = root / "negative.npy"
+    np.save(negative, 0.1 * rng.standard_normal((TEXT_LENGTH, text_dim), dtype=np.float32))
+    return {
+        "root": root, "checkpoint": checkpoint, "model_dir": model_dir, "text": text,
+        "negative": negative, "export": proc, "results": {},
+    }
+
+
+def _sample(wan: dict, backend: str, workers: int = 1) -> np.ndarray:
+    """Sample once per (backend, workers) and keep it for the other tests."""
+    key = (backend, workers)
+    if key not in wan["results"]:
+        result = run_wan(
+            wan["model_dir"], REQUEST, wan["text"], None, negative_embeddings=wan["negative"],
+            backend=backend, workers=workers,
+        )
+        assert result.latents.shape == (1, 16, 2, 4, 6) and len(result.step_seconds) == 3
+        wan["results"][key] = result.latents
+    return wan["results"][key]
+
+
+def test_cli_export_writes_a_complete_model_dir(wan: dict) -> None:
+    model_dir = wan["model_dir"]
+    for name in ("model.onnx", "model.onnx.data", "model.xml", "model.bin", "manifest.json"):
+        assert (model_dir / name).is_file(), name
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "wan" and manifest["precision"] == "f32"
+    assert manifest["inference_precision"] == "f32" and manifest["lowering"] == "decomposed"
+    shapes = {spec["name"]: spec["shape"] for spec in manifest["inputs"]}
+    assert shapes["hidden_states"][:2] == ["batch", 16]
+    assert all(isinstance(d, str) for d in shapes["hidden_states"][2:])  # frames, height, width
+    assert shapes["timestep"] == ["batch"] and shapes["encoder_hidden_states"][2] == 64
+    assert isinstance(shapes["encoder_hidden_states"][1], str)
+    assert manifest["config"]["num_layers"] == 2 and manifest["source_checkpoint"]
+    figures = manifest["parity"]
+    assert {(f["backend"], f["precision"]) for f in figures} == {("onnxruntime", "f32"), ("openvino", "f32")}
+    # f32 tolerance 1e-4 of the output scale (numaov.exporter.parity.TOLERANCES).
+    assert len(figures) == 4 and all(f["passed"] and f["rel_error"] < 1e-4 for f in figures)
+    print("export parity:", [(f["backend"], f["shapes"]["hidden_states"], f["rel_error"]) for f in figures])
+    print("export seconds:", manifest["export_seconds"])
+    stderr = wan["export"].stderr
+    assert "numaov: exporting WanTransformer to ONNX" in stderr and "numaov: parity ok" in stderr
+    assert wan["export"].stdout.startswith(f"exported wan (f32, decomposed ops) to {model_dir}")
+
+
+def test_ir_runs_at_shapes_other_than_the_export(wan: dict) -> None:
+    rng = np.random.default_rng(SEED + 1)
+    feeds = {
+        "hidden_states": rng.standard_normal((3, 16, 4, 2, 10), dtype=np.float32),
+        "timestep": np.array([999.0, 500.0, 3.0], dtype=np.float32),
+        "encoder_hidden_states": rng.standard_normal((3, 30, 64), dtype=np.float32),
+    }
+    core = ov.Core()
+    add_extension(core)
+    # f32 explicitly: this CPU has AVX512-BF16 and OpenVINO would otherwise run bf16.
+    compiled = core.compile_model(str(wan["model_dir"] / "model.xml"), "CPU",
+                                  {"INFERENCE_PRECISION_HINT": "f32"})
+    got = compiled(feeds)[0]
+    model = WanTransformer.from_pretrained(wan["checkpoint"])
+    with torch.no_grad():
+        expected = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).numpy()
+    # Same f32 tolerance as the export's parity check (1e-4 of the output scale).
+    assert _rel_error(got, expected) < 1e-4
+
+
+def test_schedule_is_diffusers_flow_match_euler() -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    for steps, shift in ((3, 5.0), (50, 5.0), (20, 3.0)):
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+        scheduler.set_timesteps(steps)
+        # Exact: the same f32/f64 arithmetic as diffusers, step by step.
+        assert np.array_equal(flow_match_sigmas(steps, shift), scheduler.sigmas.numpy())
+
+
+def test_backends_agree(wan: dict) -> None:
+    reference = _sample(wan, "torch")
+    for backend in ("openvino", "onnxruntime"):
+        error = _rel_error(_sample(wan, backend), reference)
+        print(f"{backend} vs torch: max rel error {error:.3g}")
+        assert error < F32_SAMPLE_TOL
+
+
+def test_torch_backend_matches_diffusers_loop(wan: dict) -> None:
+    """The sampler equals a diffusers-style loop: scheduler.step and the CFG formula."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    model = WanTransformer.from_pretrained(wan["checkpoint"])
+    text = torch.from_numpy(np.load(wan["text"]))
+    negative = torch.from_numpy(np.load(wan["negative"]))[None]
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=REQUEST.shift)
+    scheduler.set_timesteps(REQUEST.steps)
+    shape = latent_shape({"in_channels": 16, "patch_size": [1, 2, 2]}, 5, 32, 48)
+    latents = torch.from_numpy(initial_noise(shape, SEED))
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            cond = model(latents, t.expand(1), text)
+            uncond = model(latents, t.expand(1), negative)
+            noise_pred = uncond + REQUEST.guidance * (cond - uncond)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+    # The loop above runs the branches as two batches of one, the sampler as one batch of
+    # two: only matmul blocking differs (~1e-7 relative per forward), so 1e-5 is ample.
+    assert _rel_error(_sample(wan, "torch"), latents.numpy()) < 1e-5
+
+
+def test_cli_run_writes_the_latents(wan: dict) -> None:
+    out = wan["root"] / "latents.npy"
+    proc = subprocess.run(
+        [*CLI, "run", "wan", "--model-dir", str(wan["model_dir"]), "--frames", "5", "--height",
+         "32", "--width", "48", "--steps", "3", "--guidance", "5", "--seed", str(SEED),
+         "--text-embeddings", str(wan["text"]), "--negative-embeddings", str(wan["negative"]),
+         "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # --quiet: no progress
+    assert proc.stdout.startswith(f"wrote {out}: latents [1, 16, 2, 4, 6] from 3 steps on openvino")
+    # Same compiled model, same inputs, same threads' worth of work: OpenVINO f32 is
+    # deterministic here, but allow f32 noise in case the CPU plugin picks other kernels.
+    assert _rel_error(np.load(out), _sample(wan, "openvino")) < 1e-6
+
+
+def test_cli_errors_are_one_line(wan: dict) -> None:
+    proc = subprocess.run(
+        [*CLI, "run", "wan", "--model-dir", str(wan["model_dir"]), "--frames", "6", "--height",
+         "32", "--width", "48", "--steps", "3", "--guidance", "5", "--seed", "0",
+         "--text-embeddings", str(wan["text"]), "--out", str(wan["root"] / "x.npy")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0
+    assert "frames=6; expected 4k+1 video frames" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"frames": 0}, "frames=0; expected a positive integer"),
+        ({"height": 40}, r"height=40; expected a multiple of 16 .*e\.g\. 32 or 48"),
+        ({"width": 50}, "width=50; expected a multiple of 16"),
+        ({"steps": 0}, "steps=0; expected a positive integer"),
+        ({"guidance": float("nan")}, "guidance=nan; expected a finite number >= 1"),
+        ({"seed": -1}, r"seed=-1; expected an integer in \[0, 2\*\*63\)"),
+    ],
+)
+def test_bad_requests(wan: dict, change: dict, message: str) -> None:
+    request = dataclasses.replace(REQUEST, **change)
+    with pytest.raises(SamplerInputError, match=message):
+        run_wan(wan["model_dir"], request, wan["text"], None)
+
+
+def test_bad_inputs(wan: dict, tmp_path: Path) -> None:
+    model_dir, text = wan["model_dir"], wan["text"]
+    with pytest.raises(SamplerInputError, match="text embeddings file .* not found"):
+        run_wan(model_dir, REQUEST, tmp_path / "missing.npy", None)
+    np.save(tmp_path / "wide.npy", np.zeros((4, 65), dtype=np.float32))
+    with pytest.raises(SamplerInputError, match=r"shape \[4, 65\]; expected \[text_length, 64\]"):
+        run_wan(model_dir, REQUEST, tmp_path / "wide.npy", None)
+    (tmp_path / "junk.npy").write_text("not an array")
+    with pytest.raises(SamplerInputError, match="is not a .npy array"):
+        run_wan(model_dir, REQUEST, tmp_path / "junk.npy", None)
+    np.save(tmp_path / "short.npy", np.zeros((3, 64), dtype=np.float32))
+    with pytest.raises(SamplerInputError, match=r"negative embeddings have shape \[3, 64\]"):
+        run_wan(model_dir, REQUEST, text, None, negative_embeddings=tmp_path / "short.npy")
+    with pytest.raises(SamplerInputError, match="unknown backend 'cuda'"):
+        run_wan(model_dir, REQUEST, text, None, backend="cuda")
+    with pytest.raises(SamplerInputError, match="workers=3; expected 1"):
+        run_wan(model_dir, REQUEST, text, None, workers=3)
+    with pytest.raises(SamplerInputError, match="must end in .npy"):
+        run_wan(model_dir, REQUEST, text, tmp_path / "out.bin")
+    with pytest.raises(ModelDirError, match="has no manifest.json"):
+        run_wan(tmp_path, REQUEST, text, None)
+
+
+def test_two_workers_match_one(wan: dict, two_cpus: tuple[int, int], monkeypatch) -> None:
+    """Guidance split over two pinned workers joined by the shared-memory all-gather."""
+    monkeypatch.setenv("NUMAOV_CPU_BIND", f"{two_cpus[0]}|{two_cpus[1]}")
+    split = _sample(wan, "openvino", workers=2)
+    # Each worker runs a batch of one instead of half of a batch of two: f32 reordering only,
+    # so the f32 sampling tolerance applies.
+    error = _rel_error(split, _sample(wan, "openvino"))
+    print(f"2 workers vs 1: max rel error {error:.3g}")
+    assert error < F32_SAMPLE_TOL
+
+
+def test_torch_backend_needs_the_source_checkpoint(wan: dict, tmp_path: Path) -> None:
+    moved = tmp_path / "model"
+    manifest = json.loads((wan["model_dir"] / "manifest.json").read_text())
+    moved.mkdir()
+    for name in ("model.onnx", "model.onnx.data", "model.xml", "model.bin"):
+        os.symlink(wan["model_dir"] / name, moved / name)
+    manifest["source_checkpoint"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SamplerInputError, match="torch backend loads the checkpoint"):
+        run_wan(moved, REQUEST, wan["text"], None, backend="torch")
