@@ -3,7 +3,7 @@
 One forward of a Wan-1.3B-width transformer (hidden 1536, 12 heads, FFN 8960, text dim 4096,
 2 blocks) at 1,280 and 5,120 video tokens, batch 1, 64 text tokens, side by side:
 
-- numaov's model in PyTorch eager, fp32 and bf16;
+- numaov's model in PyTorch eager, fp32 and bf16 (and diffusers' eager bf16 for context);
 - numaov's ONNX export in ONNX Runtime (fp32);
 - numaov's IR in OpenVINO, f32 and bf16 inference precision;
 - the naive path: diffusers' own ``WanTransformer3DModel`` (same weights) exported with
@@ -53,9 +53,17 @@ WAN_1_3B_BLOCKS = 30
 SAMPLING_FORWARDS = 50 * 2  # 50 steps, conditional + unconditional
 
 WIDTH_1_3B = WanTransformerConfig(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
-    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=2,
-    cross_attn_norm=True, eps=1e-6,
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=2,
+    cross_attn_norm=True,
+    eps=1e-6,
 )
 # Layer types of interest in OpenVINO's executed graph (rt_info "layerType").
 INVENTORY = {
@@ -130,53 +138,70 @@ def build_checkpoint(directory: Path, config: WanTransformerConfig) -> Path:
     return save_wan_checkpoint(model, directory)
 
 
-def diffusers_model(checkpoint: Path) -> torch.nn.Module:
+def diffusers_model(checkpoint: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """diffusers' model on the same weights (its from_pretrained needs `accelerate` for Wan).
+
+    In bf16, parameters matching _keep_in_fp32_modules stay fp32, as from_pretrained does.
+    """
     import diffusers
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
     model = diffusers.WanTransformer3DModel.from_config(config).eval()
     model.load_state_dict(load_file(checkpoint / "diffusion_pytorch_model.safetensors"))
+    for name, param in model.named_parameters():
+        if not any(keep in name for keep in model._keep_in_fp32_modules):
+            param.data = param.data.to(dtype)
     return model
 
 
-def export_numaov(checkpoint: Path, out: Path) -> tuple[Path, Path, float]:
+def export_numaov(checkpoint: Path, out: Path) -> tuple[Path, dict[str, Path], float]:
+    """ONNX plus an f32 IR and a bf16-weights IR (what `numaov export --precision` writes)."""
     model = WanTransformer.from_pretrained(checkpoint)
     start = time.perf_counter()
     graph = export_onnx(model, (), example_inputs(), dynamic_shapes(), out / "model.onnx")
-    xml = convert_to_ir(graph.path, out / "model.xml", "f32")
-    return graph.path, xml, time.perf_counter() - start
+    irs = {p: convert_to_ir(graph.path, out / f"model_{p}.xml", p) for p in ("f32", "bf16")}
+    return graph.path, irs, time.perf_counter() - start
 
 
-def export_naive(checkpoint: Path, out: Path) -> tuple[Path, float, str]:
+def export_naive(checkpoint: Path, out: Path) -> tuple[Path, float]:
     """diffusers -> torch.onnx.export -> openvino.convert_model, no numaov involved."""
     import openvino as ov
 
     module = DiffusersForward(diffusers_model(checkpoint)).eval()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    shapes = "dynamic"
+    # The same dynamic axes as numaov's export, so neither graph is specialised to a shape.
     with torch.no_grad():
-        try:
-            program = torch.onnx.export(
-                module, (), kwargs=example_inputs(), dynamo=True,
-                dynamic_shapes=dynamic_shapes(), optimize=True, verbose=False,
-            )
-        except Exception as exc:  # the naive path may not export dynamically; say so
-            log(f"  naive dynamic export failed ({type(exc).__name__}); using static shapes")
-            shapes = "static (per token count)"
-            raise
+        program = torch.onnx.export(
+            module,
+            (),
+            kwargs=example_inputs(),
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes(),
+            optimize=True,
+            verbose=False,
+        )
     program.save(str(out / "model.onnx"), external_data=True)
     xml = out / "model.xml"
     ov.save_model(ov.convert_model(str(out / "model.onnx")), str(xml), compress_to_fp16=False)
-    return xml, time.perf_counter() - start, shapes
+    return xml, time.perf_counter() - start
 
 
 def inventory(compiled) -> dict[str, object]:
-    types = Counter(
-        op.get_rt_info()["layerType"].astype(str) for op in compiled.get_runtime_model().get_ordered_ops()
-    )
-    counts = {key: sum(n for t, n in types.items() if t in names) for key, names in INVENTORY.items()}
+    """Executed layer types; attention counts SDPA nodes and Softmax-bearing MHA subgraphs."""
+    types: Counter[str] = Counter()
+    mha_subgraphs = 0
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        layer_type = info["layerType"].astype(str)
+        types[layer_type] += 1
+        if layer_type == "Subgraph" and "Softmax" in info["originalLayersNames"].astype(str):
+            mha_subgraphs += 1
+    counts = {
+        key: sum(n for t, n in types.items() if t in names) for key, names in INVENTORY.items()
+    }
+    counts["attention"] += mha_subgraphs
     return {"counts": counts, "all": dict(sorted(types.items()))}
 
 
@@ -225,6 +250,35 @@ def onnxruntime_runner(name: str, onnx_path: Path) -> Runner:
     return Runner(name, run, rss_bytes() - before)
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_probe(xml: str, precision: str, token_counts: list[int]) -> dict[str, int]:
+    """In a fresh process: RSS after compiling, and peak RSS after a forward at each size."""
+    import openvino as ov
+
+    base = _status_bytes("VmRSS")
+    compiled = ov.Core().compile_model(xml, "CPU", compile_config(precision))
+    request = compiled.create_infer_request()
+    result = {"compiled": _status_bytes("VmRSS") - base}
+    for tokens in sorted(token_counts):  # VmHWM only grows: smallest size first
+        request.infer(make_inputs(tokens))
+        result[str(tokens)] = _status_bytes("VmHWM") - base
+    return result
+
+
+def memory_probe(xml: Path, precision: str, token_counts: list[int]) -> dict[str, int]:
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_memory_probe, (str(xml), precision, token_counts))
+
+
 def time_round_robin(runners: list[Runner], inputs: dict[str, np.ndarray], rounds: int) -> dict:
     results = {}
     outputs = {}
@@ -259,9 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     token_counts = [1280] if args.quick else [1280, 5120]
     report: dict[str, object] = {
-        "config": WIDTH_1_3B.to_dict(), "text_len": TEXT_LEN, "rounds": args.rounds,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": sys.version.split()[0]},
+        "config": WIDTH_1_3B.to_dict(),
+        "text_len": TEXT_LEN,
+        "rounds": args.rounds,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+        },
         "versions": {"torch": torch.__version__, "openvino": ov.__version__},
         "results": {},
     }
@@ -271,12 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     empty_checkpoint = build_checkpoint(work / "ckpt0", replace(WIDTH_1_3B, num_layers=0))
 
     log("exporting numaov (2 blocks, 0 blocks) and the naive diffusers path ...")
-    onnx_path, xml, seconds = export_numaov(checkpoint, work / "numaov")
-    log(f"  numaov export + IR: {seconds:.1f} s")
-    _, xml0, _ = export_numaov(empty_checkpoint, work / "numaov0")
-    naive_xml, seconds, naive_shapes = export_naive(checkpoint, work / "naive")
-    log(f"  naive export + IR: {seconds:.1f} s ({naive_shapes} shapes)")
-    report["naive_shapes"] = naive_shapes
+    onnx_path, irs, seconds = export_numaov(checkpoint, work / "numaov")
+    log(f"  numaov export + IRs: {seconds:.1f} s")
+    _, irs0, _ = export_numaov(empty_checkpoint, work / "numaov0")
+    naive_xml, seconds = export_naive(checkpoint, work / "naive")
+    log(f"  naive export + IR: {seconds:.1f} s")
     gc.collect()
 
     core = ov.Core()
@@ -285,43 +343,68 @@ def main(argv: list[str] | None = None) -> int:
     runners = [
         torch_runner("torch eager fp32", eager32, torch.float32),
         torch_runner("torch eager bf16", eager16, torch.bfloat16),
+        # For context: diffusers' own eager model, to show numaov's eager baseline is not slow.
+        torch_runner(
+            "diffusers eager bf16",
+            DiffusersForward(diffusers_model(checkpoint, torch.bfloat16)),
+            torch.bfloat16,
+        ),
         onnxruntime_runner("onnxruntime fp32", onnx_path),
     ]
+    # numaov runs its own IR of each precision; the naive path compiles its one f32 IR with
+    # either inference precision, as a user of openvino.convert_model would.
     compiled = {}
-    for label, path in (("numaov", xml), ("naive", naive_xml), ("numaov 0-block", xml0)):
-        for precision in ("f32", "bf16"):
-            if label == "numaov 0-block" and precision == "f32":
-                continue
-            runner, compiled[(label, precision)] = openvino_runner(
-                f"openvino {precision} {label}", core, path, precision
-            )
-            runners.append(runner)
+    for label, precision, path in (
+        ("numaov", "f32", irs["f32"]),
+        ("numaov", "bf16", irs["bf16"]),
+        ("naive", "f32", naive_xml),
+        ("naive", "bf16", naive_xml),
+        ("numaov 0-block", "bf16", irs0["bf16"]),
+    ):
+        runner, compiled[(label, precision)] = openvino_runner(
+            f"openvino {precision} {label}", core, path, precision
+        )
+        runners.append(runner)
 
     for tokens in token_counts:
         log(f"\n== {tokens} video tokens, {TEXT_LEN} text tokens, best of {args.rounds} ==")
         inputs = make_inputs(tokens)
         results = time_round_robin(runners, inputs, args.rounds)
         for name, result in results.items():
-            log(f"  {name:28s} {result['best_s']:7.3f} s   max|diff| vs eager fp32 "
-                f"{result['max_abs_diff_vs_eager_fp32']:.2e} (scale {result['output_scale']:.2f})")
+            if "0-block" in name:  # a different model: its output is not comparable
+                log(f"  {name:28s} {result['best_s']:7.3f} s")
+                continue
+            log(
+                f"  {name:28s} {result['best_s']:7.3f} s   max|diff| vs eager fp32 "
+                f"{result['max_abs_diff_vs_eager_fp32']:.2e} (scale {result['output_scale']:.2f})"
+            )
         best = {name: r["best_s"] for name, r in results.items()}
         ratios = {
-            "openvino bf16 / eager bf16 speedup": best["torch eager bf16"] / best["openvino bf16 numaov"],
-            "openvino bf16 numaov / naive speedup": best["openvino bf16 naive"] / best["openvino bf16 numaov"],
-            "openvino f32 numaov / naive speedup": best["openvino f32 naive"] / best["openvino f32 numaov"],
-            "openvino f32 / eager fp32 speedup": best["torch eager fp32"] / best["openvino f32 numaov"],
-            "openvino f32 / onnxruntime fp32 speedup": best["onnxruntime fp32"] / best["openvino f32 numaov"],
+            "openvino bf16 / eager bf16 speedup": best["torch eager bf16"]
+            / best["openvino bf16 numaov"],
+            "openvino bf16 numaov / naive speedup": best["openvino bf16 naive"]
+            / best["openvino bf16 numaov"],
+            "openvino f32 numaov / naive speedup": best["openvino f32 naive"]
+            / best["openvino f32 numaov"],
+            "openvino f32 / eager fp32 speedup": best["torch eager fp32"]
+            / best["openvino f32 numaov"],
+            "openvino f32 / onnxruntime fp32 speedup": best["onnxruntime fp32"]
+            / best["openvino f32 numaov"],
         }
         for name, value in ratios.items():
             log(f"  {name:42s} {value:5.2f}x")
         per_block = (best["openvino bf16 numaov"] - best["openvino bf16 numaov 0-block"]) / 2
         report["results"][str(tokens)] = {
-            "shape": SHAPES[tokens], "runners": results, "ratios": ratios,
+            "shape": SHAPES[tokens],
+            "runners": results,
+            "ratios": ratios,
             "openvino_bf16_per_block_s": per_block,
             "openvino_bf16_outside_blocks_s": best["openvino bf16 numaov 0-block"],
         }
-        log(f"  per block (OpenVINO bf16): {per_block:.3f} s; outside the blocks "
-            f"{best['openvino bf16 numaov 0-block']:.3f} s")
+        log(
+            f"  per block (OpenVINO bf16): {per_block:.3f} s; outside the blocks "
+            f"{best['openvino bf16 numaov 0-block']:.3f} s"
+        )
 
     log("\n== executed layer types (OpenVINO, after the runs) ==")
     inventories = {}
@@ -332,40 +415,69 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {label:7s} {precision:4s} {inventories[f'{label} {precision}']['counts']}")
     report["inventory"] = inventories
 
-    # Memory: what compiling took (weights repacked for the inference precision + buffers),
-    # and the per-block share from the 2-block minus 0-block difference.
-    memory = {r.name: r.memory for r in runners if r.memory}
-    block_memory = (memory["openvino bf16 numaov"] - memory["openvino bf16 numaov 0-block"]) / 2
+    del runners, compiled, eager16
+    gc.collect()
+
+    # Memory, each in a fresh process: RSS after compiling the bf16 IR, and peak RSS after a
+    # forward at each size. Per block = (2-block - 0-block) / 2 after compiling; activations =
+    # peak - compiled of the 2-block model (they do not grow with depth: buffers are reused).
+    log("\n== memory (OpenVINO bf16, fresh process each) ==")
+    probe = memory_probe(irs["bf16"], "bf16", token_counts)
+    probe0 = memory_probe(irs0["bf16"], "bf16", token_counts)
+    per_block_bytes = (probe["compiled"] - probe0["compiled"]) / 2
     params_per_block = sum(p.numel() for p in eager32.blocks[0].parameters())
-    params_outside = sum(p.numel() for n, p in eager32.named_parameters() if not n.startswith("blocks."))
-    report["memory"] = {"compile_rss_bytes": memory, "openvino_bf16_per_block_bytes": block_memory,
-                        "params_per_block": params_per_block, "params_outside_blocks": params_outside}
-    log(f"\n  parameters per block {params_per_block / 1e6:.1f} M, outside blocks "
-        f"{params_outside / 1e6:.1f} M; OpenVINO bf16 compiled memory per block "
-        f"{block_memory / 2**20:.0f} MiB")
+    params_outside = sum(
+        p.numel() for n, p in eager32.named_parameters() if not n.startswith("blocks.")
+    )
+    activations = {tokens: probe[str(tokens)] - probe["compiled"] for tokens in token_counts}
+    report["memory"] = {
+        "probe_2_blocks": probe,
+        "probe_0_blocks": probe0,
+        "per_block_bytes": per_block_bytes,
+        "activation_bytes": activations,
+        "params_per_block": params_per_block,
+        "params_outside_blocks": params_outside,
+    }
+    log(
+        f"  parameters: {params_per_block / 1e6:.1f} M per block, {params_outside / 1e6:.1f} M "
+        f"outside; compiled memory per block {per_block_bytes / 2**20:.0f} MiB, outside the "
+        f"blocks {probe0['compiled'] / 2**20:.0f} MiB"
+    )
+    for tokens, value in activations.items():
+        log(f"  activations at {tokens} tokens: {value / 2**20:.0f} MiB")
 
     if len(token_counts) == 2:
-        # Per-block time as a*L + b*L^2 (projections/FFN linear in L, attention quadratic),
-        # fitted through the two measured token counts, to extrapolate to 480p x 81 frames.
-        (l1, t1), (l2, t2) = [
-            (tokens, report["results"][str(tokens)]["openvino_bf16_per_block_s"])
-            for tokens in token_counts
-        ]
-        b = (t2 / l2 - t1 / l1) / (l2 - l1)
-        a = t1 / l1 - b * l1
-        outside = report["results"]["5120"]["openvino_bf16_outside_blocks_s"] * WAN_480P_TOKENS / 5120
-        forward = outside + WAN_1_3B_BLOCKS * (a * WAN_480P_TOKENS + b * WAN_480P_TOKENS**2)
-        weights = (WAN_1_3B_BLOCKS * params_per_block + params_outside) * 2
-        estimate = {
-            "tokens": WAN_480P_TOKENS, "forward_s": forward,
+        # Per-block time and activation memory as a*L + b*L^2 (projections and FFN linear in
+        # L, attention quadratic), fitted through the two measured sizes and extrapolated.
+        def fit(points: list[tuple[int, float]]) -> Callable[[int], float]:
+            (l1, y1), (l2, y2) = points
+            b = (y2 / l2 - y1 / l1) / (l2 - l1)
+            a = y1 / l1 - b * l1
+            return lambda length: a * length + b * length**2
+
+        block_time = fit(
+            [(t, report["results"][str(t)]["openvino_bf16_per_block_s"]) for t in token_counts]
+        )
+        activation = fit([(t, float(activations[t])) for t in token_counts])
+        length = WAN_480P_TOKENS
+        outside = report["results"]["5120"]["openvino_bf16_outside_blocks_s"] * length / 5120
+        forward = outside + WAN_1_3B_BLOCKS * block_time(length)
+        memory = probe0["compiled"] + WAN_1_3B_BLOCKS * per_block_bytes + activation(length)
+        report["wan_1_3b_480p_81f_estimate"] = {
+            "tokens": length,
+            "cores": os.cpu_count(),
+            "forward_s": forward,
             "sampling_50_steps_cfg_s": forward * SAMPLING_FORWARDS,
-            "bf16_weights_bytes": weights, "fit_a_s_per_token": a, "fit_b_s_per_token2": b,
+            "memory_bytes": memory,
+            "per_block_s": block_time(length),
         }
-        report["wan_1_3b_480p_81f_estimate"] = estimate
-        log(f"\n  Wan 2.1 T2V 1.3B, 480x832 x 81 frames ({WAN_480P_TOKENS} tokens), OpenVINO bf16 "
-            f"on {os.cpu_count()} cores: ~{forward:.0f} s per forward, "
-            f"~{forward * SAMPLING_FORWARDS / 3600:.1f} h for 50 steps with CFG; "
-            f"bf16 weights {weights / 2**30:.1f} GiB")
+        log(
+            f"\n  estimate, Wan 2.1 T2V 1.3B ({WAN_1_3B_BLOCKS} blocks), 480x832 x 81 frames "
+            f"({length} tokens), OpenVINO bf16 on {os.cpu_count()} cores: "
+            f"~{forward:.0f} s per forward ({block_time(length):.1f} s per block), "
+            f"~{forward * SAMPLING_FORWARDS / 3600:.1f} h for 50 steps with CFG, "
+            f"~{memory / 2**30:.1f} GiB"
+        )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -107,9 +107,11 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
 
 def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("wan", help="sample video latents with an exported Wan model")
-    p.add_argument("--model-dir", required=True, metavar="DIR", help="output of `numaov export wan`")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="output of `numaov export wan`")
     p.add_argument("--frames", type=int, required=True, help="video frames, 4k+1 (e.g. 81)")
-    p.add_argument("--height", type=int, required=True, help="video height in pixels, multiple of 16")
+    p.add_argument("--height", type=int, required=True,
+                   help="video height in pixels, multiple of 16")
     p.add_argument("--width", type=int, required=True, help="video width in pixels, multiple of 16")
     p.add_argument("--steps", type=int, required=True, help="Euler steps")
     p.add_argument("--guidance", type=float, required=True, help="classifier-free guidance scale")

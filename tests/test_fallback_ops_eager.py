@@ -118,6 +118,21 @@ def test_fuse_scale_shift_matches_formula(shape, dtype, scale_kind, shift_kind, 
     assert_close(out, expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_modulation_in_blocks(dtype):
+    """Low-precision activations are computed block by block in an fp32 scratch buffer; a
+    tensor spanning several blocks (token-wise scale, per-frame shift) matches the formula."""
+    gen = torch.Generator().manual_seed(7)
+    b, frames, per_frame, c = 2, 3, 100, 512  # 2*512 elements per row -> 64-row blocks
+    seq = frames * per_frame
+    x = torch.randn(b, seq, c, generator=gen).to(dtype)
+    scale = torch.randn(b, seq, c, generator=gen) * 0.5
+    shift = torch.randn(b, frames, 1, c, generator=gen) * 0.5
+    out = fuse_scale_shift(x, scale, shift)
+    expected = x.double() * (1 + scale.double()) + expand_reference(shift, b, seq, c)
+    assert_close(out, expected, dtype)
+
+
 @FEW
 @given(
     t=st.integers(1, 6),

@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from numaov.custom_ops import add_extension
+from numaov.exporter.onnx_export import ExportError
+from numaov.exporter.openvino_convert import ConversionError
+from numaov.exporter.wan_export import WanExportError, export_wan
 from numaov.models.builtin import build_tiny_wan
 from numaov.models.wan import WanTransformer
 from numaov.runtime.manifest_reader import ModelDirError
@@ -54,7 +57,9 @@ def wan(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model_dir = root / "model"
     proc = subprocess.run(
         [*CLI, "export", "wan", "--checkpoint", str(checkpoint), "--out", str(model_dir)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     rng = np.random.default_rng(SEED)
@@ -64,8 +69,13 @@ def wan(tmp_path_factory: pytest.TempPathFactory) -> dict:
     negative = root / "negative.npy"
     np.save(negative, 0.1 * rng.standard_normal((TEXT_LENGTH, text_dim), dtype=np.float32))
     return {
-        "root": root, "checkpoint": checkpoint, "model_dir": model_dir, "text": text,
-        "negative": negative, "export": proc, "results": {},
+        "root": root,
+        "checkpoint": checkpoint,
+        "model_dir": model_dir,
+        "text": text,
+        "negative": negative,
+        "export": proc,
+        "results": {},
     }
 
 
@@ -74,8 +84,13 @@ def _sample(wan: dict, backend: str, workers: int = 1) -> np.ndarray:
     key = (backend, workers)
     if key not in wan["results"]:
         result = run_wan(
-            wan["model_dir"], REQUEST, wan["text"], None, negative_embeddings=wan["negative"],
-            backend=backend, workers=workers,
+            wan["model_dir"],
+            REQUEST,
+            wan["text"],
+            None,
+            negative_embeddings=wan["negative"],
+            backend=backend,
+            workers=workers,
         )
         assert result.latents.shape == (1, 16, 2, 4, 6) and len(result.step_seconds) == 3
         wan["results"][key] = result.latents
@@ -84,7 +99,8 @@ def _sample(wan: dict, backend: str, workers: int = 1) -> np.ndarray:
 
 def test_cli_export_writes_a_complete_model_dir(wan: dict) -> None:
     model_dir = wan["model_dir"]
-    for name in ("model.onnx", "model.onnx.data", "model.xml", "model.bin", "manifest.json"):
+    names = ("model.onnx", "model.onnx.data", "model.xml", "model.bin", "reference_sample.npz")
+    for name in (*names, "manifest.json"):
         assert (model_dir / name).is_file(), name
     manifest = json.loads((model_dir / "manifest.json").read_text())
     assert manifest["kind"] == "wan" and manifest["precision"] == "f32"
@@ -96,13 +112,19 @@ def test_cli_export_writes_a_complete_model_dir(wan: dict) -> None:
     assert isinstance(shapes["encoder_hidden_states"][1], str)
     assert manifest["config"]["num_layers"] == 2 and manifest["source_checkpoint"]
     figures = manifest["parity"]
-    assert {(f["backend"], f["precision"]) for f in figures} == {("onnxruntime", "f32"), ("openvino", "f32")}
+    assert {(f["backend"], f["precision"]) for f in figures} == {
+        ("onnxruntime", "f32"),
+        ("openvino", "f32"),
+    }
     # f32 tolerance 1e-4 of the output scale (numaov.exporter.parity.TOLERANCES).
     assert len(figures) == 4 and all(f["passed"] and f["rel_error"] < 1e-4 for f in figures)
-    print("export parity:", [(f["backend"], f["shapes"]["hidden_states"], f["rel_error"]) for f in figures])
+    print(
+        "export parity:",
+        [(f["backend"], f["shapes"]["hidden_states"], f["rel_error"]) for f in figures],
+    )
     print("export seconds:", manifest["export_seconds"])
     stderr = wan["export"].stderr
-    assert "numaov: exporting WanTransformer to ONNX" in stderr and "numaov: parity ok" in stderr
+    assert "numaov: translating WanTransformer to ONNX" in stderr and "numaov: parity ok" in stderr
     assert wan["export"].stdout.startswith(f"exported wan (f32, decomposed ops) to {model_dir}")
 
 
@@ -116,8 +138,9 @@ def test_ir_runs_at_shapes_other_than_the_export(wan: dict) -> None:
     core = ov.Core()
     add_extension(core)
     # f32 explicitly: this CPU has AVX512-BF16 and OpenVINO would otherwise run bf16.
-    compiled = core.compile_model(str(wan["model_dir"] / "model.xml"), "CPU",
-                                  {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = core.compile_model(
+        str(wan["model_dir"] / "model.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+    )
     got = compiled(feeds)[0]
     model = WanTransformer.from_pretrained(wan["checkpoint"])
     with torch.no_grad():
@@ -166,14 +189,21 @@ def test_torch_backend_matches_diffusers_loop(wan: dict) -> None:
     assert _rel_error(_sample(wan, "torch"), latents.numpy()) < 1e-5
 
 
+def _run_cli(wan: dict, out: Path, frames: int, *extra: str) -> subprocess.CompletedProcess:
+    """`numaov run wan` on the tiny model at REQUEST's size, steps, guidance and seed."""
+    args = {
+        "--model-dir": wan["model_dir"], "--frames": frames, "--height": REQUEST.height,
+        "--width": REQUEST.width, "--steps": REQUEST.steps, "--guidance": REQUEST.guidance,
+        "--seed": REQUEST.seed, "--text-embeddings": wan["text"], "--out": out,
+    }  # fmt: skip
+    command = [*CLI, "run", "wan", *(str(x) for item in args.items() for x in item), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
 def test_cli_run_writes_the_latents(wan: dict) -> None:
     out = wan["root"] / "latents.npy"
-    proc = subprocess.run(
-        [*CLI, "run", "wan", "--model-dir", str(wan["model_dir"]), "--frames", "5", "--height",
-         "32", "--width", "48", "--steps", "3", "--guidance", "5", "--seed", str(SEED),
-         "--text-embeddings", str(wan["text"]), "--negative-embeddings", str(wan["negative"]),
-         "--out", str(out), "--quiet"],
-        capture_output=True, text=True, timeout=120,
+    proc = _run_cli(
+        wan, out, REQUEST.frames, "--negative-embeddings", str(wan["negative"]), "--quiet"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # --quiet: no progress
@@ -184,12 +214,7 @@ def test_cli_run_writes_the_latents(wan: dict) -> None:
 
 
 def test_cli_errors_are_one_line(wan: dict) -> None:
-    proc = subprocess.run(
-        [*CLI, "run", "wan", "--model-dir", str(wan["model_dir"]), "--frames", "6", "--height",
-         "32", "--width", "48", "--steps", "3", "--guidance", "5", "--seed", "0",
-         "--text-embeddings", str(wan["text"]), "--out", str(wan["root"] / "x.npy")],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = _run_cli(wan, wan["root"] / "x.npy", 6)
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0
     assert "frames=6; expected 4k+1 video frames" in proc.stderr
@@ -246,13 +271,34 @@ def test_two_workers_match_one(wan: dict, two_cpus: tuple[int, int], monkeypatch
     assert error < F32_SAMPLE_TOL
 
 
-def test_torch_backend_needs_the_source_checkpoint(wan: dict, tmp_path: Path) -> None:
+def test_torch_backend_checks_the_source_checkpoint(wan: dict, tmp_path: Path) -> None:
     moved = tmp_path / "model"
-    manifest = json.loads((wan["model_dir"] / "manifest.json").read_text())
     moved.mkdir()
-    for name in ("model.onnx", "model.onnx.data", "model.xml", "model.bin"):
-        os.symlink(wan["model_dir"] / name, moved / name)
+    for path in wan["model_dir"].iterdir():
+        if path.name != "manifest.json":
+            os.symlink(path, moved / path.name)
+    manifest = json.loads((wan["model_dir"] / "manifest.json").read_text())
+
     manifest["source_checkpoint"] = str(tmp_path / "gone")
     (moved / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(SamplerInputError, match="torch backend loads the checkpoint"):
         run_wan(moved, REQUEST, wan["text"], None, backend="torch")
+
+    # Same shapes, other weights: what a checkpoint overwritten after the export looks like.
+    manifest["source_checkpoint"] = str(build_tiny_wan(tmp_path / "other", seed=SEED + 1))
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SamplerInputError, match="does not reproduce the output recorded at export"):
+        run_wan(moved, REQUEST, wan["text"], None, backend="torch")
+
+
+def test_export_request_errors(wan: dict, tmp_path: Path) -> None:
+    with pytest.raises(WanExportError, match="'.*none' is not a directory; expected a diffusers"):
+        export_wan(tmp_path / "none", tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing is created for a request that cannot work
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(WanExportError, match="is a file; expected a directory"):
+        export_wan(wan["checkpoint"], tmp_path / "file")
+    with pytest.raises(ConversionError, match="unknown precision 'f16'; expected one of f32, bf16"):
+        export_wan(wan["checkpoint"], tmp_path / "out", "f16")
+    with pytest.raises(ExportError, match="unknown ops lowering 'fast'"):
+        export_wan(wan["checkpoint"], tmp_path / "out", "f32", "fast")

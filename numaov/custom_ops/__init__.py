@@ -29,9 +29,11 @@ def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:
     RMSNormalization / RotaryEmbedding; export with ``opset_version=23``). Imported lazily:
     onnxscript is only needed when exporting.
     """
+    from numaov.custom_ops.collective_ops import collective_translation_table
     from numaov.custom_ops.fallback_onnx import fallback_translation_table
 
     table = fallback_translation_table(lowering)
+    table.update(collective_translation_table())
     return table
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from numaov import NumaovError
+from numaov.custom_ops.collectives import CollectiveError, Communicator, find_communicator
 
 if TYPE_CHECKING:
     import onnx
@@ -55,8 +56,11 @@ COLLECTIVE_DOMAIN_VERSION = 1
 COLLECTIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class CollectiveOpError(NumaovError):
-    """A collective op was called with a group, world size, shape or dtype it cannot honour."""
+class CollectiveOpError(CollectiveError):
+    """A collective op was called with a group, world size, shape or dtype it cannot honour.
+
+    A CollectiveError, so callers catch one class for everything a collective can raise.
+    """
 
 
 class OnnxRuntimeUnsupportedError(NumaovError):
@@ -108,13 +112,9 @@ def _check_divisible(op: str, x: Tensor, world_size: int) -> None:
         )
 
 
-def _communicator(op: str, group: str, world_size: int) -> Any:
+def _communicator(op: str, group: str, world_size: int) -> Communicator:
     """The registered communicator of `group`, checked against the world size the caller
     shaped its tensors for (a mismatch would move the wrong number of rows)."""
-    # Imported here: the communicator needs the native library, while shapes, fake kernels and
-    # ONNX export do not, so exporting works on a machine without it.
-    from numaov.custom_ops.collectives import find_communicator
-
     comm = find_communicator(group)
     if comm.world_size != world_size:
         raise CollectiveOpError(
@@ -187,8 +187,8 @@ def _onnx_node(op_type: str, x: Tensor, group: str, world_size: int, shape: Any)
 def all_reduce(x: Tensor, group: str, world_size: int) -> Tensor:
     """Element-wise sum of `x` over the ranks of `group`; same shape as `x`.
 
-    Every rank must call it with the same shape and dtype. Reduction is in fp32, rounded to
-    nearest even, in the same order on every rank (results are bit-identical across ranks).
+    Every rank must call it with the same shape and dtype. The shared-memory communicator sums
+    in fp32 in rank order and rounds to nearest even, so every rank gets the same bits.
     """
     _check_args("all_reduce", x, group, world_size, splits_dim0=False)
     if torch.onnx.is_in_onnx_export():
@@ -260,3 +260,57 @@ def check_onnxruntime_can_run(model: onnx.ModelProto | str | os.PathLike[str]) -
             f"ONNX Runtime cannot run {COLLECTIVE_DOMAIN} nodes ({listed}){where}; "
             "use OpenVINO with the numaov extension (numaov.custom_ops.add_extension(core))"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX face of the captured ops: translations for torch.onnx.export of an ExportedProgram.
+# ---------------------------------------------------------------------------------------------
+
+
+def collective_translation_table() -> dict[Any, Any]:
+    """``{torch op overload: onnxscript function}`` writing the ``numaov.collective`` nodes.
+
+    Needed when the program is captured with ``torch.export`` *before* ``torch.onnx.export``
+    sees it (what ``numaov.exporter.onnx_export`` does, so that a specialised dynamic axis is
+    an error): ``is_in_onnx_export()`` is then False during capture, the public functions above
+    dispatch to the ``numaov::`` torch ops, and those need a translation. The nodes are the
+    same as the ones ``_onnx_node`` writes. Imported lazily: onnx and onnxscript are only
+    needed when exporting.
+    """
+    from onnx.defs import OpSchema
+    from onnxscript.values import Op, Opset
+
+    opset = Opset(COLLECTIVE_DOMAIN, COLLECTIVE_DOMAIN_VERSION)
+
+    def node(op_type: str) -> Op:
+        # The domain is not registered with onnx, so onnxscript needs the schema given.
+        schema = OpSchema(
+            op_type, COLLECTIVE_DOMAIN, COLLECTIVE_DOMAIN_VERSION,
+            inputs=[OpSchema.FormalParameter("x", "T")],
+            outputs=[OpSchema.FormalParameter("y", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(bfloat16)", "tensor(float16)"],
+                               "the dtypes the communicator reduces")],
+            attributes=[OpSchema.Attribute("group", OpSchema.AttrType.STRING, "group name"),
+                        OpSchema.Attribute("world_size", OpSchema.AttrType.INT, "ranks")],
+        )
+        return Op(opset, op_type, schema)
+
+    all_reduce_node = node("AllReduce")
+    all_gather_node = node("AllGatherIntoTensor")
+    reduce_scatter_node = node("ReduceScatterTensor")
+
+    def all_reduce_onnx(x, group: str, world_size: int):
+        return all_reduce_node(x, group=group, world_size=world_size)
+
+    def all_gather_onnx(x, group: str, world_size: int):
+        return all_gather_node(x, group=group, world_size=world_size)
+
+    def reduce_scatter_onnx(x, group: str, world_size: int):
+        return reduce_scatter_node(x, group=group, world_size=world_size)
+
+    ops = torch.ops.numaov
+    return {
+        ops.all_reduce.default: all_reduce_onnx,
+        ops.all_gather_into_tensor.default: all_gather_onnx,
+        ops.reduce_scatter_tensor.default: reduce_scatter_onnx,
+    }

@@ -22,19 +22,25 @@ What OpenVINO 2026.4's CPU plugin makes of them (checked with ``get_runtime_mode
   the fusion still applies (the weight-free form is not matched). opset-23
   ``RMSNormalization`` also becomes ``RMS``.
 - LayerNorm is written as ONNX ``LayerNormalization`` (opset 17, in both lowerings); the ONNX
-  frontend turns it into ``MVN`` (+ scale/shift folded into it).
+  frontend turns it into ``MVN``; a weight/bias becomes one ``Eltwise`` after it (or a fused
+  post-op of the MVN when a later node consumes it).
 - Rotary, half-split (NeoX) on ``x = [B, T, H, D]`` with ``cos/sin`` broadcast as
   ``[1, T, 1, D]`` (``x*cos + concat(-x2, x1)*sin``, the negation written as ``Mul(-1)``) fuses
   to one ``RoPE`` node, in this ``[B, T, H, D]`` layout as well as in ``[B, H, T, D]``.
 - Rotary, interleaved (GPT-J): none of OpenVINO's interleaved patterns is reachable from ONNX
-  on CPU. The Flux pattern (``reshape [..., D/2, 2] / split / concat(-x1, x0)``) is not fused
-  by the CPU plugin (plain ``Eltwise`` chains on size-2 dims, ~10x slower than ``RoPE``); the
-  GPT-J pattern needs a ``VariadicSplit`` of a ``[sin | cos]`` table with lengths
-  ``[D/2, -1]``, which an ONNX ``Split`` cannot express. So the interleaved form is lowered as
-  *de-interleave -> half-split rotary -> re-interleave* (two ``Transpose`` of ``[..., 2, D/2]``
-  views around one fused ``RoPE``), which measured 3-6x faster than the unfused chain.
-  (Folding the pair permutation into the q/k projection weights would remove the transposes;
-  that is the model's business, not this op's.)
+  on CPU. The Flux pattern (``reshape [..., D/2, 2] / split / concat(-x1, x0)``, in
+  ``[B, H, T, D]`` or ``[B, T, H, D]``) is not fused by the CPU plugin: it runs as ``Eltwise``
+  chains on size-2 dims, ~10x slower than ``RoPE`` (290 ms vs 22 ms at T=4096, H=12, D=128,
+  fp32). The GPT-J pattern (the CPU kernel is ``[B, T, H, D]``, Wan's layout) needs a
+  ``VariadicSplit`` of one ``[sin | cos]`` table with lengths ``[D/2, -1]``, which an ONNX
+  ``Split`` cannot express (its lengths are explicit), so it never matches. Viewing each pair
+  as a head of size 2 does fuse, but the kernel then loops over 2-element rows (72-150 ms).
+  So the interleaved form is lowered as *de-interleave -> half-split rotary -> re-interleave*:
+  two ``Transpose`` of ``[..., D/2, 2]`` views around one fused ``RoPE`` (23-84 ms in the same
+  setting, noisy machine). opset-23 ``RotaryEmbedding`` is read by the ONNX frontend as a
+  similar de-interleave + ``RoPE``, with two more ``[B, T, H, D] <-> [B, H, T, D]``
+  transposes. (Folding the pair permutation into the q/k projection weights would remove the
+  transposes; that is the model's business, not this op's.)
 - Modulation with per-frame rows: ``x`` is reshaped to ``[B, F, L/F, C]`` and multiplied/added
   with ``[b, F, 1, C]`` rows by broadcasting, so no ``Broadcast``/``Tile`` materialises
   ``[B, L, C]`` copies of the rows; the ``Mul``/``Add`` pair runs as one ``Eltwise``.
@@ -244,10 +250,11 @@ def _rotary(
     if rank not in (3, 4):
         raise FallbackOpError(f"rotary_embedding export: x must be rank 3 or 4, got rank {rank}")
     head_dim, heads = _static(x, -1), _static(x, -2)
-    if head_dim is None or heads is None:
+    if head_dim is None or (heads is None and lowering == "opset23"):
         raise FallbackOpError(
-            "rotary_embedding export: the head count and head dim of x must be static "
-            f"(x shape {x.shape}); export them as fixed sizes, only T and B may be dynamic"
+            "rotary_embedding export: the head dim (and, for opset23, the head count) of x "
+            f"must be static, got x shape {x.shape}; export them as fixed sizes (the fused "
+            "RoPE needs them), only B and T may be dynamic"
         )
     x4 = _to_f32(x) if rank == 4 else op.Unsqueeze(_to_f32(x), _ints([0]))  # [T,H,D]->[1,T,H,D]
     cos_h = _half_table(cos, head_dim, interleaved)
@@ -315,11 +322,10 @@ def fallback_translation_table(lowering: str = "decomposed") -> dict[Any, Callab
         residual, x, gate, weight, bias, eps: float, is_rms_norm: bool, scale, shift,
         scale_constant: float = 1.0,
     ):
-        r32 = _to_f32(residual)
         if gate is None:
-            r32 = op.Add(r32, _to_f32(x))
+            r32 = op.Add(_to_f32(residual), _to_f32(x))
         else:  # residual + gate * x == x * (0 + gate) + residual
-            r32 = _modulate_f32(_to_f32(x), x, gate, r32, 0.0)
+            r32 = _modulate_f32(_to_f32(x), x, gate, residual, 0.0)
         new_residual = _cast_like(r32, residual)
         # The norm sees the residual rounded to its dtype, like the eager face.
         if residual.dtype != ir.DataType.FLOAT:

@@ -231,10 +231,41 @@ def _views(x: Tensor, *ts: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
     return x, [None if t is None else _as_tokens(t) for t in ts]
 
 
+_SCRATCH_ELEMENTS = 1 << 16  # fp32 scratch of 256 KiB per block: stays in L2
+
+
 def _modulate_into(out: Tensor, y: Tensor, scale: Tensor, shift: Tensor, c: float) -> None:
-    """``out = y * (c + scale) + shift`` computed in fp32, rounded once into ``out``'s dtype."""
+    """``out = y * (c + scale) + shift`` computed in fp32, rounded once into ``out``'s dtype.
+
+    ``out`` and ``y`` have one shape; ``scale``/``shift`` broadcast against it and are either
+    constant along dim -2 (size 1) or as long as ``y`` there.
+    """
     factor = scale.float() + c  # small: at most [b, L, C], usually [b, F, 1, C]
-    torch.addcmul(shift.float() if shift.dtype != torch.float32 else shift, y, factor, out=out)
+    shift = shift.float()
+    if y.dtype == torch.float32 and out.dtype == torch.float32:
+        torch.addcmul(shift, y, factor, out=out)
+        return
+    # Low-precision tensors: PyTorch's mixed-dtype elementwise path (bf16 and fp32 operands in
+    # one kernel) is ~15x slower than its same-dtype kernels, so blocks of rows are widened into
+    # an fp32 scratch buffer that stays in cache, computed there, and rounded into ``out``.
+    rows = y.shape[-2] if y.dim() >= 2 else 1
+    if y.dim() < 2 or rows == 0 or y.numel() == 0:
+        out.copy_(torch.addcmul(shift, y.float(), factor))
+        return
+    per_row = max(1, y.numel() // rows)
+    step = max(1, _SCRATCH_ELEMENTS // per_row)
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        block = y.narrow(-2, start, count).float()
+        block.mul_(_rows_of(factor, rows, start, count)).add_(_rows_of(shift, rows, start, count))
+        out.narrow(-2, start, count).copy_(block)
+
+
+def _rows_of(t: Tensor, rows: int, start: int, count: int) -> Tensor:
+    """The part of a broadcast operand that meets rows ``start .. start+count`` of dim -2."""
+    if t.dim() >= 2 and t.shape[-2] == rows and rows != 1:
+        return t.narrow(-2, start, count)
+    return t
 
 
 @torch.library.custom_op("numaov::fuse_scale_shift", mutates_args=())
@@ -324,10 +355,9 @@ def _scale_residual_norm_scale_shift_op(
     rv = residual.reshape(xv.shape)
     new_residual = torch.empty(xv.shape, dtype=residual.dtype, device=residual.device)
     if gate_v is None:
-        torch.add(rv, xv, out=new_residual)
-    else:
-        torch.addcmul(rv, xv, gate_v if gate_v.dtype == torch.float32 else gate_v.float(),
-                      out=new_residual)
+        torch.add(rv, xv, out=new_residual)  # one dtype: PyTorch adds in fp32, rounds once
+    else:  # residual + gate * x == x * (0 + gate) + residual
+        _modulate_into(new_residual, xv, gate_v, rv, 0.0)
     new_residual = new_residual.reshape(residual.shape)
     # 2. norm in fp32, 3. modulation in fp32, one rounding at the end
     y = _normalise_fp32(new_residual, weight, bias, eps, is_rms_norm)
@@ -433,7 +463,7 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> 
                 f"{op}: {name} has shape {_fmt(shape)}; expected [T, D/2] or [T, D] with "
                 f"T={t}, D={d} from x of shape {_fmt(x_shape)}"
             )
-    if cos.dim() == 2 and not all(_eq(a, b) for a, b in zip(_shape(cos), _shape(sin))):
+    if cos.dim() == 2 and not all(_eq(a, b) for a, b in zip(_shape(cos), _shape(sin), strict=True)):
         raise FallbackOpError(
             f"{op}: cos {_fmt(_shape(cos))} and sin {_fmt(_shape(sin))} differ in shape; "
             "expected the same shape"
@@ -480,7 +510,7 @@ def scale_residual_norm_scale_shift(
     _check_modulation(op, residual, (("gate", gate), ("scale", scale), ("shift", shift)))
     _check_activation(op, "x", x)
     if x.dtype != residual.dtype or x.dim() != 3 or not all(
-        _eq(a, b) for a, b in zip(_shape(x), _shape(residual))
+        _eq(a, b) for a, b in zip(_shape(x), _shape(residual), strict=True)
     ):
         raise FallbackOpError(
             f"{op}: x is {_fmt(_shape(x))} {x.dtype} but residual is "
@@ -510,7 +540,7 @@ def rows_copy(dst: Tensor, src: Tensor, offset: int, n: int, offset_src: bool) -
             "(a row copy does not convert)"
         )
     if dst.dim() != src.dim() or not all(
-        _eq(a, b) for a, b in zip(_shape(dst)[1:], _shape(src)[1:])
+        _eq(a, b) for a, b in zip(_shape(dst)[1:], _shape(src)[1:], strict=True)
     ):
         raise FallbackOpError(
             f"{op}: rows of dst {_fmt(_shape(dst))} and src {_fmt(_shape(src))} differ; "

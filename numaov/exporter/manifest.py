@@ -19,6 +19,12 @@ so the fields below are the schema both sides agree on:
 - ``parity``: the figures of the export-time parity check.
 - ``source_checkpoint``: absolute path of the checkpoint exported, for the PyTorch backend.
 - ``export_seconds``: how long each export stage took (load, ONNX export, conversion, parity).
+- ``reference_sample``: an ``.npz`` (relative path) with one parity input set (``input.<name>``)
+  and PyTorch's output on it (``output.<name>``): a model directory can re-check any backend
+  against the export, and the PyTorch backend checks that the source checkpoint is unchanged.
+- ``collective_group``: for a model exported for several ranks, the group name written into its
+  ``numaov.collective`` nodes; the runtime creates its communicators under that name.
+- ``notes``: what the export did not check and why (e.g. ONNX Runtime cannot run collectives).
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ class ExportManifest:
     parity: list[dict[str, Any]] = field(default_factory=list)
     source_checkpoint: str | None = None
     export_seconds: dict[str, float] = field(default_factory=dict)
+    reference_sample: str | None = None
+    collective_group: str | None = None
+    notes: list[str] = field(default_factory=list)
     world_size: int = 1
     format_version: int = FORMAT_VERSION
 
@@ -137,8 +146,27 @@ class ExportManifest:
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ManifestError(f"cannot read {str(path)!r} as JSON ({exc})") from exc
         if not isinstance(data, dict):
-            raise ManifestError(f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object")
+            raise ManifestError(
+                f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object"
+            )
         return cls.from_dict(data)
+
+
+def write_reference_sample(
+    path: str | Path, inputs: dict[str, Any], outputs: dict[str, Any]
+) -> Path:
+    """Save one input set and PyTorch's outputs on it (see ``reference_sample`` above)."""
+    import numpy as np
+
+    path = Path(path)
+    arrays = {f"input.{k}": v for k, v in inputs.items()}
+    arrays.update({f"output.{k}": v for k, v in outputs.items()})
+    try:
+        with path.open("wb") as handle:
+            np.savez(handle, **arrays)
+    except OSError as exc:
+        raise ManifestError(f"cannot write {str(path)!r} ({exc})") from exc
+    return path
 
 
 def library_versions() -> dict[str, str]:

@@ -57,7 +57,9 @@ class OnnxGraph:
 
 def check_lowering(lowering: str) -> str:
     if lowering not in LOWERINGS:
-        raise ExportError(f"unknown ops lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}")
+        raise ExportError(
+            f"unknown ops lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}"
+        )
     return lowering
 
 
@@ -67,7 +69,9 @@ def _tensor_specs(values: Any) -> list[TensorSpec]:
     for value in values:
         dims: list[int | str] = []
         for dim in value.shape:
-            dims.append(dim if isinstance(dim, int) else str(dim.value if hasattr(dim, "value") else dim))
+            dims.append(
+                dim if isinstance(dim, int) else str(dim.value if hasattr(dim, "value") else dim)
+            )
         dtype = value.dtype
         try:
             dtype_name = str(dtype.numpy())
@@ -85,7 +89,8 @@ def _cause(exc: BaseException) -> str:
     if marker:
         first = head.splitlines()[0].split(" This is step")[0]
         text = first + " " + summary.split("(Refer to the full stack trace")[0]
-        text = " ".join(line.strip() for line in text.splitlines() if line.strip() not in ("", "⬆️"))
+        text = text.replace("⬆️", " ")
+    text = " ".join(text.split())  # one line: the CLI prints errors as a single line
     if len(text) > _MAX_CAUSE_CHARS:
         text = text[:_MAX_CAUSE_CHARS] + " ..."
     return text
@@ -181,6 +186,8 @@ def export_onnx(
                     None,
                     kwargs=kwargs,
                     dynamo=True,
+                    # Only names the symbolic axes after the Dims here; the program is fixed.
+                    dynamic_shapes=dynamic_shapes,
                     custom_translation_table=onnx_translation_table(lowering),
                     opset_version=_OPSET[lowering],
                     output_names=output_names,
@@ -199,7 +206,11 @@ def export_onnx(
     _check_dynamic_axes(inputs, dynamic_shapes, name)
     data_name = f"{path.name}.data"
     initializers = list(model.graph.initializers.values())
-    external = [v for v in initializers if v.const_value is not None and v.const_value.nbytes >= EXTERNAL_DATA_THRESHOLD]
+    external = [
+        v
+        for v in initializers
+        if v.const_value is not None and v.const_value.nbytes >= EXTERNAL_DATA_THRESHOLD
+    ]
     total_mb = sum(v.const_value.nbytes for v in external) / 1e6
     report(f"writing {path.name}: {len(external)} weight tensors, {total_mb:.1f} MB to {data_name}")
     import onnx_ir
@@ -220,5 +231,11 @@ def export_onnx(
         inputs=inputs,
         outputs=_tensor_specs(model.graph.outputs),
     )
-    logger.info("exported %s to %s (%d inputs, %d outputs)", name, path, len(graph.inputs), len(graph.outputs))
+    logger.info(
+        "exported %s to %s (%d inputs, %d outputs)",
+        name,
+        path,
+        len(graph.inputs),
+        len(graph.outputs),
+    )
     return graph

@@ -43,7 +43,9 @@ class ConversionError(NumaovError):
 
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
-        raise ConversionError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
+        raise ConversionError(
+            f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}"
+        )
     return precision
 
 

@@ -54,11 +54,11 @@ TOLERANCES: dict[str, Tolerance] = {
     # term, wrong epsilon) shows up at 1e-2 or more.
     "f32": Tolerance(1e-4, "f32 reassociation across the graph: ~1e-6 expected, errors >= 1e-2"),
     # bf16: an 8-bit significand, so every rounding of an activation or weight is off by up
-    # to 2^-9 (~2e-3) relative; matmul inputs, weights and attention probabilities are all
-    # rounded, layer after layer, and the errors add up to about 1e-2 of the output scale
-    # (measured on the tiny Wan model). 5e-2 allows for that with margin; a wrong graph is
-    # off by O(1).
-    "bf16": Tolerance(5e-2, "bf16 rounding of weights and activations: ~1e-2 expected"),
+    # to 2^-8 (~4e-3) relative; matmul inputs, weights and attention probabilities are all
+    # rounded, layer after layer, and the largest element error reaches a few percent of the
+    # output scale (measured: 0.032 on the tiny Wan model, 0.048 on 2 blocks of Wan-1.3B
+    # width with random weights). 0.1 leaves a 2x margin; a wrong graph is off by O(1).
+    "bf16": Tolerance(1e-1, "bf16 rounding of weights and activations: 3e-2..5e-2 measured"),
 }
 
 
@@ -137,7 +137,9 @@ def _onnxruntime_runner(onnx_path: Path) -> Callable[[dict[str, np.ndarray]], li
     return lambda feeds: list(session.run(None, feeds))
 
 
-def _openvino_runner(xml_path: Path, precision: str) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+def _openvino_runner(
+    xml_path: Path, precision: str
+) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     import openvino as ov
 
     from numaov.custom_ops import add_extension
@@ -199,12 +201,18 @@ def check_parity(
             "expected one per input set"
         )
     report = progress or (lambda _msg: None)
-    backends: list[tuple[str, str, Callable[[], Callable[[dict[str, np.ndarray]], list[np.ndarray]]]]] = []
+    backends: list[
+        tuple[str, str, Callable[[], Callable[[dict[str, np.ndarray]], list[np.ndarray]]]]
+    ] = []
     if onnx_path is not None:
         backends.append(("onnxruntime", "f32", lambda: _onnxruntime_runner(Path(onnx_path))))
     if xml_path is not None:
         backends.append(
-            ("openvino", openvino_precision, lambda: _openvino_runner(Path(xml_path), openvino_precision))
+            (
+                "openvino",
+                openvino_precision,
+                lambda: _openvino_runner(Path(xml_path), openvino_precision),
+            )
         )
     overrides = dict(tolerances or {})
 
@@ -217,10 +225,13 @@ def check_parity(
             got = run(feeds)
             if len(got) != len(expected):
                 raise ParityError(
-                    f"{backend} returned {len(got)} outputs; expected {len(expected)} as from PyTorch"
+                    f"{backend} returned {len(got)} outputs; expected {len(expected)} "
+                    "as from PyTorch"
                 )
             for name, ref, out in zip(output_names, expected, got, strict=True):
-                figure = measure(ref, out, backend, precision, name, shapes, overrides.get(precision))
+                figure = measure(
+                    ref, out, backend, precision, name, shapes, overrides.get(precision)
+                )
                 logger.info("parity: %s", figure.describe())
                 figures.append(figure)
         del run  # free this backend's copy of the weights before loading the next

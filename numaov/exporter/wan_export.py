@@ -5,6 +5,7 @@
 - ``model.onnx`` + ``model.onnx.data`` (weights as external data), always f32;
 - ``model.xml`` + ``model.bin``, the OpenVINO IR (bf16 weights for ``precision="bf16"``,
   see ``openvino_convert``);
+- ``reference_sample.npz``: one parity input set and PyTorch's output on it;
 - ``manifest.json``, written last, so a directory with a manifest is a complete export
   (a stale manifest is removed first, so a failed re-export never looks complete).
 
@@ -26,7 +27,13 @@ import numpy as np
 import torch
 
 from numaov import NumaovError
-from numaov.exporter.manifest import MANIFEST_NAME, ExportManifest, RankFiles, library_versions
+from numaov.exporter.manifest import (
+    MANIFEST_NAME,
+    ExportManifest,
+    RankFiles,
+    library_versions,
+    write_reference_sample,
+)
 from numaov.exporter.onnx_export import check_lowering, export_onnx
 from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
 from numaov.exporter.parity import check_parity, torch_reference
@@ -34,6 +41,7 @@ from numaov.exporter.parity import check_parity, torch_reference
 logger = logging.getLogger(__name__)
 
 ONNX_NAME = "model.onnx"
+REFERENCE_SAMPLE_NAME = "reference_sample.npz"
 IR_NAME = "model.xml"
 OUTPUT_NAME = "sample"
 # Example sizes the graph is traced with, as (batch, frame / height / width patches, text
@@ -53,7 +61,9 @@ class WanExportError(NumaovError):
     """The Wan export request is malformed (bad output directory and the like)."""
 
 
-def _inputs(config, sizes: tuple[int, int, int, int, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _inputs(
+    config, sizes: tuple[int, int, int, int, int], rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """Random f32 model inputs for ``sizes`` = (batch, F', H', W', text length)."""
     batch, frames, height, width, text = sizes
     p_t, p_h, p_w = config.patch_size
@@ -63,7 +73,9 @@ def _inputs(config, sizes: tuple[int, int, int, int, int], rng: np.random.Genera
         ),
         # Timesteps as the sampler gives them: 1000 * sigma, anywhere in [0, 1000].
         "timestep": rng.uniform(0.0, 1000.0, size=(batch,)).astype(np.float32),
-        "encoder_hidden_states": rng.standard_normal((batch, text, config.text_dim), dtype=np.float32),
+        "encoder_hidden_states": rng.standard_normal(
+            (batch, text, config.text_dim), dtype=np.float32
+        ),
     }
 
 
@@ -72,7 +84,9 @@ def _dynamic_shapes(config) -> dict[str, dict[int, object]]:
     batch = dim("batch", min=1, max=_MAX_BATCH)
     text = dim("text_length", min=1, max=_MAX_TEXT)
     video = {}
-    for axis, name, patch in zip((2, 3, 4), ("frame", "height", "width"), config.patch_size, strict=True):
+    for axis, name, patch in zip(
+        (2, 3, 4), ("frame", "height", "width"), config.patch_size, strict=True
+    ):
         patches = dim(f"{name}_patches", min=1, max=_MAX_PATCHES)
         video[axis] = patches if patch == 1 else patch * patches
     return {
@@ -82,9 +96,18 @@ def _dynamic_shapes(config) -> dict[str, dict[int, object]]:
     }
 
 
-def _prepare_out_dir(out_dir: Path) -> None:
+def _check_paths(checkpoint_dir: Path, out_dir: Path) -> None:
+    """Fail before the (possibly long) model load, and before creating anything."""
+    if not checkpoint_dir.is_dir():
+        raise WanExportError(
+            f"checkpoint {str(checkpoint_dir)!r} is not a directory; expected a diffusers "
+            "WanTransformer3DModel directory (config.json + diffusion_pytorch_model*.safetensors)"
+        )
     if out_dir.exists() and not out_dir.is_dir():
         raise WanExportError(f"--out {str(out_dir)!r} is a file; expected a directory")
+
+
+def _prepare_out_dir(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
 
@@ -107,7 +130,7 @@ def export_wan(
     check_precision(precision)
     check_lowering(lowering)
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    _prepare_out_dir(out_dir)
+    _check_paths(checkpoint_dir, out_dir)
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
@@ -115,6 +138,7 @@ def export_wan(
     model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32)
     config = model.config
     timings["load"] = time.perf_counter() - start
+    _prepare_out_dir(out_dir)
 
     start = time.perf_counter()
     example = _inputs(config, EXAMPLE_SIZES, np.random.default_rng(PARITY_SEED + 1))
@@ -157,6 +181,9 @@ def export_wan(
     )
     timings["parity"] = time.perf_counter() - start
 
+    write_reference_sample(
+        out_dir / REFERENCE_SAMPLE_NAME, input_sets[0], {OUTPUT_NAME: reference[0][0]}
+    )
     manifest = ExportManifest(
         kind="wan",
         config=config.to_dict(),
@@ -165,11 +192,16 @@ def export_wan(
         precision=precision,
         inference_precision=INFERENCE_PRECISION[precision],
         lowering=lowering,
-        ranks=[RankFiles(rank=0, onnx=ONNX_NAME, ir_xml=IR_NAME, ir_bin=xml_path.with_suffix(".bin").name)],
+        ranks=[
+            RankFiles(
+                rank=0, onnx=ONNX_NAME, ir_xml=IR_NAME, ir_bin=xml_path.with_suffix(".bin").name
+            )
+        ],
         versions=library_versions(),
         parity=[f.as_dict() for f in figures],
         source_checkpoint=str(checkpoint_dir.resolve()),
         export_seconds={k: round(v, 3) for k, v in timings.items()},
+        reference_sample=REFERENCE_SAMPLE_NAME,
     )
     manifest.write(out_dir)
     report(

@@ -14,6 +14,9 @@ height, width and text length dynamic:
   to :mod:`numaov.custom_ops`, whose ONNX face OpenVINO fuses (RMS, MVN, RoPE);
 - the 3-D RoPE tables are computed from the runtime video shape with torch ops
   (no table of ``rope_max_seq_len`` rows to slice, no numpy);
+- self-attention q/k channels are stored in half-split order per head, so the
+  rotary embedding lowers to OpenVINO's fused ``RoPE`` without transposes (the
+  state dict still reads and writes diffusers' order; see :class:`WanAttention`);
 - per-frame timesteps (Wan 2.2 TI2V) are ``[B, F]`` and give ``[B, F, 1, C]``
   modulation rows that the ops broadcast over each frame's tokens, instead of
   diffusers' per-token ``[B, L]`` timesteps expanded to ``[B, L, 6, C]``;
@@ -61,10 +64,11 @@ WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 DIFFUSERS_CLASS_NAME = "WanTransformer3DModel"
 
 # Parameters diffusers keeps in fp32 when the model runs in bf16/fp16
-# (WanTransformer3DModel._keep_in_fp32_modules): the timestep MLP and the modulation tables
-# feed every block's scale/shift/gate, and the cross-attention norm weights are applied in the
-# fp32 part of the norm; rounding them to bf16 would move the output for no speed gain.
-KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+# (WanTransformer3DModel._keep_in_fp32_modules; its norm1/norm3 have no parameters): the
+# timestep MLP and the modulation tables feed every block's scale/shift/gate, and the
+# cross-attention norm weights are applied in the fp32 part of the norm; rounding them to bf16
+# would move the output for no speed gain.
+KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm2")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -114,17 +118,28 @@ class WanTransformerConfig:
             value = getattr(self, key)
             return WanConfigError(f"Wan config: {key}={value!r} is invalid; expected {expected}")
 
-        def positive_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value > 0
+        def int_at_least(value: Any, minimum: int = 1) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
         patch = self.patch_size
-        if not (isinstance(patch, tuple) and len(patch) == 3 and all(map(positive_int, patch))):
+        if not (isinstance(patch, tuple) and len(patch) == 3 and all(map(int_at_least, patch))):
             raise fail("patch_size", "three positive integers [t, h, w]")
-        for key in ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim",
-                    "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len"):
-            if not positive_int(getattr(self, key)):
+        for key in (
+            "num_attention_heads",
+            "attention_head_dim",
+            "in_channels",
+            "text_dim",
+            "freq_dim",
+            "ffn_dim",
+            "rope_max_seq_len",
+        ):
+            if not int_at_least(getattr(self, key)):
                 raise fail(key, "a positive integer")
-        if self.out_channels is not None and not positive_int(self.out_channels):
+        # 0 layers is legal (diffusers allows it): embeddings and head only, which is how the
+        # cost outside the blocks is measured.
+        if not int_at_least(self.num_layers, minimum=0):
+            raise fail("num_layers", "a non-negative integer")
+        if self.out_channels is not None and not int_at_least(self.out_channels):
             raise fail("out_channels", "a positive integer or null (same as in_channels)")
         if not isinstance(self.cross_attn_norm, bool):
             raise fail("cross_attn_norm", "true or false")
@@ -215,7 +230,8 @@ class WanRotaryPosEmbed(nn.Module):
         # does), turned into fp32 tensors in forward: a registered buffer would be rounded
         # to bf16 by `model.to(torch.bfloat16)`.
         self.inv_freqs = tuple(
-            tuple(1.0 / theta ** (i / dim) for i in range(0, dim, 2)) for dim in (t_dim, h_dim, w_dim)
+            tuple(1.0 / theta ** (i / dim) for i in range(0, dim, 2))
+            for dim in (t_dim, h_dim, w_dim)
         )
 
     def forward(
@@ -250,7 +266,9 @@ def timestep_sinusoids(timestep: Tensor, dim: int, max_period: float = 10000.0) 
     ``downscale_freq_shift=0``) so fp32 results match bit for bit.
     """
     half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=timestep.device)
+    exponent = -math.log(max_period) * torch.arange(
+        half, dtype=torch.float32, device=timestep.device
+    )
     freqs = torch.exp(exponent / half)
     args = timestep.float()[..., None] * freqs
     emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
@@ -283,7 +301,9 @@ class WanConditionEmbedder(nn.Module):
         self.time_proj = nn.Linear(dim, 6 * dim)
         self.text_embedder = _TwoLayerMLP(text_dim, dim, nn.GELU(approximate="tanh"))
 
-    def forward(self, timestep: Tensor, encoder_hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(
+        self, timestep: Tensor, encoder_hidden_states: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """``(temb, modulation, text)``.
 
         ``timestep`` [B] gives temb [B, C] and modulation [B, 6, C]; per-frame ``timestep``
@@ -304,9 +324,28 @@ class WanConditionEmbedder(nn.Module):
 
 
 class WanAttention(nn.Module):
-    """Multi-head attention with RMSNorm on q and k across all heads (before the head split)."""
+    """Multi-head attention with RMSNorm on q and k across all heads (before the head split).
 
-    def __init__(self, dim: int, heads: int, eps: float) -> None:
+    With ``rotary=True`` (self-attention) the q/k projections and norms hold their output
+    channels in *half-split* order within each head, ``(0, 2, 4, .., 1, 3, 5, ..)``, while the
+    state dict keeps diffusers' interleaved order (a load pre-hook and a state-dict post-hook
+    translate). Wan's RoPE rotates adjacent channel pairs; in half-split order the same pairs
+    are ``(i, i + D/2)``, which OpenVINO fuses into one ``RoPE`` node without the two
+    de-/re-interleaving transposes per tensor the interleaved form needs. Attention scores are
+    dot products over the head dim, unchanged when q and k permute their channels alike, and
+    the RMSNorm statistics run over all channels, so the output is the same.
+    """
+
+    _ROTARY_PARAMETERS = (
+        "to_q.weight",
+        "to_q.bias",
+        "norm_q.weight",
+        "to_k.weight",
+        "to_k.bias",
+        "norm_k.weight",
+    )
+
+    def __init__(self, dim: int, heads: int, eps: float, rotary: bool = False) -> None:
         super().__init__()
         self.heads = heads
         self.eps = eps
@@ -317,6 +356,30 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        if rotary:
+            head_dim = dim // heads
+            within = [*range(0, head_dim, 2), *range(1, head_dim, 2)]
+            # Python lists, not tensors: the module may be built on the meta device.
+            self._half_split = [h * head_dim + i for h in range(heads) for i in within]
+            self._interleaved = sorted(range(dim), key=self._half_split.__getitem__)
+            self.register_load_state_dict_pre_hook(self._to_half_split)
+            self.register_state_dict_post_hook(self._to_interleaved)
+
+    @staticmethod
+    def _reorder(state_dict: dict, prefix: str, order: list[int]) -> None:
+        for name in WanAttention._ROTARY_PARAMETERS:
+            tensor = state_dict.get(prefix + name)
+            if tensor is not None:  # absent: load_into_module reports it as missing
+                index = torch.tensor(order, device=tensor.device)
+                state_dict[prefix + name] = tensor.index_select(0, index)
+
+    @staticmethod
+    def _to_half_split(module: WanAttention, state_dict: dict, prefix: str, *_: Any) -> None:
+        WanAttention._reorder(state_dict, prefix, module._half_split)
+
+    @staticmethod
+    def _to_interleaved(module: WanAttention, state_dict: dict, prefix: str, *_: Any) -> None:
+        WanAttention._reorder(state_dict, prefix, module._interleaved)
 
     def forward(
         self, x: Tensor, context: Tensor, rotary: tuple[Tensor, Tensor] | None = None
@@ -331,8 +394,9 @@ class WanAttention(nn.Module):
         value = value.unflatten(2, (self.heads, -1))
         if rotary is not None:
             cos, sin = rotary
-            query = rotary_embedding(query, cos, sin, interleaved=True)
-            key = rotary_embedding(key, cos, sin, interleaved=True)
+            # Channels are in half-split order (see the class docstring).
+            query = rotary_embedding(query, cos, sin, interleaved=False)
+            key = rotary_embedding(key, cos, sin, interleaved=False)
 
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -355,19 +419,23 @@ class WanFeedForward(nn.Module):
     def __init__(self, dim: int, inner_dim: int) -> None:
         super().__init__()
         # Slots match diffusers' `ffn.net.{0,2}` names; slot 1 is its (inference no-op) dropout.
-        self.net = nn.ModuleList([_GeluProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim)])
+        self.net = nn.ModuleList(
+            [_GeluProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim)]
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net[2](self.net[0](x))
 
 
 class WanTransformerBlock(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, num_heads: int, cross_attn_norm: bool, eps: float) -> None:
+    def __init__(
+        self, dim: int, ffn_dim: int, num_heads: int, cross_attn_norm: bool, eps: float
+    ) -> None:
         super().__init__()
         self.eps = eps
 
         # 1. Self-attention (its LayerNorm has no affine parameters: modulation replaces them)
-        self.attn1 = WanAttention(dim, num_heads, eps)
+        self.attn1 = WanAttention(dim, num_heads, eps, rotary=True)
 
         # 2. Cross-attention
         self.attn2 = WanAttention(dim, num_heads, eps)
@@ -402,12 +470,21 @@ class WanTransformerBlock(nn.Module):
         if self.norm2 is not None:
             zero = torch.zeros((), dtype=torch.float32, device=hidden_states.device)
             normed, hidden_states = scale_residual_norm_scale_shift(
-                hidden_states, attn_output, gate_msa, self.norm2.weight, self.norm2.bias,
-                self.eps, False, zero, zero,
+                hidden_states,
+                attn_output,
+                gate_msa,
+                self.norm2.weight,
+                self.norm2.bias,
+                self.eps,
+                False,
+                zero,
+                zero,
             )
         else:
             # x + gate * attn: the residual enters as the shift, with no constant scale term.
-            hidden_states = fuse_scale_shift(attn_output, gate_msa, hidden_states, scale_constant=0.0)
+            hidden_states = fuse_scale_shift(
+                attn_output, gate_msa, hidden_states, scale_constant=0.0
+            )
             normed = hidden_states
         attn_output = self.attn2(normed, encoder_hidden_states)
 
@@ -517,8 +594,10 @@ class WanTransformer(nn.Module):
                 )
         t_shape = [_size_hint(s) for s in timestep.shape]
         latent_frames = frames // config.patch_size[0]
-        if timestep.dim() not in (1, 2) or t_shape[0] not in (1, batch) or (
-            timestep.dim() == 2 and t_shape[1] != latent_frames
+        if (
+            timestep.dim() not in (1, 2)
+            or t_shape[0] not in (1, batch)
+            or (timestep.dim() == 2 and t_shape[1] != latent_frames)
         ):
             raise WanInputError(
                 f"Wan model: timestep has shape {t_shape}; expected [{batch}] or per-frame "

@@ -51,6 +51,12 @@ class ModelManifest:
     ranks: list[RankModel]
     versions: dict[str, str]
     source_checkpoint: Path | None
+    # One parity input set and PyTorch's output on it (an .npz), and the tolerance the
+    # export's parity check used at this model's inference precision.
+    reference_sample: Path | None = None
+    reference_tolerance: float | None = None
+    # The group name in a multi-rank model's collective nodes (None for a single rank).
+    collective_group: str | None = None
 
     def rank(self, rank: int = 0) -> RankModel:
         for entry in self.ranks:
@@ -122,7 +128,11 @@ def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> Mo
                     f"{key}) is missing; re-export the model"
                 )
         ranks.append(
-            RankModel(rank=int(entry["rank"]), onnx=directory / entry["onnx"], ir_xml=directory / entry["ir_xml"])
+            RankModel(
+                rank=int(entry["rank"]),
+                onnx=directory / entry["onnx"],
+                ir_xml=directory / entry["ir_xml"],
+            )
         )
     world_size = _field(data, "world_size", int, path)
     if sorted(r.rank for r in ranks) != list(range(world_size)):
@@ -132,13 +142,30 @@ def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> Mo
 
     inputs = {}
     for spec in _field(data, "inputs", list, path):
-        if not isinstance(spec, dict) or "name" not in spec or not isinstance(spec.get("shape"), list):
+        if (
+            not isinstance(spec, dict)
+            or "name" not in spec
+            or not isinstance(spec.get("shape"), list)
+        ):
             raise ModelDirError(f"{str(path)!r}: malformed inputs entry {spec!r}")
         inputs[spec["name"]] = spec["shape"]
 
     versions = _field(data, "versions", dict, path)
     _warn_on_version_change(versions)
     source = data.get("source_checkpoint")
+    reference_sample = None
+    if isinstance(data.get("reference_sample"), str):
+        reference_sample = directory / data["reference_sample"]
+        if not reference_sample.is_file():
+            raise ModelDirError(
+                f"{str(directory)!r} is incomplete: {data['reference_sample']!r} (reference "
+                "sample) is missing; re-export the model"
+            )
+    tolerances = [
+        float(f["tolerance"])
+        for f in data.get("parity", [])
+        if isinstance(f, dict) and f.get("precision") == inference_precision and "tolerance" in f
+    ]
     return ModelManifest(
         directory=directory.resolve(),
         kind=kind,
@@ -151,7 +178,21 @@ def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> Mo
         ranks=ranks,
         versions={str(k): str(v) for k, v in versions.items()},
         source_checkpoint=Path(source) if isinstance(source, str) else None,
+        reference_sample=reference_sample,
+        reference_tolerance=max(tolerances) if tolerances else None,
+        collective_group=_collective_group(data, world_size, path),
     )
+
+
+def _collective_group(data: dict[str, Any], world_size: int, where: Path) -> str | None:
+    """A multi-rank model must name the group its collective nodes look up."""
+    group = data.get("collective_group")
+    if world_size > 1 and (not isinstance(group, str) or not group):
+        raise ModelDirError(
+            f"{str(where)!r} is exported for {world_size} ranks but names no collective_group; "
+            "re-export the model with numaov"
+        )
+    return group if isinstance(group, str) else None
 
 
 def _warn_on_version_change(versions: dict[str, Any]) -> None:

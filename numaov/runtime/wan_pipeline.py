@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.runtime.manifest_reader import ModelManifest, read_manifest
+from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ MAX_WORKERS = 2  # one per guidance branch
 
 class SamplerInputError(NumaovError):
     """A sampling request whose arguments or input files do not fit the model."""
+
+
+class GuidanceSplitError(NumaovError):
+    """The two guidance workers disagree: their predictions were not joined correctly."""
 
 
 Progress = Callable[[str], None] | None
@@ -74,7 +78,9 @@ def flow_match_sigmas(steps: int, shift: float = DEFAULT_SHIFT) -> np.ndarray:
         raise SamplerInputError(f"steps={steps}; expected at least 1")
     if not (math.isfinite(shift) and shift > 0):
         raise SamplerInputError(f"shift={shift}; expected a positive number (Wan uses 3.0 to 5.0)")
-    train = np.arange(NUM_TRAIN_TIMESTEPS, 0, -1, dtype=np.float32) / np.float32(NUM_TRAIN_TIMESTEPS)
+    train = np.arange(NUM_TRAIN_TIMESTEPS, 0, -1, dtype=np.float32) / np.float32(
+        NUM_TRAIN_TIMESTEPS
+    )
     train = shift_sigmas(train, np.float32(shift)).astype(np.float32)
     sigma_max, sigma_min = float(train[0]), float(train[-1])
     spaced = np.linspace(sigma_max * NUM_TRAIN_TIMESTEPS, sigma_min * NUM_TRAIN_TIMESTEPS, steps)
@@ -153,7 +159,9 @@ def load_text_embeddings(path: str | Path, text_dim: int, what: str) -> np.ndarr
             f"{text_dim}] or [1, text_length, {text_dim}] (text_dim of the model)"
         )
     if not np.issubdtype(array.dtype, np.floating):
-        raise SamplerInputError(f"{what} in {str(path)!r} have dtype {array.dtype}; expected floats")
+        raise SamplerInputError(
+            f"{what} in {str(path)!r} have dtype {array.dtype}; expected floats"
+        )
     array = array.astype(np.float32)
     if not np.all(np.isfinite(array)):
         raise SamplerInputError(f"{what} in {str(path)!r} contain NaN or infinity")
@@ -166,8 +174,8 @@ def _check_against_manifest(manifest: ModelManifest, feeds: dict[str, tuple[int,
         expected = manifest.inputs.get(name)
         if expected is None:
             raise SamplerInputError(
-                f"model in {str(manifest.directory)!r} has no input {name!r}; expected a Wan export "
-                f"with inputs {', '.join(INPUT_NAMES)}"
+                f"model in {str(manifest.directory)!r} has no input {name!r}; expected a Wan "
+                f"export with inputs {', '.join(INPUT_NAMES)}"
             )
         if len(expected) != len(shape) or any(
             isinstance(e, int) and e != s for e, s in zip(expected, shape, strict=False)
@@ -186,7 +194,9 @@ class Denoiser:
 
     name = "base"
 
-    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+    def predict(
+        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
+    ) -> np.ndarray:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -209,7 +219,9 @@ class OpenVINODenoiser(Denoiser):
         self._compiled = core.compile_model(str(manifest.rank(0).ir_xml), "CPU", properties)
         self._request = self._compiled.create_infer_request()
 
-    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+    def predict(
+        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
+    ) -> np.ndarray:
         self._request.infer(
             {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
         )
@@ -233,9 +245,12 @@ class OnnxRuntimeDenoiser(Denoiser):
             str(manifest.rank(0).onnx), options, providers=["CPUExecutionProvider"]
         )
 
-    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+    def predict(
+        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
+    ) -> np.ndarray:
         (out,) = self._session.run(
-            None, {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
+            None,
+            {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text},
         )
         return np.asarray(out, dtype=np.float32)
 
@@ -261,8 +276,19 @@ class TorchDenoiser(Denoiser):
         dtype = torch.bfloat16 if manifest.precision == "bf16" else torch.float32
         self._torch = torch
         self._model = WanTransformer.from_pretrained(source, dtype=dtype)
+        # The checkpoint is read from where it was at export time and may have changed since;
+        # the graphs have not, so the backends would silently disagree.
+        error = reference_error(self, manifest)
+        if error is not None and error > (manifest.reference_tolerance or 0.0):
+            raise SamplerInputError(
+                f"checkpoint {str(source)!r} does not reproduce the output recorded at export "
+                f"(max rel error {error:.3g}, tolerance {manifest.reference_tolerance}): it "
+                "changed since the export; re-export it, or use --backend openvino or onnxruntime"
+            )
 
-    def predict(self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray) -> np.ndarray:
+    def predict(
+        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
+    ) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
             out = self._model(
@@ -272,6 +298,18 @@ class TorchDenoiser(Denoiser):
 
     def close(self) -> None:
         self._model = None
+
+
+def reference_error(denoiser: Denoiser, manifest: ModelManifest) -> float | None:
+    """Max error of ``denoiser`` on the export's reference sample, relative to the output's
+    largest magnitude (the export's parity measure); None when the export recorded none."""
+    if manifest.reference_sample is None:
+        return None
+    with np.load(manifest.reference_sample) as sample:
+        inputs = [sample[f"input.{name}"] for name in INPUT_NAMES]
+        expected = sample["output.sample"]
+    got = denoiser.predict(*inputs)
+    return float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-12))
 
 
 def open_denoiser(
@@ -408,7 +446,9 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
 
 def _validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
     if backend not in BACKENDS:
-        raise SamplerInputError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        raise SamplerInputError(
+            f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"
+        )
     if workers not in (1, MAX_WORKERS):
         raise SamplerInputError(
             f"workers={workers}; expected 1 (both guidance branches in one batch) or "
@@ -445,6 +485,12 @@ def run_wan(
     _validate_request(request, backend, workers)
     manifest = read_manifest(model_dir, expected_kind="wan")
     config = manifest.config
+    missing = [key for key in ("in_channels", "text_dim", "patch_size") if key not in config]
+    if missing:
+        raise ModelDirError(
+            f"manifest config in {str(manifest.directory)!r} lacks {missing}; expected a Wan "
+            "transformer config (re-export the model)"
+        )
     shape = latent_shape(config, request.frames, request.height, request.width)
     out_path = Path(out) if out is not None else None
     if out_path is not None:
@@ -455,7 +501,8 @@ def run_wan(
     text_dim = int(config["text_dim"])
     text = load_text_embeddings(text_embeddings, text_dim, "text embeddings")
     if negative_embeddings is None:
-        # The unconditional branch: zeros, i.e. an all-padding prompt after UMT5's masking.
+        # Zeros are what Wan's pipeline puts past a prompt's last token, so an all-zero
+        # embedding is the "no prompt" stand-in; a real negative prompt needs the file.
         negative = np.zeros_like(text)
     else:
         negative = load_text_embeddings(negative_embeddings, text_dim, "negative embeddings")
@@ -479,9 +526,13 @@ def run_wan(
         f"{backend} with {workers} worker(s)"
     )
     if workers == 1:
+        start = time.perf_counter()
         denoiser = open_denoiser(manifest, backend)
+        report(f"loaded the model on {backend} in {time.perf_counter() - start:.1f} s")
         try:
-            latents, seconds = sample(BatchedGuidance(denoiser, text, negative), shape, request, progress)
+            latents, seconds = sample(
+                BatchedGuidance(denoiser, text, negative), shape, request, progress
+            )
         finally:
             denoiser.close()
     else:
@@ -515,5 +566,8 @@ def _sample_on_workers(
     # Both ranks apply the same update to the same gathered predictions, so they must agree
     # exactly; a difference would mean the gather mixed up rows or steps.
     if not np.array_equal(latents, other):
-        raise NumaovError("guidance workers ended with different latents; the gather is broken")
+        raise GuidanceSplitError(
+            "the two guidance workers ended with different latents; expected identical latents "
+            "from the same gathered predictions"
+        )
     return latents, seconds

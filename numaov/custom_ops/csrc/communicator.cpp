@@ -109,6 +109,11 @@ uint64_t env_bytes(const char* name, uint64_t fallback, uint64_t min, uint64_t m
     return uint64_t(v);
 }
 
+uint64_t buffer_bytes_from_env() {
+    return env_bytes("NUMAOV_COLL_BUFFER_BYTES", kDefaultBufferBytes, uint64_t(64) << 10,
+                     uint64_t(1) << 40, 4096);
+}
+
 // Start of slice `r` when n elements are split over `world` ranks in whole
 // cache lines; slices at the end may be short or empty.
 struct Slice {
@@ -159,6 +164,10 @@ const char* op_name(Op op) {
     return "unknown";
 }
 
+uint64_t shm_segment_bytes(int world_size) {
+    return shm::segment_bytes(world_size, buffer_bytes_from_env());
+}
+
 // ---------------------------------------------------------------------------
 // Construction
 
@@ -187,8 +196,7 @@ ShmCommunicator::ShmCommunicator(const std::string& name, int rank, int world_si
     // Only rank 0's values count (the others read them from the segment), so
     // a knob set differently on some rank cannot split the algorithms.
     if (rank == 0) {
-        config.half_bytes = env_bytes("NUMAOV_COLL_BUFFER_BYTES", kDefaultBufferBytes,
-                                      uint64_t(64) << 10, uint64_t(1) << 40, 4096);
+        config.half_bytes = buffer_bytes_from_env();
         config.oneshot_bytes = env_bytes("NUMAOV_COLL_ONESHOT_BYTES",
                                          std::min(kDefaultOneshotBytes, config.half_bytes), 0,
                                          config.half_bytes, 1);
@@ -386,6 +394,31 @@ void ShmCommunicator::run(Op op, DType dtype, uint64_t count, int root, Body&& b
 // ---------------------------------------------------------------------------
 // Collectives
 
+uint64_t ShmCommunicator::chunk_elements(Op op, DType dtype) const {
+    const uint64_t es = dtype_size(dtype);
+    const uint64_t world = uint64_t(world_);
+    const uint64_t line = kCacheLine / es;
+    switch (op) {
+        case Op::all_reduce: {
+            // The raw chunk plus my reduced slice (chunk / world) fill one
+            // half; slices are whole cache lines.
+            const uint64_t chunk = buffer_bytes_ / es * world / (world + 1);
+            return chunk - chunk % (line * world);
+        }
+        case Op::reduce_scatter_tensor: {
+            // One slot per destination rank.
+            const uint64_t chunk = buffer_bytes_ / world / es;
+            return chunk - chunk % line;
+        }
+        case Op::all_gather_into_tensor:
+        case Op::broadcast:
+            return buffer_bytes_ / es;
+        case Op::barrier:
+            return 0;
+    }
+    return 0;
+}
+
 void ShmCommunicator::barrier() {
     run(Op::barrier, DType::f32, 0, 0, [&](const Call& call) {
         publish(call);
@@ -414,10 +447,7 @@ void ShmCommunicator::all_reduce(void* data, uint64_t count, DType dtype) {
 // chunk j-1 that I reduced; so K chunks take K + 1 rounds.
 void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
     const uint64_t es = dtype_size(call.dtype);
-    const uint64_t unit = kCacheLine / es * uint64_t(world_);
-    // Raw chunk plus my reduced slice (chunk / world) must fit in one half.
-    uint64_t chunk = buffer_bytes_ / es * uint64_t(world_) / uint64_t(world_ + 1);
-    chunk -= chunk % unit;
+    const uint64_t chunk = chunk_elements(Op::all_reduce, call.dtype);
     const uint64_t reduced_offset = chunk * es;
     const uint64_t count = call.count;
     const uint64_t chunks = ceil_div(count, chunk);
@@ -482,8 +512,7 @@ void ShmCommunicator::reduce_scatter_tensor(void* output, const void* input, uin
             return;
         }
         // My half holds one slot per destination rank.
-        uint64_t chunk = buffer_bytes_ / uint64_t(world_) / es;
-        chunk -= chunk % (kCacheLine / es);
+        const uint64_t chunk = chunk_elements(Op::reduce_scatter_tensor, dtype);
         const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
         auto produce = [&](uint64_t j) {
             const uint64_t n = std::min(chunk, count - std::min(count, j * chunk));
@@ -521,7 +550,7 @@ void ShmCommunicator::all_gather_into_tensor(void* output, const void* input, ui
             throw error("all_gather_into_tensor input overlaps its output at " + where(call) +
                         "; expected separate buffers or the input being this rank's block");
         }
-        const uint64_t chunk = buffer_bytes_ / es;
+        const uint64_t chunk = chunk_elements(Op::all_gather_into_tensor, dtype);
         const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
         auto length = [&](uint64_t j) { return std::min(chunk, count - std::min(count, j * chunk)); };
         auto produce = [&](uint64_t j) {
@@ -552,7 +581,7 @@ void ShmCommunicator::broadcast(void* data, uint64_t count, DType dtype, int roo
         if (world_ == 1) return;
         const uint64_t es = dtype_size(dtype);
         auto* bytes = static_cast<uint8_t*>(data);
-        const uint64_t chunk = buffer_bytes_ / es;
+        const uint64_t chunk = chunk_elements(Op::broadcast, dtype);
         const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
         auto length = [&](uint64_t j) { return std::min(chunk, count - std::min(count, j * chunk)); };
         auto produce = [&](uint64_t j) {

@@ -75,6 +75,16 @@ PYBIND11_MODULE(_native, m) {
         .def_property_readonly("notes", &ShmCommunicator::notes)
         .def_property_readonly("closed", &ShmCommunicator::closed)
         .def(
+            "chunk_elements",
+            [](const ShmCommunicator& c, const std::string& op, uint32_t dtype) {
+                for (auto o : {numaov::Op::all_reduce, numaov::Op::all_gather_into_tensor,
+                               numaov::Op::reduce_scatter_tensor, numaov::Op::broadcast}) {
+                    if (op == numaov::op_name(o)) return c.chunk_elements(o, dtype_from_code(dtype));
+                }
+                throw numaov::CollectiveError("unknown collective '" + op + "'");
+            },
+            py::arg("op"), py::arg("dtype"))
+        .def(
             "all_reduce",
             [](ShmCommunicator& c, uintptr_t data, uint64_t count, uint32_t dtype) {
                 c.all_reduce(address<void>(data), count, dtype_from_code(dtype));
@@ -126,6 +136,8 @@ PYBIND11_MODULE(_native, m) {
         },
         py::arg("group"), py::arg("job_id") = "",
         "The /dev/shm name (with a leading '/') a group's segment gets.");
+    m.def("segment_bytes", &numaov::shm_segment_bytes, py::arg("world_size"),
+          "Bytes of /dev/shm a group of world_size ranks takes (NUMAOV_COLL_BUFFER_BYTES).");
     m.def("resolve_job_id", &numaov::shm::resolve_job_id, py::arg("job_id") = "");
     m.def("collective_defaults", [] {
         py::dict d;

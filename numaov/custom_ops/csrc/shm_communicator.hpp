@@ -67,6 +67,9 @@ public:
     uint64_t buffer_bytes() const { return buffer_bytes_; }
     uint64_t oneshot_bytes() const { return oneshot_bytes_; }
     const char* isa() const { return kernels::isa_name(isa_); }
+    // Elements per chunk (one round) of `op` for `dtype`; for all_reduce, of
+    // the reduce-scatter + all-gather algorithm used above oneshot_bytes.
+    uint64_t chunk_elements(Op op, DType dtype) const;
     const std::vector<std::string>& notes() const { return notes_; }
 
 private:
@@ -115,6 +118,10 @@ private:
     std::string failure_;
     std::vector<const void*> sources_;
 };
+
+// Bytes of /dev/shm a group of `world_size` ranks takes with the current
+// NUMAOV_COLL_BUFFER_BYTES (for `numaov doctor`).
+uint64_t shm_segment_bytes(int world_size);
 
 // create_communicator() with the concrete type, for the binding.
 std::shared_ptr<ShmCommunicator> create_shm_communicator(const std::string& name, int rank,

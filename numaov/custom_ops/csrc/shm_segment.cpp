@@ -112,6 +112,10 @@ std::string segment_name(const std::string& group, const std::string& resolved_j
     return name;
 }
 
+uint64_t segment_bytes(int world_size, uint64_t half_bytes) {
+    return data_offset(world_size) + uint64_t(world_size) * 2 * half_bytes;
+}
+
 uint64_t own_pid_namespace() {
     static const uint64_t ns = [] {
         struct stat st;
@@ -171,7 +175,7 @@ void Segment::map_fd(int fd, uint64_t bytes) {
 
 void Segment::create(const SegmentConfig& config) {
     const int world = config.world_size;
-    const uint64_t total = data_offset(world) + uint64_t(world) * 2 * config.half_bytes;
+    const uint64_t total = segment_bytes(world, config.half_bytes);
     const auto start = std::chrono::steady_clock::now();
     int fd = -1;
     for (;;) {

@@ -104,6 +104,8 @@ struct SegmentConfig {
 // else "sid<session id>" — every process one launcher starts shares its session.
 std::string resolve_job_id(const std::string& job_id);
 std::string segment_name(const std::string& group, const std::string& resolved_job_id);
+// Size of a group's segment: header pages plus two halves per rank.
+uint64_t segment_bytes(int world_size, uint64_t half_bytes);
 
 // PID namespace of this process (inode of /proc/self/ns/pid, 0 if unknown).
 uint64_t own_pid_namespace();

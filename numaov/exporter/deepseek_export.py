@@ -1,0 +1,419 @@
+"""Export a DeepSeek-V2 checkpoint once per DP rank to ONNX and OpenVINO IR.
+
+``export_deepseek`` writes, into ``out_dir``:
+
+- ``rank_<r>/model.onnx`` + ``model.onnx.data`` (always f32) and ``rank_<r>/model.xml`` +
+  ``model.bin`` (bf16 weights for ``precision="bf16"``, see ``openvino_convert``) for every rank
+  ``r < dp``: the cached step (:class:`numaov.models.deepseek.DeepseekV2Step`) of the model that
+  holds rank r's MLP / expert shard, with the ``numaov.collective`` nodes (group
+  ``COLLECTIVE_GROUP``) around every MLP and MoE block when ``dp > 1``;
+- ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
+- ``manifest.json``, written last (a stale one is removed first), so a directory with a manifest
+  is a complete export.
+
+Graph inputs: ``input_ids``, ``position_ids`` ``[batch, new_tokens]`` (int64),
+``attention_mask`` ``[batch, total_tokens]`` (int64, 1 = real token; cached and new tokens),
+``past_key_values`` ``[layers, batch, past_tokens, kv_lora_rank + qk_rope_head_dim]`` (f32).
+Outputs: ``logits [batch, new_tokens, vocab]`` and ``present_key_values`` (the past with this
+step's tokens appended). Every named axis is dynamic; ``batch`` may be 0 when ``dp > 1`` (a
+rank with no sequences still runs every step). ``total_tokens`` has its own axis: torch.export
+refuses ``past_tokens + new_tokens`` as an input's shape.
+
+``new_tokens`` is declared ``Dim.DYNAMIC`` rather than a named ``Dim``: reshapes in the
+attention make torch.export ask whether the axis is 1 (the answer only decides whether a
+reshape is a view or a copy), which a named ``Dim`` turns into an error. The parity check runs
+both 1 and several new tokens, so a graph that only worked for one of them would fail it.
+
+Parity at export:
+
+- ``dp == 1``: PyTorch versus ONNX Runtime versus OpenVINO (``numaov.exporter.parity``).
+- ``dp > 1``: ONNX Runtime has no kernels for the collective nodes (the manifest's ``notes``
+  say so, with ONNX Runtime's refusal as checked on the graph). Every rank's OpenVINO graph runs
+  in its own worker process (the runtime's ``run_on_ranks``, which joins the shared-memory group
+  the nodes name), each on its own share of the sequences: uneven prefill, decode with idle
+  ranks, both MoE branches. Each rank's outputs are compared with the unsharded PyTorch model
+  (dp=1) on the same sequences. The ranks are placed by ``NUMAOV_CPU_BIND`` or one per NUMA
+  node; on a machine with fewer NUMA nodes than ranks and no ``NUMAOV_CPU_BIND``, the allowed
+  CPUs are dealt out to the ranks round-robin (``numaov.runtime.lm_engine.plan_for_ranks``):
+  placement does not change the numbers, only the speed, and an export should not need a
+  two-socket machine to be checked. The plan used is recorded in the manifest's ``notes``.
+
+The exporter reaches into ``numaov.runtime`` for exactly that worker launch and plan, so the
+check runs the ranks the way the runtime will; the runtime never imports the exporter.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from numaov import NumaovError
+from numaov.exporter.manifest import (
+    MANIFEST_NAME,
+    ExportManifest,
+    RankFiles,
+    TensorSpec,
+    library_versions,
+    write_reference_sample,
+)
+from numaov.exporter.onnx_export import export_onnx
+from numaov.exporter.openvino_convert import (
+    INFERENCE_PRECISION,
+    check_precision,
+    compile_config,
+    convert_to_ir,
+)
+from numaov.exporter.parity import (
+    ParityError,
+    ParityFigure,
+    check_parity,
+    measure,
+    torch_reference,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The group name baked into the collective nodes; the runtime's workers join this group.
+COLLECTIVE_GROUP = "deepseek"
+LOWERING = "decomposed"
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_key_values")
+OUTPUT_NAMES = ("logits", "present_key_values")
+ONNX_NAME = "model.onnx"
+IR_NAME = "model.xml"
+REFERENCE_SAMPLE_NAME = "reference_sample.npz"
+# The example the graph is traced with: (batch, new tokens, cached tokens), all different
+# from each other and from 0/1, which torch.export would specialise.
+EXAMPLE_SHAPE = (2, 3, 4)
+PARITY_SEED = 0
+# Parity scenarios: per scenario, the (batch, new tokens, cached tokens) of ranks 0, 1, ...;
+# ranks beyond the list are idle (batch 0) in that scenario. With the tiny model's 8 experts
+# and top-2, the first two take the MoE's dense branch (rows * top_k > experts), the third the
+# per-row gather; dp=1 runs rank 0's column.
+PARITY_SCENARIOS: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    ((2, 5, 0), (1, 3, 0)),  # prefill of different lengths on each rank, left padding
+    ((3, 1, 6),),  # decode on rank 0 only: every other rank idle
+    ((1, 1, 4), (2, 1, 9)),  # decode with different cache lengths per rank
+)
+# The names the manifest gives the graph's axes (ONNX names the Dim.DYNAMIC axes itself).
+AXIS_NAMES: dict[str, list[str | None]] = {
+    "input_ids": ["batch", "new_tokens"],
+    "position_ids": ["batch", "new_tokens"],
+    "attention_mask": ["batch", "total_tokens"],
+    "past_key_values": [None, "batch", "past_tokens", None],
+    "logits": ["batch", "new_tokens", None],
+    "present_key_values": [None, "batch", "total_tokens", None],
+}
+_MAX_BATCH = 4096
+PARITY_TIMEOUT_S = 900.0
+
+
+class DeepseekExportError(NumaovError):
+    """The DeepSeek export request is malformed (bad directory, dp, precision)."""
+
+
+def _step_inputs(
+    config: Any, shape: tuple[int, int, int], rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """One step's inputs for ``shape = (batch, new tokens, cached tokens)``, as the engine
+    feeds them: the first sequence left-padded by two tokens when it has room, positions
+    counted from each sequence's first real token, a random (f32) cache."""
+    batch, new, past = shape
+    total = past + new
+    mask = np.ones((batch, total), dtype=np.int64)
+    if batch and total > 3:
+        mask[0, :2] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)[:, past:]
+    return {
+        "input_ids": rng.integers(0, config.vocab_size, (batch, new), dtype=np.int64),
+        "position_ids": np.ascontiguousarray(positions, dtype=np.int64),
+        "attention_mask": mask,
+        "past_key_values": rng.standard_normal(
+            (config.num_hidden_layers, batch, past, config.kv_cache_dim), dtype=np.float32
+        ),
+    }
+
+
+def _rank_inputs(config: Any, dp: int) -> list[list[dict[str, np.ndarray]]]:
+    """``inputs[rank][scenario]``: every rank's share of every parity scenario."""
+    rng = np.random.default_rng(PARITY_SEED)
+    idle = (0, 1, 0)
+    return [
+        [
+            _step_inputs(config, scenario[rank] if rank < len(scenario) else idle, rng)
+            for scenario in PARITY_SCENARIOS
+        ]
+        for rank in range(dp)
+    ]
+
+
+def _dynamic_shapes(config: Any, dp: int) -> dict[str, dict[int, Any]]:
+    dim = torch.export.Dim
+    # An idle DP rank runs with batch 0; a single rank always has a sequence.
+    batch = dim("batch", min=0 if dp > 1 else 1, max=_MAX_BATCH)
+    positions = config.max_position_embeddings
+    past = dim("past_tokens", min=0, max=positions)
+    total = dim("total_tokens", min=1, max=positions)
+    return {
+        "input_ids": {0: batch, 1: dim.DYNAMIC},
+        "position_ids": {0: batch, 1: dim.DYNAMIC},
+        "attention_mask": {0: batch, 1: total},
+        "past_key_values": {1: batch, 2: past},
+    }
+
+
+def _named_axes(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """The graph's tensor specs with every dynamic axis under its documented name."""
+    named = []
+    for spec in specs:
+        names = AXIS_NAMES.get(spec.name, [])
+        shape = [
+            names[i] if i < len(names) and names[i] is not None and isinstance(d, str) else d
+            for i, d in enumerate(spec.shape)
+        ]
+        named.append(TensorSpec(name=spec.name, dtype=spec.dtype, shape=shape))
+    return named
+
+
+def _check_request(checkpoint_dir: Path, out_dir: Path, dp: int, precision: str) -> None:
+    """Fail before the (possibly long) model load, and before creating anything."""
+    check_precision(precision)
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise DeepseekExportError(f"--dp is {dp!r}; expected a positive integer")
+    if not checkpoint_dir.is_dir():
+        raise DeepseekExportError(
+            f"checkpoint {str(checkpoint_dir)!r} is not a directory; expected a Hugging Face "
+            "deepseek_v2 directory (config.json + model.safetensors or a sharded index)"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DeepseekExportError(f"--out {str(out_dir)!r} is a file; expected a directory")
+
+
+@dataclass(frozen=True)
+class _ParityJob:
+    """What one parity worker needs; plain data, so it pickles into a spawned process."""
+
+    xml: str
+    inference_precision: str
+    input_sets: list[dict[str, np.ndarray]]
+
+
+def _run_rank_graph(context: Any, job: _ParityJob) -> list[list[np.ndarray]]:
+    """Worker body: compile this rank's IR and run its share of every parity scenario."""
+    import openvino as ov
+
+    from numaov.custom_ops import add_extension
+
+    core = ov.Core()
+    add_extension(core)
+    properties = {**compile_config(job.inference_precision), **context.openvino_config()}
+    compiled = core.compile_model(job.xml, "CPU", properties)
+    request = compiled.create_infer_request()
+    outputs = []
+    for feeds in job.input_sets:
+        request.infer(feeds)
+        outputs.append(
+            [np.array(request.get_output_tensor(i).data) for i in range(len(compiled.outputs))]
+        )
+    return outputs
+
+
+def _check_ranks_on_workers(
+    xml_paths: list[Path],
+    rank_inputs: list[list[dict[str, np.ndarray]]],
+    references: list[list[list[np.ndarray]]],
+    inference_precision: str,
+    progress: Callable[[str], None],
+) -> tuple[list[ParityFigure], str]:
+    """Run every rank's IR in its own worker and compare with PyTorch dp=1; returns the
+    figures and a description of the placement used."""
+    from numaov.runtime.lm_engine import plan_for_ranks
+    from numaov.runtime.workers import run_on_ranks
+
+    dp = len(xml_paths)
+    plan, placement = plan_for_ranks(dp, split_cpus=True)
+    progress(f"parity check on openvino ({inference_precision}), {dp} ranks in worker "
+             f"processes ({placement})")
+    jobs = [
+        _ParityJob(str(xml), inference_precision, inputs)
+        for xml, inputs in zip(xml_paths, rank_inputs, strict=True)
+    ]
+    results = run_on_ranks(plan, _run_rank_graph, jobs, group=COLLECTIVE_GROUP,
+                           timeout_s=PARITY_TIMEOUT_S)
+    figures = []
+    for rank, (outputs, expected, inputs) in enumerate(
+        zip(results, references, rank_inputs, strict=True)
+    ):
+        for got, ref, feeds in zip(outputs, expected, inputs, strict=True):
+            shapes = {name: list(array.shape) for name, array in feeds.items()}
+            for name, r, g in zip(OUTPUT_NAMES, ref, got, strict=True):
+                figure = measure(r, g, "openvino", inference_precision, f"rank{rank}.{name}",
+                                 shapes)
+                logger.info("parity: %s", figure.describe())
+                figures.append(figure)
+    failed = [f for f in figures if not f.passed]
+    if failed:
+        raise ParityError(
+            f"the dp={dp} rank graphs do not match the unsharded PyTorch model: "
+            + "; ".join(f.describe() for f in failed),
+            figures,
+        )
+    worst = max(f.rel_error for f in figures)
+    progress(f"parity ok: {len(figures)} comparisons, worst relative error {worst:.3g}")
+    return figures, placement
+
+
+def _onnxruntime_refusal(onnx_path: Path) -> str:
+    """Why ONNX Runtime is not in a DP export's parity check, as ONNX Runtime's own check says."""
+    from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can_run
+
+    try:
+        check_onnxruntime_can_run(onnx_path)
+    except OnnxRuntimeUnsupportedError as exc:
+        return f"onnxruntime not checked: {exc}"
+    raise DeepseekExportError(
+        f"{str(onnx_path)!r} holds no numaov.collective nodes although it was exported for "
+        "several ranks; expected the collectives around every MLP and MoE block"
+    )
+
+
+def export_deepseek(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    dp: int = 1,
+    precision: str = "f32",
+    progress: Callable[[str], None] | None = None,
+) -> ExportManifest:
+    """Export the DeepSeek-V2 checkpoint in ``checkpoint_dir`` for ``dp`` ranks; returns the
+    manifest written to ``out_dir``.
+
+    Raises ``ShardError`` when ``dp`` does not divide the sharded dims, ``CheckpointError``
+    when the checkpoint does not fit its config, ``ParityError`` (nothing written as complete)
+    when a backend differs from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
+    """
+    from numaov.models.deepseek import (
+        DataParallelGroup,
+        DeepseekV2,
+        DeepseekV2Config,
+        DeepseekV2Step,
+        check_dp_divides,
+    )
+
+    report = progress or (lambda _msg: None)
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    _check_request(checkpoint_dir, out_dir, dp, precision)
+    config = DeepseekV2Config.from_pretrained(checkpoint_dir)
+    check_dp_divides(config, dp)
+    inference_precision = INFERENCE_PRECISION[precision]
+    timings: dict[str, float] = {}
+    rank_inputs = _rank_inputs(config, dp)
+
+    # 1. the unsharded model: the parity reference for every rank's share
+    start = time.perf_counter()
+    report(f"loading DeepSeek-V2 checkpoint {checkpoint_dir}")
+    model = DeepseekV2.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    timings["load"] = time.perf_counter() - start
+    start = time.perf_counter()
+    report("running PyTorch (dp=1) on the parity inputs")
+    references = [torch_reference(DeepseekV2Step(model), inputs) for inputs in rank_inputs]
+    timings["torch_reference"] = time.perf_counter() - start
+    del model
+    gc.collect()
+
+    # 2. per rank: the shard, its ONNX graph, its IR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    example = {
+        name: torch.from_numpy(array)
+        for name, array in _step_inputs(config, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
+    }
+    graphs, xml_paths, rank_files = [], [], []
+    for rank in range(dp):
+        start = time.perf_counter()
+        report(f"rank {rank}/{dp}: loading its shard")
+        group = DataParallelGroup(COLLECTIVE_GROUP, rank, dp) if dp > 1 else None
+        shard = DeepseekV2.from_pretrained(checkpoint_dir, dtype=torch.float32, dp=group)
+        timings["load"] += time.perf_counter() - start
+        start = time.perf_counter()
+        rank_dir = out_dir / f"rank_{rank}"
+        graph = export_onnx(
+            DeepseekV2Step(shard), (), example, _dynamic_shapes(config, dp),
+            rank_dir / ONNX_NAME, LOWERING, progress, output_names=list(OUTPUT_NAMES),
+        )
+        timings["onnx_export"] = timings.get("onnx_export", 0.0) + time.perf_counter() - start
+        del shard
+        gc.collect()
+        start = time.perf_counter()
+        xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, precision, progress)
+        timings["openvino_convert"] = (
+            timings.get("openvino_convert", 0.0) + time.perf_counter() - start
+        )
+        graphs.append(graph)
+        xml_paths.append(xml_path)
+        rank_files.append(
+            RankFiles(
+                rank=rank,
+                onnx=f"rank_{rank}/{ONNX_NAME}",
+                ir_xml=f"rank_{rank}/{IR_NAME}",
+                ir_bin=f"rank_{rank}/{xml_path.with_suffix('.bin').name}",
+            )
+        )
+
+    # 3. parity
+    start = time.perf_counter()
+    notes: list[str] = []
+    reference_sample = None
+    if dp == 1:
+        figures = check_parity(
+            rank_inputs[0], references[0], list(OUTPUT_NAMES), graphs[0].path, xml_paths[0],
+            openvino_precision=inference_precision, progress=progress,
+        )
+        write_reference_sample(
+            out_dir / REFERENCE_SAMPLE_NAME, rank_inputs[0][0],
+            dict(zip(OUTPUT_NAMES, references[0][0], strict=True)),
+        )
+        reference_sample = REFERENCE_SAMPLE_NAME
+    else:
+        notes.append(_onnxruntime_refusal(graphs[0].path))
+        figures, placement = _check_ranks_on_workers(
+            xml_paths, rank_inputs, references, inference_precision, report
+        )
+        notes.append(
+            f"openvino checked with the {dp} rank graphs in {dp} worker processes sharing "
+            f"collective group {COLLECTIVE_GROUP!r} ({placement}), each rank's outputs "
+            "against the unsharded PyTorch model on the same sequences"
+        )
+    timings["parity"] = time.perf_counter() - start
+
+    manifest = ExportManifest(
+        kind="deepseek",
+        config=config.to_dict(),
+        inputs=_named_axes(graphs[0].inputs),
+        outputs=_named_axes(graphs[0].outputs),
+        precision=precision,
+        inference_precision=inference_precision,
+        lowering=LOWERING,
+        ranks=rank_files,
+        versions=library_versions(),
+        parity=[f.as_dict() for f in figures],
+        source_checkpoint=str(checkpoint_dir.resolve()),
+        export_seconds={k: round(v, 3) for k, v in timings.items()},
+        reference_sample=reference_sample,
+        collective_group=COLLECTIVE_GROUP if dp > 1 else None,
+        notes=notes,
+        world_size=dp,
+    )
+    manifest.write(out_dir)
+    report(
+        f"exported to {out_dir} in {sum(timings.values()):.1f} s ("
+        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+        + ")"
+    )
+    return manifest

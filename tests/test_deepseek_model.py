@@ -1,0 +1,322 @@
+"""DeepSeek-V2 model: parity with transformers, checkpoint loading, KV cache, MoE faces."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV2Config as HFConfig
+from transformers import DeepseekV2ForCausalLM
+
+from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, build_tiny_deepseek
+from numaov.models.checkpoint import CheckpointError
+from numaov.models.deepseek import (
+    EXPERT_IMPLS,
+    DeepseekConfigError,
+    DeepseekV2,
+    DeepseekV2Config,
+    DeepseekV2Experts,
+    ModelInputError,
+    generate_greedy,
+)
+
+SEED = 1234
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [27, 18], [28, 18, 28, 45, 90]]
+MAX_NEW_TOKENS = 5
+# fp32 on both sides. The models differ in operation order only (transformers' complex-number
+# rope vs the rotary op, SDPA vs its attention, the expert loop), so logits agree to float32
+# rounding accumulated over 2-3 layers: ~1e-6 on logits of magnitude ~1-10. 1e-4 is well
+# above that and well below the top-1 / top-2 logit gaps greedy decoding depends on.
+ATOL = 1e-4
+RTOL = 1e-4
+
+# Two transformers configs that together cover the architecture's switches.
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    # plain rope, query without low rank, greedy routing, tied embeddings, all layers MoE
+    "lite": dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
+        topk_method="greedy", routed_scaling_factor=1.0, first_k_dense_replace=0,
+        tie_word_embeddings=True, max_position_embeddings=128,
+    ),
+    # yarn rope, low-rank query, group-limited routing, a dense first layer, 2 shared experts
+    "full": dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=8, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, max_position_embeddings=128,
+        rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                      "mscale_all_dim": 0.707},
+    ),
+}
+
+
+def _init_like_tiny(model: torch.nn.Module, seed: int) -> None:
+    """Weights with O(1) activations and a sharp router (as the builtin tiny model), so the
+    greedy choices are not decided by rounding-level logit gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif "embed_tokens" in name:
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                scale = 4.0 if name.endswith("mlp.gate.weight") else 1.0
+                param.copy_(scale * torch.randn(param.shape, generator=gen)
+                            / math.sqrt(param.shape[-1]))
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def hf_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(transformers model, saved directory); "full" is saved sharded."""
+    name = request.param
+    print(f"transformers DeepseekV2 {name!r} seed: {SEED}")
+    torch.manual_seed(SEED)
+    hf = DeepseekV2ForCausalLM(HFConfig(**HF_CONFIGS[name])).eval()
+    _init_like_tiny(hf, SEED)
+    directory = tmp_path_factory.mktemp(f"hf_{name}")
+    hf.save_pretrained(directory, max_shard_size="40KB" if name == "full" else "1GB")
+    sharded = (directory / "model.safetensors.index.json").is_file()
+    assert sharded == (name == "full"), "the fixture should exercise both layouts"
+    return hf, directory
+
+
+def test_logits_and_greedy_tokens_match_transformers(hf_checkpoint) -> None:
+    hf, directory = hf_checkpoint
+    model = DeepseekV2.from_pretrained(directory)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(model(ids), expected, atol=ATOL, rtol=RTOL)
+
+    # batched and left-padded here, one prompt at a time in transformers
+    ours = generate_greedy(model, PROMPTS, MAX_NEW_TOKENS)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            )
+        assert ours.tokens[i] == out.sequences[0, len(prompt):].tolist(), f"prompt {i}"
+        torch.testing.assert_close(
+            ours.logits[i], torch.cat(out.logits).float(), atol=ATOL, rtol=RTOL
+        )
+
+
+def test_kv_cache_decode_equals_full_recompute() -> None:
+    model = DeepseekV2.empty(TINY_DEEPSEEK_CONFIG)
+    from numaov.models.builtin.deepseek_tiny import init_tiny_weights
+
+    init_tiny_weights(model, torch.Generator().manual_seed(SEED))
+    out = generate_greedy(model, PROMPTS, MAX_NEW_TOKENS)
+    # Recompute every step from scratch: each prompt with its generated tokens, no cache.
+    for i, prompt in enumerate(PROMPTS):
+        full = torch.tensor([prompt + out.tokens[i]])
+        with torch.no_grad():
+            logits = model(full)[0, len(prompt) - 1:-1]
+        torch.testing.assert_close(out.logits[i], logits, atol=ATOL, rtol=RTOL)
+
+
+def test_bf16_load_keeps_the_router_in_fp32(tmp_path: Path) -> None:
+    directory = build_tiny_deepseek(tmp_path / "tiny", seed=SEED)
+    model = DeepseekV2.from_pretrained(directory, dtype=torch.bfloat16)
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    ref = DeepseekV2.from_pretrained(directory)
+    ids = torch.tensor([PROMPTS[0]])
+    # bf16 keeps 8 mantissa bits: over 3 layers logits of magnitude ~5 drift by ~0.05.
+    torch.testing.assert_close(model(ids).float(), ref(ids), atol=0.25, rtol=0.05)
+
+
+def test_expert_faces_agree() -> None:
+    """The eager loop and both graph forms compute the same sum (float32 rounding apart)."""
+    gen = torch.Generator().manual_seed(SEED)
+    experts = DeepseekV2Experts(num_experts=8, hidden=16, intermediate=12)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(8, 24, 16, generator=gen) / 4)
+        experts.down_proj.copy_(torch.randn(8, 16, 12, generator=gen) / 4)
+    for rows in (1, 3, 40):  # 3*2 <= 8 picks the gather inside "graph", 40*2 the dense form
+        x = torch.randn(rows, 16, generator=gen)
+        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(rows)])
+        weights = torch.rand(rows, 2, generator=gen)
+        results = {}
+        for impl in EXPERT_IMPLS:
+            experts.impl = impl
+            with torch.no_grad():
+                results[impl] = experts(x, ids, weights)
+        for impl, value in results.items():
+            torch.testing.assert_close(value, results["grouped"], atol=1e-5, rtol=1e-5,
+                                       msg=f"{impl} vs grouped, {rows} rows")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints that do not fit
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_dir(tmp_path: Path) -> Path:
+    return build_tiny_deepseek(tmp_path / "tiny", seed=SEED)
+
+
+def test_missing_and_misshaped_tensors_are_named(tiny_dir: Path) -> None:
+    weights = tiny_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(3, 3)
+    tensors["model.layers.9.mlp.gate.weight"] = torch.zeros(1)
+    save_file(tensors, str(weights))
+    with pytest.raises(CheckpointError) as info:
+        DeepseekV2.from_pretrained(tiny_dir)
+    message = str(info.value)
+    assert "1 missing tensor: model.layers.2.mlp.experts.5.up_proj.weight" in message
+    assert "1 unexpected tensor: model.layers.9.mlp.gate.weight" in message
+    assert "model.layers.0.self_attn.o_proj.weight (expected [64, 64], found [3, 3])" in message
+
+
+def test_config_that_does_not_match_the_weights(tiny_dir: Path) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["n_routed_experts"] = 16
+    (tiny_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as info:
+        DeepseekV2.from_pretrained(tiny_dir)
+    # 8 absent experts x 3 tensors x 2 MoE layers, and the router sized for 16 experts
+    assert "48 missing tensors: model.layers.1.mlp.experts.10.down_proj.weight" in str(info.value)
+    assert "model.layers.1.mlp.gate.weight (expected [16, 64], found [8, 64])" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": None}, "missing required key"),
+        ({"model_type": "llama"}, "expected 'deepseek_v2'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+        ({"topk_method": "noaux_tc"}, "topk_method is 'noaux_tc'"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok is 9"),
+        ({"n_group": 3}, "n_group dividing n_routed_experts"),
+        ({"qk_rope_head_dim": 7}, "expected an even number"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tiny_dir: Path, change: dict[str, Any], message: str) -> None:
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config.update(change)
+    (tiny_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DeepseekConfigError, match=message):
+        DeepseekV2.from_pretrained(tiny_dir)
+
+
+def test_missing_directory_and_weights(tmp_path: Path, tiny_dir: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        DeepseekV2.from_pretrained(tmp_path / "nowhere")
+    (tiny_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
+        DeepseekV2.from_pretrained(tiny_dir)
+
+
+def test_generation_inputs_are_checked(tiny_dir: Path) -> None:
+    model = DeepseekV2.from_pretrained(tiny_dir)
+    with pytest.raises(ModelInputError, match="prompt 1 is empty"):
+        generate_greedy(model, [[1], []], 2)
+    with pytest.raises(ModelInputError, match=r"token id\(s\) \[512\] outside"):
+        generate_greedy(model, [[1, 512]], 2)
+    with pytest.raises(ModelInputError, match="max_new_tokens is 0"):
+        generate_greedy(model, [[1]], 0)
+    with pytest.raises(ModelInputError, match="exceeds max_position_embeddings=256"):
+        generate_greedy(model, [[1] * 250], 10)
+
+
+def test_stacked_expert_layout_and_auto_dtype_load(tiny_dir: Path, tmp_path: Path) -> None:
+    """transformers' in-memory layout (experts.gate_up_proj / experts.down_proj stacks) loads
+    as well as DeepSeek's per-expert files."""
+    model = DeepseekV2.from_pretrained(tiny_dir)
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (stacked / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(stacked / "model.safetensors"))
+    again = DeepseekV2.from_pretrained(stacked, dtype="auto")
+    assert again.lm_head.weight.dtype == torch.bfloat16
+    again = DeepseekV2.from_pretrained(stacked)
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(again(ids), model(ids))  # same weights, same code: bit-identical
+
+
+def test_config_round_trips_through_config_json(tiny_dir: Path) -> None:
+    assert DeepseekV2Config.from_pretrained(tiny_dir) == TINY_DEEPSEEK_CONFIG
+    # and transformers reads what numaov writes
+    hf = DeepseekV2ForCausalLM.from_pretrained(tiny_dir).eval()
+    ours = DeepseekV2.from_pretrained(tiny_dir)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """torch.onnx.export(dynamo=True) of the cached step, one graph for every batch size,
+    new-token count and cache length; ONNX Runtime runs both MoE branches (the ``If`` picks
+    the per-row weight gather for few rows and the dense form for many)."""
+    import onnxruntime as ort
+
+    from numaov.custom_ops import onnx_translation_table
+    from numaov.models.deepseek import DeepseekV2Step
+
+    model = DeepseekV2.from_pretrained(tiny_dir)
+    step = DeepseekV2Step(model).eval()
+    layers, width = TINY_DEEPSEEK_CONFIG.num_hidden_layers, TINY_DEEPSEEK_CONFIG.kv_cache_dim
+
+    def inputs(b: int, t: int, p: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(b * 100 + t * 10 + p)
+        mask = torch.ones(b, p + t, dtype=torch.long)
+        mask[0, 0] = 0 if p + t > 1 else 1  # a left-padded first row
+        return {
+            "input_ids": torch.randint(0, TINY_DEEPSEEK_CONFIG.vocab_size, (b, t), generator=gen),
+            "position_ids": (torch.arange(p, p + t) - 1).clamp(min=0).expand(b, t).contiguous(),
+            "attention_mask": mask,
+            "past_key_values": torch.randn(layers, b, p, width, generator=gen),
+        }
+
+    batch = torch.export.Dim("batch", min=1, max=64)
+    seq = torch.export.Dim("seq", min=1, max=256)
+    past = torch.export.Dim("past", min=0, max=256)
+    total = torch.export.Dim("total", min=1, max=512)
+    example = inputs(2, 3, 4)
+    path = tmp_path / "step.onnx"
+    torch.onnx.export(
+        step, tuple(example.values()), str(path), dynamo=True,
+        input_names=list(example), output_names=["logits", "present_key_values"],
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq},
+                        "attention_mask": {0: batch, 1: total},
+                        "past_key_values": {1: batch, 2: past}},
+        custom_translation_table=onnx_translation_table("decomposed"),
+    )
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    # (batch, new tokens, cached tokens): prefill with an empty cache, decode, mixed;
+    # 1x5 and 1x40 rows take the dense branch (rows*top_k > 8 experts), 3x1 the gather.
+    for b, t, p in ((1, 5, 0), (3, 1, 7), (1, 40, 0), (2, 2, 3)):
+        feed = inputs(b, t, p)
+        with torch.no_grad():
+            logits, present = step(*feed.values())
+        got = session.run(None, {k: v.numpy() for k, v in feed.items()})
+        # float32 graph vs float32 eager; same tolerance and reason as the transformers parity
+        torch.testing.assert_close(torch.from_numpy(got[0]), logits, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(torch.from_numpy(got[1]), present, atol=ATOL, rtol=RTOL)
