@@ -14,9 +14,11 @@ the three things that must always hold are in one place:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,25 @@ def _check_dynamic_axes(
             )
 
 
+@contextlib.contextmanager
+def _quiet_torch_exporter() -> Iterator[None]:
+    """Silence the exporter's notices that say nothing about the user's model.
+
+    torch.onnx logs a line per missing torchvision op and warns about deprecated
+    pytree internals and renamed axes on every export; real problems still raise.
+    """
+    noisy = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = noisy.level
+    noisy.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.|copyreg")
+            warnings.filterwarnings("ignore", message=r".*axis name: .* will not be used")
+            yield
+    finally:
+        noisy.setLevel(level)
+
+
 def export_onnx(
     module: torch.nn.Module,
     args: tuple[Any, ...],
@@ -175,7 +196,7 @@ def export_onnx(
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_torch_exporter():
             report(f"capturing {name} with torch.export")
             exported = _capture(module, args, kwargs, dynamic_shapes, name)
             report(f"translating {name} to ONNX (lowering={lowering})")

@@ -133,6 +133,10 @@ def measure(
 def _onnxruntime_runner(onnx_path: Path) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     import onnxruntime as ort
 
+    from numaov.custom_ops import check_onnxruntime_can_run
+
+    # A graph with numaov.collective nodes gets a clear refusal, not ORT's load error.
+    check_onnxruntime_can_run(onnx_path)
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     return lambda feeds: list(session.run(None, feeds))
 
