@@ -84,6 +84,46 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None) -> list[str
     ]
 
 
+def _demo_deepseek(out_dir: Path, progress: Callable[[str], None] | None) -> list[str]:
+    """Tiny seeded DeepSeek-V2 MoE: export for dp=2, generate on two workers with torch and
+    OpenVINO, compare tokens and logits."""
+    import numpy as np
+
+    from numaov.exporter.deepseek_export import export_deepseek
+    from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
+    from numaov.runtime.lm_engine import plan_for_ranks, run_deepseek
+
+    checkpoint = build_tiny_deepseek(out_dir / "checkpoint", seed=0)
+    manifest = export_deepseek(checkpoint, out_dir / "model", dp=2, precision="f32",
+                               progress=progress)
+    # Two ranks even on a one-node machine: its CPUs are split between them.
+    plan, placement = plan_for_ranks(2, split_cpus=True)
+    prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2], [77, 12, 19, 401]]
+    new_tokens = 16
+    runs = {
+        backend: run_deepseek(out_dir / "model", prompts, new_tokens, backend, plan=plan,
+                              keep_logits=True, progress=progress)
+        for backend in ("torch", "openvino")
+    }
+    torch_run, ov_run = runs["torch"], runs["openvino"]
+    same = sum(a == b for a, b in zip(torch_run.tokens, ov_run.tokens, strict=True))
+    error = max(
+        float(np.abs(o - t).max() / max(float(np.abs(t).max()), 1e-12))
+        for o, t in zip(ov_run.logits or [], torch_run.logits or [], strict=True)
+    )
+    torch_rate, ov_rate = torch_run.decode_tokens_per_second, ov_run.decode_tokens_per_second
+    return [
+        "DeepSeek-V2 MoE (tiny, embedded), DP attention on 2 ranks:",
+        f"  {manifest.summary(out_dir / 'model')}",
+        f"  placement: {placement}",
+        f"  {len(prompts)} prompts x {new_tokens} greedy tokens: OpenVINO == torch tokens for "
+        f"{same}/{len(prompts)} prompts; logits max rel error {error:.2g}",
+        f"  decode: torch {torch_rate:.0f} tokens/s, OpenVINO {ov_rate:.0f} tokens/s "
+        f"({ov_rate / torch_rate:.2f}x); prefill torch {torch_run.prefill_seconds * 1e3:.1f} ms, "
+        f"OpenVINO {ov_run.prefill_seconds * 1e3:.1f} ms",
+    ]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The README's first command: the main job on the embedded default models."""
     from numaov.runtime.doctor import collect_report
@@ -95,7 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for warning in report["warnings"]:
         print(f"warning: {warning}")
     out = Path(args.out)
-    for part, run in (("wan", _demo_wan),):
+    for part, run in (("wan", _demo_wan), ("deepseek", _demo_deepseek)):
         (out / part).mkdir(parents=True, exist_ok=True)
         print("\n".join(run(out / part, _progress(args))), flush=True)
     return 0
@@ -171,6 +211,82 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run_wan)
 
 
+# -- export deepseek / run deepseek -----------------------------------------------------
+
+
+def cmd_export_deepseek(args: argparse.Namespace) -> int:
+    from numaov.exporter.deepseek_export import export_deepseek
+
+    manifest = export_deepseek(args.checkpoint, args.out, args.dp, args.precision,
+                               _progress(args))
+    print(manifest.summary(args.out))
+    for note in manifest.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _add_export_deepseek_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("deepseek", help="export a Hugging Face DeepSeek-V2 checkpoint per DP rank")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="deepseek_v2 directory (config.json + model.safetensors or sharded index)")
+    p.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="data-parallel ranks, one graph each (default 1); must divide the MLP "
+                   "and expert intermediate sizes")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="where rank_<r>/ graphs and manifest.json go")
+    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+                   help="IR weights and inference precision (default f32)")
+    _add_common(p)
+    p.set_defaults(func=cmd_export_deepseek)
+
+
+def cmd_run_deepseek(args: argparse.Namespace) -> int:
+    from numaov.runtime.lm_engine import (
+        GenerationInputError,
+        encode_prompts,
+        format_generation,
+        load_tokenizer,
+        parse_prompt_ids,
+        run_deepseek,
+    )
+
+    if (args.prompt_ids is None) == (not args.prompt):
+        raise GenerationInputError(
+            "give the prompts once: --prompt-ids '1,2,3;4,5' or --tokenizer DIR with one "
+            "--prompt TEXT per prompt"
+        )
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    if args.prompt:
+        if tokenizer is None:
+            raise GenerationInputError("--prompt TEXT needs --tokenizer DIR (a tokenizer.json)")
+        prompts = encode_prompts(tokenizer, args.prompt)
+    else:
+        prompts = parse_prompt_ids(args.prompt_ids)
+    result = run_deepseek(args.model_dir, prompts, args.max_new_tokens, args.backend,
+                          progress=_progress(args))
+    print(format_generation(result, prompts, tokenizer))
+    return 0
+
+
+def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("deepseek", help="greedy generation with an exported DeepSeek-V2, one "
+                       "worker per DP rank")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="output of `numaov export deepseek`")
+    p.add_argument("--prompt-ids", metavar="IDS",
+                   help="token ids, ',' between ids and ';' between prompts: '1,2,3;4,5'")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="directory with a Hugging Face tokenizer.json: prompts and output as text")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt as text (needs --tokenizer; repeat for several prompts)")
+    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
+                   help="tokens to generate per prompt")
+    p.add_argument("--backend", choices=["openvino", "torch"], default="openvino",
+                   help="what runs each rank's step (default openvino)")
+    _add_common(p)
+    p.set_defaults(func=cmd_run_deepseek)
+
+
 # -- parser and entry point ---------------------------------------------------------------
 
 
@@ -193,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_sub = run.add_subparsers(dest="model", required=True, metavar="MODEL")
     _add_export_wan_parser(export_sub)
     _add_run_wan_parser(run_sub)
+    _add_export_deepseek_parser(export_sub)
+    _add_run_deepseek_parser(run_sub)
     return parser
 
 

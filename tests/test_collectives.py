@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import random
 import time
 from pathlib import Path
@@ -273,6 +274,9 @@ def _interleave_worker(rank: int, world: int, args: dict) -> dict:
     from numaov.custom_ops.collectives import ShmCommunicator
 
     torch.set_num_threads(1)
+    # Non-temporal result stores from 4 KiB up (default 8 MiB), so unaligned destinations and
+    # odd lengths go through them too.
+    os.environ["NUMAOV_COLL_STREAM_BYTES"] = "4096"
     comm = ShmCommunicator(args["group"], rank, world, job_id=args["job"], timeout_s=60)
     plan = random.Random(args["seed"])  # the op sequence: the same on every rank
     arrival = random.Random(args["seed"] * 1000 + rank + 1)  # when this rank gets there

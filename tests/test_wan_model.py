@@ -200,6 +200,10 @@ def test_bf16_runs_and_is_close(reference_dirs) -> None:
     # fault, which shows as tens of percent.
     assert (got.float() - expected16.float()).abs().max().item() < 0.02 * scale
     assert (got.float() - expected32).abs().max().item() < 0.03 * scale
+    # Casting an fp32 model afterwards keeps the same fp32 tables: bit-identical to loading.
+    cast = WanTransformer.from_pretrained(directory).to_compute_dtype(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(cast(x.bfloat16(), t, e.bfloat16()), got)
 
 
 def _copy_checkpoint(source: Path, target: Path) -> Path:

@@ -59,7 +59,8 @@ class CollectiveError(NumaovError):
 _F32, _BF16, _F16 = 0, 1, 2
 # numpy has no bfloat16 of its own; ml_dtypes' is recognised by name.
 _NUMPY_CODES = {"float32": _F32, "bfloat16": _BF16, "float16": _F16}
-_TORCH_CODES = {"torch.float32": _F32, "torch.bfloat16": _BF16, "torch.float16": _F16}
+# torch.dtype -> code, filled on first use (torch is not imported here).
+_TORCH_CODES: dict[Any, int] = {}
 _EXPECTED_DTYPES = "float32, bfloat16 or float16"
 
 
@@ -90,10 +91,15 @@ def _buffer(t: Any, what: str, writable: bool) -> tuple[int, int, int]:
             raise CollectiveError(f"{what} is read-only; expected a writeable array")
         return t.ctypes.data, t.size, code
     if _is_tensor(t):
-        code = _TORCH_CODES.get(str(t.dtype))
+        # This is the per-call path of small collectives: cheap attribute reads only.
+        if not _TORCH_CODES:
+            import torch
+
+            _TORCH_CODES.update({torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16})
+        code = _TORCH_CODES.get(t.dtype)
         if code is None:
             raise CollectiveError(f"{what} has dtype {t.dtype}; expected {_EXPECTED_DTYPES}")
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise CollectiveError(f"{what} is on {t.device}; expected a CPU tensor")
         if not t.is_contiguous():
             raise CollectiveError(f"{what} is not contiguous; expected a contiguous tensor")

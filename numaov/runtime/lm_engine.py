@@ -191,11 +191,13 @@ def plan_for_ranks(
         plan = BindingPlan.resolve(topology, world_size, env)
     except BindingError as exc:
         if bind or not split_cpus:
+            hint = "" if BIND_ENV in str(exc) else (
+                f"; set {BIND_ENV} to {world_size} CPU lists separated by '|'"
+            )
             raise RankPlanError(
-                f"the model has dp={world_size} ranks and runs one worker per rank, but the "
-                f"binding plan does not fit: {exc}. Set {BIND_ENV} to {world_size} CPU lists "
-                f"separated by '|' (e.g. {BIND_ENV}='0-3|4-7'), or export with --dp matching "
-                "the number of NUMA nodes"
+                f"a model exported for dp={world_size} runs one worker per rank, but the "
+                f"binding plan does not fit: {exc}{hint} (or export with a --dp that matches "
+                "the NUMA nodes)"
             ) from None
         plan = _split_plan(topology, world_size)
         logger.info("%s; splitting the allowed CPUs over %d ranks", exc, world_size)
@@ -529,8 +531,22 @@ def run_deepseek(
         tokens=tokens, backend=backend, world_size=world, placement=placement,
         step_seconds=steps, load_seconds=max(r.load_seconds for r in results), logits=logits,
     )
-    report(result.summary())
     return result
+
+
+def format_generation(
+    result: GenerationResult, prompts: Sequence[Sequence[int]], tokenizer: Any = None
+) -> str:
+    """One line per prompt (ids, or text with a tokenizer: prompt -> new text), then the
+    timing summary."""
+    lines = []
+    for i, (prompt, new) in enumerate(zip(prompts, result.tokens, strict=True)):
+        if tokenizer is None:
+            lines.append(f"[{i}] {','.join(map(str, prompt))} -> {','.join(map(str, new))}")
+        else:
+            lines.append(f"[{i}] {tokenizer.decode(list(prompt))!r} -> {tokenizer.decode(new)!r}")
+    lines.append(result.summary())
+    return "\n".join(lines)
 
 
 def _run_jobs(plan: BindingPlan, jobs: list[_RankJob], group: str | None) -> list[RankGeneration]:

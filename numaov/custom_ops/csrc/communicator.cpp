@@ -201,6 +201,8 @@ ShmCommunicator::ShmCommunicator(const std::string& name, int rank, int world_si
                                          std::min(kDefaultOneshotBytes, config.half_bytes), 0,
                                          config.half_bytes, 1);
     }
+    stream_bytes_ = env_bytes("NUMAOV_COLL_STREAM_BYTES", kDefaultStreamBytes, 0,
+                              ~uint64_t(0), 1);
     segment_ = std::make_unique<shm::Segment>(config);
     segment_name_ = segment_->name();
     buffer_bytes_ = segment_->half_bytes();
@@ -452,6 +454,7 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
     const uint64_t count = call.count;
     const uint64_t chunks = ceil_div(count, chunk);
     auto chunk_length = [&](uint64_t j) { return std::min(chunk, count - j * chunk); };
+    const bool stream = streams(count * es);
 
     auto produce_raw = [&](uint64_t j) {
         const uint64_t n = chunk_length(j);
@@ -473,8 +476,8 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
             for (int p = 0; p < world_; ++p) {
                 if (p == rank_) continue;
                 const Slice s = slice_of(n, world_, p, es);
-                std::memcpy(data + ((j - 1) * chunk + s.offset) * es,
-                            peer_half(p) + reduced_offset, s.length * es);
+                kernels::copy(data + ((j - 1) * chunk + s.offset) * es,
+                              peer_half(p) + reduced_offset, s.length * es, stream);
             }
         }
         if (j < chunks) {
@@ -488,7 +491,7 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
             }
             uint8_t* reduced = next_half() + reduced_offset;
             kernels::reduce_sum(reduced, sources_.data(), world_, mine.length, call.dtype, isa_);
-            std::memcpy(out, reduced, mine.length * es);
+            kernels::copy(out, reduced, mine.length * es, stream);
             if (j + 1 < chunks) produce_raw(j + 1);
         }
     }
@@ -553,10 +556,11 @@ void ShmCommunicator::all_gather_into_tensor(void* output, const void* input, ui
         const uint64_t chunk = chunk_elements(Op::all_gather_into_tensor, dtype);
         const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
         auto length = [&](uint64_t j) { return std::min(chunk, count - std::min(count, j * chunk)); };
+        const bool stream = streams(count * es * uint64_t(world_));
         auto produce = [&](uint64_t j) {
             const uint64_t n = length(j);
             std::memcpy(next_half(), in + j * chunk * es, n * es);
-            if (own != in) std::memcpy(own + j * chunk * es, in + j * chunk * es, n * es);
+            if (own != in) kernels::copy(own + j * chunk * es, in + j * chunk * es, n * es, stream);
         };
         if (world_ == 1) {
             if (own != in) std::memcpy(own, in, count * es);
@@ -569,7 +573,8 @@ void ShmCommunicator::all_gather_into_tensor(void* output, const void* input, ui
             const uint64_t n = length(j);
             for (int p = 0; p < world_; ++p) {
                 if (p == rank_) continue;
-                std::memcpy(out + (uint64_t(p) * count + j * chunk) * es, peer_half(p), n * es);
+                kernels::copy(out + (uint64_t(p) * count + j * chunk) * es, peer_half(p), n * es,
+                              stream);
             }
             if (j + 1 < chunks) produce(j + 1);
         }
@@ -582,6 +587,7 @@ void ShmCommunicator::broadcast(void* data, uint64_t count, DType dtype, int roo
         const uint64_t es = dtype_size(dtype);
         auto* bytes = static_cast<uint8_t*>(data);
         const uint64_t chunk = chunk_elements(Op::broadcast, dtype);
+        const bool stream = streams(count * es);
         const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
         auto length = [&](uint64_t j) { return std::min(chunk, count - std::min(count, j * chunk)); };
         auto produce = [&](uint64_t j) {
@@ -591,7 +597,8 @@ void ShmCommunicator::broadcast(void* data, uint64_t count, DType dtype, int roo
         for (uint64_t j = 0; j < chunks; ++j) {
             publish(call);
             wait_all(call);
-            if (rank_ != root) std::memcpy(bytes + j * chunk * es, peer_half(root), length(j) * es);
+            if (rank_ != root)
+                kernels::copy(bytes + j * chunk * es, peer_half(root), length(j) * es, stream);
             if (j + 1 < chunks) produce(j + 1);
         }
     });

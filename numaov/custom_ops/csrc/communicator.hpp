@@ -45,11 +45,20 @@ public:
     // data holds count elements, overwritten on every rank by root's.
     virtual void broadcast(void* data, uint64_t count, DType dtype, int root) = 0;
     virtual void barrier() = 0;
+    // For an error found before this rank's collective call (a bad input):
+    // marks the group failed so the other ranks, already waiting, raise at
+    // once instead of at the timeout. Later calls on this communicator throw.
+    virtual void fail(const std::string& reason) { (void)reason; }
 };
 
 // Process-wide registry, filled by the runtime before inference and read by
 // the OpenVINO ops' evaluate(): the group name is the only state that crosses
 // the op boundary.
+//
+// create_communicator joins the group (it blocks until all world_size ranks
+// have joined, bounded by the timeout) and registers the communicator under
+// `name`. An empty job_id means $NUMAOV_JOB_ID, else the session id;
+// timeout_s <= 0 means $NUMAOV_COLL_TIMEOUT_S, else 60 s.
 std::shared_ptr<Communicator> create_communicator(const std::string& name, int rank,
                                                   int world_size, const std::string& job_id,
                                                   double timeout_s);

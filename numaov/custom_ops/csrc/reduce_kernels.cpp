@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -292,6 +293,40 @@ NUMAOV_TARGET_AVX512 void reduce_avx512(void* dst, const void* const* srcs, int 
     }
 }
 
+// Non-temporal copy: regular stores up to the first 64-byte boundary of dst,
+// streaming stores for whole cache lines, memcpy for the tail.
+NUMAOV_TARGET_AVX512 void copy_stream_avx512(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+    const uint64_t head = std::min<uint64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+    std::memcpy(dst, src, head);
+    uint64_t i = head;
+    for (; i + 256 <= bytes; i += 256) {
+        const __m512i a = _mm512_loadu_si512(src + i), b = _mm512_loadu_si512(src + i + 64);
+        const __m512i c = _mm512_loadu_si512(src + i + 128), d = _mm512_loadu_si512(src + i + 192);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
+    }
+    for (; i + 64 <= bytes; i += 64)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+    std::memcpy(dst + i, src + i, bytes - i);
+    _mm_sfence();
+}
+
+NUMAOV_TARGET_AVX2 void copy_stream_avx2(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
+    const uint64_t head = std::min<uint64_t>(bytes, (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32);
+    std::memcpy(dst, src, head);
+    uint64_t i = head;
+    for (; i + 128 <= bytes; i += 128) {
+        for (int k = 0; k < 128; k += 32) {
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + k),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + k)));
+        }
+    }
+    std::memcpy(dst + i, src + i, bytes - i);
+    _mm_sfence();
+}
+
 bool cpu_has_avx512() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
@@ -330,6 +365,20 @@ Isa best_isa() {
         return Isa::scalar;
     }();
     return isa;
+}
+
+void copy(void* dst, const void* src, uint64_t bytes, bool stream) {
+    if (!stream || bytes < 4096) {
+        std::memcpy(dst, src, bytes);
+        return;
+    }
+    auto* d = static_cast<uint8_t*>(dst);
+    const auto* s = static_cast<const uint8_t*>(src);
+    switch (best_isa()) {
+        case Isa::avx512: return copy_stream_avx512(d, s, bytes);
+        case Isa::avx2: return copy_stream_avx2(d, s, bytes);
+        case Isa::scalar: std::memcpy(d, s, bytes); return;
+    }
 }
 
 void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t count, DType dtype,

@@ -34,4 +34,10 @@ inline void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t 
     reduce_sum(dst, srcs, n_srcs, count, dtype, best_isa());
 }
 
+// memcpy, or with `stream` a copy whose stores bypass the caches
+// (non-temporal): for large results written once into memory that no cache
+// level could hold anyway, it saves reading each destination line first.
+// Ends with a store fence, so the data is ordered before any later flag.
+void copy(void* dst, const void* src, uint64_t bytes, bool stream);
+
 }  // namespace numaov::kernels

@@ -29,6 +29,7 @@ const char* op_name(Op op);
 constexpr double kDefaultTimeoutSeconds = 60.0;
 constexpr uint64_t kDefaultBufferBytes = uint64_t(1) << 20;   // per rank and half
 constexpr uint64_t kDefaultOneshotBytes = uint64_t(64) << 10;  // all_reduce one-shot limit
+constexpr uint64_t kDefaultStreamBytes = uint64_t(8) << 20;    // non-temporal result stores
 
 class ShmCommunicator final : public Communicator {
 public:
@@ -58,7 +59,7 @@ public:
     // Marks the group failed on every rank (for errors found before the call
     // reaches here, e.g. a bad argument in Python): peers stop instead of
     // waiting out the timeout, and this communicator refuses further calls.
-    void fail(const std::string& reason);
+    void fail(const std::string& reason) override;
 
     const std::string& job_id() const { return job_id_; }
     const std::string& segment_name() const { return segment_name_; }
@@ -97,6 +98,9 @@ private:
     std::string where(const Call& call) const;
 
     void all_reduce_two_shot(uint8_t* data, const Call& call);
+    // Whether results of a collective with this many output bytes are
+    // written with non-temporal stores.
+    bool streams(uint64_t output_bytes) const { return output_bytes >= stream_bytes_; }
 
     std::string name_;
     std::string job_id_;
@@ -106,6 +110,7 @@ private:
     double timeout_s_;
     uint64_t buffer_bytes_ = 0;
     uint64_t oneshot_bytes_ = 0;
+    uint64_t stream_bytes_ = 0;
     std::vector<std::string> notes_;
     kernels::Isa isa_;
     std::unique_ptr<shm::Segment> segment_;

@@ -1,0 +1,297 @@
+"""DeepSeek-V2 per-rank export and the DP-attention LM engine: the OpenVINO rung of the parity
+ladder (OpenVINO dp=2 with the extension ops == torch dp=1), the CLI, and the errors.
+
+The tiny builtin model is exported once for dp=2 through the CLI (which also runs the export's
+own parity check with the two rank graphs in two worker processes); the generation tests run
+two pinned workers on the two allowed CPUs (``NUMAOV_CPU_BIND``) against the unsharded PyTorch
+model generating in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can_run
+from numaov.exporter.deepseek_export import COLLECTIVE_GROUP, export_deepseek
+from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
+from numaov.models.checkpoint import CheckpointError
+from numaov.models.deepseek import DeepseekV2, ShardError, generate_greedy
+from numaov.runtime.binding import BindingPlan
+from numaov.runtime.lm_engine import (
+    GenerationInputError,
+    RankPlanError,
+    merge_rank_outputs,
+    parse_prompt_ids,
+    plan_for_ranks,
+    run_deepseek,
+    split_prompts,
+)
+from numaov.runtime.topology import read_topology
+
+SEED = 3
+MAX_NEW_TOKENS = 6
+# "three": prompts of different lengths, rank 0 gets prompts 0 and 2, rank 1 prompt 1.
+# "one": a single prompt, so rank 1 is idle and runs every step with a batch of 0 rows.
+SCENARIOS: dict[str, list[list[int]]] = {
+    "three": [[5, 17, 99, 3, 250, 8, 41], [300, 2], [77, 12, 19, 401]],
+    "one": [[11, 22, 33, 44, 55]],
+}
+# f32 on both sides (the IR is compiled with INFERENCE_PRECISION_HINT=f32). dp=2 sums each MLP
+# output from two half-width partial sums through the shared-memory reduce-scatter, and
+# OpenVINO reorders the f32 math (fused FullyConnected, other blockings): logits differ from
+# eager dp=1 by float32 rounding, ~3e-6 measured on logits of magnitude ~1-10. 1e-4 leaves
+# a wide margin and is far below the top-1 / top-2 logit gaps the greedy tokens depend on.
+LOGITS_ATOL = 1e-4
+LOGITS_RTOL = 1e-4
+CLI = [sys.executable, "-m", "numaov.cli"]
+CLI_TIMEOUT_S = 600
+
+
+def _bind_string() -> str:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs 2 allowed CPUs, this process has {allowed}")
+    return f"{allowed[0]}|{allowed[1]}"
+
+
+@pytest.fixture(scope="module")
+def bind() -> str:
+    return _bind_string()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory, bind: str) -> dict[str, Any]:
+    """The tiny model exported once for dp=2 through the CLI, and torch dp=1 references."""
+    print(f"tiny DeepSeek-V2 seed: {SEED}")
+    root = tmp_path_factory.mktemp("deepseek_export")
+    checkpoint = build_tiny_deepseek(root / "checkpoint", seed=SEED)
+    model_dir = root / "model"
+    proc = subprocess.run(
+        [*CLI, "export", "deepseek", "--checkpoint", str(checkpoint), "--dp", "2",
+         "--out", str(model_dir)],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        env={**os.environ, "NUMAOV_CPU_BIND": bind},
+    )
+    assert proc.returncode == 0, proc.stderr
+    model = DeepseekV2.from_pretrained(checkpoint)
+    references = {}
+    for name, prompts in SCENARIOS.items():
+        out = generate_greedy(model, prompts, MAX_NEW_TOKENS)
+        references[name] = (out.tokens, out.logits)
+    return {"root": root, "checkpoint": checkpoint, "model_dir": model_dir, "export": proc,
+            "references": references}
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def test_export_writes_rank_graphs_with_collectives_and_one_manifest(exported) -> None:
+    model_dir = exported["model_dir"]
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    assert manifest["kind"] == "deepseek"
+    assert manifest["world_size"] == 2
+    assert manifest["collective_group"] == COLLECTIVE_GROUP
+    assert [r["ir_xml"] for r in manifest["ranks"]] == ["rank_0/model.xml", "rank_1/model.xml"]
+    shapes = {spec["name"]: spec["shape"] for spec in manifest["inputs"]}
+    assert shapes["input_ids"] == ["batch", "new_tokens"]
+    assert shapes["attention_mask"] == ["batch", "total_tokens"]
+    assert shapes["past_key_values"][1:3] == ["batch", "past_tokens"]
+    assert manifest["config"]["n_routed_experts"] == 8
+    # the export's own parity: both ranks' outputs checked, all within tolerance
+    outputs = {figure["output"] for figure in manifest["parity"]}
+    assert {"rank0.logits", "rank1.logits", "rank1.present_key_values"} <= outputs
+    assert all(figure["passed"] for figure in manifest["parity"])
+    assert any("onnxruntime not checked" in note for note in manifest["notes"])
+    for rank in range(2):
+        graph = onnx.load(str(model_dir / f"rank_{rank}/model.onnx"), load_external_data=False)
+        collectives = [n for n in graph.graph.node if n.domain == "numaov.collective"]
+        # one gather of the row counts, then a gather + reduce-scatter around each of 3 layers
+        assert sorted(n.op_type for n in collectives) == ["AllGatherIntoTensor"] * 4 + [
+            "ReduceScatterTensor"] * 3
+        for node in collectives:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs == {"group": COLLECTIVE_GROUP.encode(), "world_size": 2}
+    with pytest.raises(OnnxRuntimeUnsupportedError):
+        check_onnxruntime_can_run(model_dir / "rank_0/model.onnx")
+
+
+def test_dp_not_dividing_the_sharded_dims_is_a_clear_cli_error(exported, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*CLI, "export", "deepseek", "--checkpoint", str(exported["checkpoint"]), "--dp", "3",
+         "--out", str(tmp_path / "out"), "--quiet"],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+    )
+    assert proc.returncode == 1
+    # the tiny model's sharded dims: 128 (dense MLP), 32 (experts), 64 (shared experts)
+    assert "--dp 3 does not divide" in proc.stderr and "moe_intermediate_size=32" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_that_does_not_fit_its_config_is_a_clear_error(
+    exported, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(exported["checkpoint"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["moe_intermediate_size"] = 16  # the tensors on disk are 32 wide
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"mis-shaped|shape"):
+        export_deepseek(broken, tmp_path / "out", dp=2)
+    with pytest.raises(ShardError, match="--dp 3 does not divide"):
+        export_deepseek(exported["checkpoint"], tmp_path / "out3", dp=3)
+
+
+# -- the OpenVINO dp=2 rung of the parity ladder ----------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_openvino_dp2_matches_torch_dp1(
+    exported, bind: str, scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMAOV_CPU_BIND", bind)
+    prompts = SCENARIOS[scenario]
+    result = run_deepseek(exported["model_dir"], prompts, MAX_NEW_TOKENS, "openvino",
+                          keep_logits=True)
+    ref_tokens, ref_logits = exported["references"][scenario]
+    assert result.world_size == 2
+    assert result.tokens == ref_tokens, f"{scenario}: greedy tokens differ from torch dp=1"
+    logits = torch.from_numpy(np.stack(result.logits))
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+    assert len(result.step_seconds) == MAX_NEW_TOKENS
+    assert result.tokens_per_second > 0
+
+
+# -- CLI run ----------------------------------------------------------------------------------
+
+
+def _run_cli(exported, bind: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "run", "deepseek", "--model-dir", str(exported["model_dir"]),
+         "--max-new-tokens", str(MAX_NEW_TOKENS), "--quiet", *args],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        env={**os.environ, "NUMAOV_CPU_BIND": bind},
+    )
+
+
+def test_cli_run_prints_the_tokens_of_every_prompt_in_order(exported, bind: str) -> None:
+    prompts = SCENARIOS["three"]
+    ids = ";".join(",".join(map(str, p)) for p in prompts)
+    proc = _run_cli(exported, bind, "--prompt-ids", ids, "--backend", "torch")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    ref_tokens = exported["references"]["three"][0]
+    for i, (prompt, tokens) in enumerate(zip(prompts, ref_tokens, strict=True)):
+        assert lines[i] == f"[{i}] {','.join(map(str, prompt))} -> {','.join(map(str, tokens))}"
+    assert "on torch with 2 rank(s)" in lines[-1]
+
+
+def _tiny_tokenizer(directory: Path) -> Any:
+    """A word-level tokenizer whose 512 ids cover the tiny model's vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "the", "cat", "sat", "on", "a", "mat", "hello", "world"]
+    vocab = {w: i for i, w in enumerate(words)}
+    vocab.update({f"w{i}": i for i in range(len(words), 512)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return tokenizer
+
+
+def test_cli_run_with_a_tokenizer_takes_and_prints_text(
+    exported, bind: str, tmp_path: Path
+) -> None:
+    tokenizer = _tiny_tokenizer(tmp_path / "tok")
+    texts = ["the cat sat on a mat", "hello world"]
+    proc = _run_cli(exported, bind, "--tokenizer", str(tmp_path / "tok"),
+                    "--prompt", texts[0], "--prompt", texts[1])
+    assert proc.returncode == 0, proc.stderr
+    model = DeepseekV2.from_pretrained(exported["checkpoint"])
+    prompts = [tokenizer.encode(t).ids for t in texts]
+    expected = generate_greedy(model, prompts, MAX_NEW_TOKENS).tokens
+    lines = proc.stdout.strip().splitlines()
+    for i, (text, tokens) in enumerate(zip(texts, expected, strict=True)):
+        assert lines[i] == f"[{i}] {text!r} -> {tokenizer.decode(tokens)!r}"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prompt-ids", "1,2;x"], "'x' in prompt 1 is not a token id"),
+    (["--prompt-ids", "1,2;;3"], "prompt 1 is empty"),
+    (["--prompt-ids", "1,600"], r"token id\(s\) \[600\] outside the vocabulary"),
+    (["--prompt", "hello"], "--prompt TEXT needs --tokenizer"),
+    ([], "give the prompts once"),
+])
+def test_cli_run_rejects_bad_prompts_with_one_line(
+    exported, bind: str, args: list[str], message: str
+) -> None:
+    import re
+
+    proc = _run_cli(exported, bind, *args)
+    assert proc.returncode == 1
+    assert re.search(message, proc.stderr), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# -- engine arguments, placement and prompt order ---------------------------------------------
+
+
+def test_prompt_parsing_and_generation_arguments(exported, bind: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_prompt_ids(" 1, 2 ,3;4,5 ") == [[1, 2, 3], [4, 5]]
+    for text in ("", ";", "1,,2", "1;-2", "1.5"):
+        with pytest.raises(GenerationInputError):
+            parse_prompt_ids(text)
+    monkeypatch.setenv("NUMAOV_CPU_BIND", bind)
+    model_dir = exported["model_dir"]
+    with pytest.raises(GenerationInputError, match="prompt 1 is empty"):
+        run_deepseek(model_dir, [[1], []], 2)
+    with pytest.raises(GenerationInputError, match="max_new_tokens is 0"):
+        run_deepseek(model_dir, [[1]], 0)
+    with pytest.raises(GenerationInputError, match="max_position_embeddings=256"):
+        run_deepseek(model_dir, [[1] * 250], 10)
+    with pytest.raises(GenerationInputError, match="unknown backend"):
+        run_deepseek(model_dir, [[1]], 2, "onnxruntime")
+
+
+def test_a_plan_with_another_rank_count_says_to_set_the_bind_variable(
+    exported, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    monkeypatch.setenv("NUMAOV_CPU_BIND", str(cpu))
+    with pytest.raises(RankPlanError, match="dp=2 runs one worker per rank.*1 entries"):
+        run_deepseek(exported["model_dir"], [[1, 2]], 2)
+    one_rank = BindingPlan.from_bind_string(str(cpu), read_topology())
+    with pytest.raises(RankPlanError, match=r"1 rank\(s\) but .* dp=2.*NUMAOV_CPU_BIND"):
+        run_deepseek(exported["model_dir"], [[1, 2]], 2, plan=one_rank)
+
+
+def test_split_plan_gives_every_rank_its_own_cpus_without_a_bind_string() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    plan, placement = plan_for_ranks(2, split_cpus=True, env={})
+    assert plan.world_size == 2 and "rank 1 on CPUs" in placement
+    if len(allowed) >= 2:
+        assert not set(plan.ranks[0].cpus) & set(plan.ranks[1].cpus)
+    assert set().union(*(r.cpus for r in plan.ranks)) <= set(allowed)
+
+
+@pytest.mark.parametrize(("count", "world"), [(5, 2), (1, 2), (7, 3), (2, 4)])
+def test_round_robin_split_and_merge_keep_prompt_order(count: int, world: int) -> None:
+    prompts = [[i] for i in range(count)]
+    shares = split_prompts(prompts, world)
+    assert len(shares) == world and shares[0][:1] == [[0]]
+    # each rank answers with something derived from its own prompts only
+    answers = [[p[0] * 10 for p in share] for share in shares]
+    assert merge_rank_outputs(answers, count) == [i * 10 for i in range(count)]
