@@ -320,7 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (best is kept)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
+    # The exports take ~3 GB; they are removed when the run ends.
+    with tempfile.TemporaryDirectory(prefix="numaov-dit-bench-") as work:
+        return run(args, Path(work))
 
+
+def run(args: argparse.Namespace, work: Path) -> int:
     import openvino as ov
 
     torch.manual_seed(SEED)
@@ -338,7 +343,6 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"torch": torch.__version__, "openvino": ov.__version__},
         "results": {},
     }
-    work = Path(tempfile.mkdtemp(prefix="numaov-dit-bench-"))
     log(f"work dir {work}")
     checkpoint = build_checkpoint(work / "ckpt", WIDTH_1_3B)
     empty_checkpoint = build_checkpoint(work / "ckpt0", replace(WIDTH_1_3B, num_layers=0))

@@ -154,7 +154,8 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_export_wan(args: argparse.Namespace) -> int:
     from numaov.exporter.wan_export import export_wan
 
-    manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args))
+    manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args),
+                          timestep=args.timestep)
     print(manifest.summary(args.out))
     return 0
 
@@ -168,6 +169,9 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="IR weights and inference precision (default f32)")
     p.add_argument("--ops", choices=["decomposed", "opset23"], default="decomposed",
                    help="ONNX lowering of the fallback ops (default decomposed)")
+    p.add_argument("--timestep", choices=["scalar", "per-frame"], default="scalar",
+                   help="timestep input: [batch] (default), or per-frame [batch, latent frames] "
+                   "for Wan 2.2 TI2V image-to-video")
     _add_common(p)
     p.set_defaults(func=cmd_export_wan)
 
@@ -179,7 +183,8 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
                                steps=args.steps, guidance=args.guidance, seed=args.seed,
                                shift=args.shift)
     result = run_wan(args.model_dir, request, args.text_embeddings, args.out,
-                     negative_embeddings=args.negative_embeddings, backend=args.backend,
+                     negative_embeddings=args.negative_embeddings,
+                     first_frame_latents=args.first_frame_latents, backend=args.backend,
                      workers=args.workers, progress=_progress(args))
     print(result.summary(args.out))
     return 0
@@ -200,6 +205,9 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="text encoder output, [S, D] or [1, S, D]")
     p.add_argument("--negative-embeddings", metavar="FILE.npy",
                    help="unconditional embeddings, same shape (default zeros)")
+    p.add_argument("--first-frame-latents", metavar="FILE.npy",
+                   help="image-to-video: normalised VAE latents of the first frame, [C, 1, H/8, "
+                   "W/8] or [1, C, 1, H/8, W/8]; needs an export with --timestep per-frame")
     p.add_argument("--out", required=True, metavar="FILE.npy", help="final latents [1, C, F, H, W]")
     p.add_argument("--backend", choices=["openvino", "onnxruntime", "torch"], default="openvino",
                    help="what runs the transformer (default openvino)")

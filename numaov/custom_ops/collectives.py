@@ -197,6 +197,9 @@ class ShmCommunicator(Communicator):
         self.world_size = self._comm.world_size
         for note in self._comm.notes:
             logger.warning("collective group %r: %s", group, note)
+        if self._comm.isa != "avx512":
+            logger.info("collective group %r sums with %s kernels: this CPU lacks AVX-512 "
+                        "(F, BW, VL)", group, self._comm.isa)
         logger.debug("collective group %r: rank %d/%d on %s (%s kernels)", group, self.rank,
                      self.world_size, self._comm.segment_name, self._comm.isa)
         register_communicator(self)

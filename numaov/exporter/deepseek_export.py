@@ -34,9 +34,9 @@ Parity at export:
   ranks, both MoE branches. Each rank's outputs are compared with the unsharded PyTorch model
   (dp=1) on the same sequences. The ranks are placed by ``NUMAOV_CPU_BIND`` or one per NUMA
   node; on a machine with fewer NUMA nodes than ranks and no ``NUMAOV_CPU_BIND``, the allowed
-  CPUs are dealt out to the ranks round-robin (``numaov.runtime.lm_engine.plan_for_ranks``):
-  placement does not change the numbers, only the speed, and an export should not need a
-  two-socket machine to be checked. The plan used is recorded in the manifest's ``notes``.
+  CPUs are split between the ranks (``numaov.runtime.lm_engine.plan_for_ranks``): placement
+  does not change the numbers, only the speed, and an export should not need a two-socket
+  machine to be checked. The plan used is recorded in the manifest's ``notes``.
 
 The exporter reaches into ``numaov.runtime`` for exactly that worker launch and plan, so the
 check runs the ranks the way the runtime will; the runtime never imports the exporter.

@@ -13,6 +13,10 @@ so the fields below are the schema both sides agree on:
 - ``precision``: ``"f32"`` or ``"bf16"``; ``inference_precision`` is the OpenVINO
   ``INFERENCE_PRECISION_HINT`` the runtime must compile the IR with.
 - ``lowering``: how the fallback ops were written into ONNX (``"decomposed"`` / ``"opset23"``).
+- ``timestep``: for a Wan model, ``"scalar"`` (input ``timestep [batch]``) or ``"per-frame"``
+  (``[batch, frame_patches]``, Wan 2.2 TI2V); the sampler feeds that form. Absent (null) for
+  other kinds; readers take an absent field on a Wan model as ``"scalar"``, which is what
+  every Wan export before the field existed was.
 - ``world_size`` and ``ranks``: one entry per rank with the ONNX and IR paths relative to the
   model directory (a single-rank model has one entry, rank 0).
 - ``versions``: torch / onnx / onnxruntime / openvino / numaov at export time.
@@ -84,6 +88,7 @@ class ExportManifest:
     export_seconds: dict[str, float] = field(default_factory=dict)
     reference_sample: str | None = None
     collective_group: str | None = None
+    timestep: str | None = None
     notes: list[str] = field(default_factory=list)
     world_size: int = 1
     format_version: int = FORMAT_VERSION
@@ -95,9 +100,11 @@ class ExportManifest:
             key = f"{figure['backend']} {figure['precision']}"
             worst[key] = max(worst.get(key, 0.0), float(figure["rel_error"]))
         parity = ", ".join(f"{k} {v:.2g}" for k, v in worst.items()) or "not checked"
+        # Only the non-default timestep is named, so scalar exports read as they always did.
+        timestep = ", per-frame timestep" if self.timestep == "per-frame" else ""
         return (
-            f"exported {self.kind} ({self.precision}, {self.lowering} ops) to {model_dir}; "
-            f"parity vs torch (max rel error): {parity}"
+            f"exported {self.kind} ({self.precision}, {self.lowering} ops{timestep}) to "
+            f"{model_dir}; parity vs torch (max rel error): {parity}"
         )
 
     def to_json(self) -> str:

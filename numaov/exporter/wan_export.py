@@ -13,6 +13,12 @@ Batch, latent frames, height, width and text length stay dynamic. Frames, height
 are declared as multiples of the patch size (``2 * Dim("height_patches")``), which is the
 only shape the model accepts, so ``torch.export`` proves the graph valid for all of them.
 The parity check runs at shapes other than the export example's on every axis.
+
+``timestep="scalar"`` exports ``timestep [batch]`` (Wan 2.1, Wan 2.2 T2V);
+``timestep="per-frame"`` exports ``timestep [batch, frame_patches]``, one timestep per latent
+frame after patching (Wan 2.2 TI2V, whose conditioned first frame is at timestep 0). Its frame
+axis is the same ``Dim`` as the video's, so the graph accepts exactly the pairs the model
+does. The manifest's ``timestep`` field tells the sampler which one it got.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ PARITY_SEED = 0
 _MAX_PATCHES = 1024
 _MAX_TEXT = 4096
 _MAX_BATCH = 256
+# How the graph takes its timestep (manifest field ``timestep``): see the module docstring.
+TIMESTEP_KINDS = ("scalar", "per-frame")
 
 
 class WanExportError(NumaovError):
@@ -62,38 +70,51 @@ class WanExportError(NumaovError):
 
 
 def _inputs(
-    config, sizes: tuple[int, int, int, int, int], rng: np.random.Generator
+    config, sizes: tuple[int, int, int, int, int], rng: np.random.Generator, timestep: str
 ) -> dict[str, np.ndarray]:
     """Random f32 model inputs for ``sizes`` = (batch, F', H', W', text length)."""
     batch, frames, height, width, text = sizes
     p_t, p_h, p_w = config.patch_size
+    # Per-frame: every frame its own value, so a graph that mixed up or broadcast frames
+    # (e.g. used frame 0's timestep for all) fails parity.
+    t_shape = (batch,) if timestep == "scalar" else (batch, frames)
     return {
         "hidden_states": rng.standard_normal(
             (batch, config.in_channels, frames * p_t, height * p_h, width * p_w), dtype=np.float32
         ),
         # Timesteps as the sampler gives them: 1000 * sigma, anywhere in [0, 1000].
-        "timestep": rng.uniform(0.0, 1000.0, size=(batch,)).astype(np.float32),
+        "timestep": rng.uniform(0.0, 1000.0, size=t_shape).astype(np.float32),
         "encoder_hidden_states": rng.standard_normal(
             (batch, text, config.text_dim), dtype=np.float32
         ),
     }
 
 
-def _dynamic_shapes(config) -> dict[str, dict[int, object]]:
+def _dynamic_shapes(config, timestep: str) -> dict[str, dict[int, object]]:
     dim = torch.export.Dim
     batch = dim("batch", min=1, max=_MAX_BATCH)
     text = dim("text_length", min=1, max=_MAX_TEXT)
-    video = {}
+    video, patches = {}, {}
     for axis, name, patch in zip(
         (2, 3, 4), ("frame", "height", "width"), config.patch_size, strict=True
     ):
-        patches = dim(f"{name}_patches", min=1, max=_MAX_PATCHES)
-        video[axis] = patches if patch == 1 else patch * patches
+        patches[name] = dim(f"{name}_patches", min=1, max=_MAX_PATCHES)
+        video[axis] = patches[name] if patch == 1 else patch * patches[name]
     return {
         "hidden_states": {0: batch, **video},
-        "timestep": {0: batch},
+        # Per-frame timesteps [B, F']: F' is the video's frame axis after patching.
+        "timestep": {0: batch} if timestep == "scalar" else {0: batch, 1: patches["frame"]},
         "encoder_hidden_states": {0: batch, 1: text},
     }
+
+
+def check_timestep(timestep: str) -> str:
+    if timestep not in TIMESTEP_KINDS:
+        raise WanExportError(
+            f"unknown timestep {timestep!r}; expected one of {', '.join(TIMESTEP_KINDS)} "
+            "(per-frame for Wan 2.2 TI2V)"
+        )
+    return timestep
 
 
 def _check_paths(checkpoint_dir: Path, out_dir: Path) -> None:
@@ -118,8 +139,11 @@ def export_wan(
     precision: str = "f32",
     lowering: str = "decomposed",
     progress: Callable[[str], None] | None = None,
+    timestep: str = "scalar",
 ) -> ExportManifest:
     """Export the Wan checkpoint in ``checkpoint_dir`` to ``out_dir``; returns the manifest.
+
+    ``timestep`` is ``"scalar"`` (``[batch]``) or ``"per-frame"`` (``[batch, frame_patches]``).
 
     Raises ``ParityError`` (nothing written as complete) when ONNX Runtime or OpenVINO
     differ from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
@@ -129,6 +153,7 @@ def export_wan(
     report = progress or (lambda _msg: None)
     check_precision(precision)
     check_lowering(lowering)
+    check_timestep(timestep)
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     _check_paths(checkpoint_dir, out_dir)
     timings: dict[str, float] = {}
@@ -141,12 +166,12 @@ def export_wan(
     _prepare_out_dir(out_dir)
 
     start = time.perf_counter()
-    example = _inputs(config, EXAMPLE_SIZES, np.random.default_rng(PARITY_SEED + 1))
+    example = _inputs(config, EXAMPLE_SIZES, np.random.default_rng(PARITY_SEED + 1), timestep)
     graph = export_onnx(
         model,
         (),
         {name: torch.from_numpy(array) for name, array in example.items()},
-        _dynamic_shapes(config),
+        _dynamic_shapes(config, timestep),
         out_dir / ONNX_NAME,
         lowering,
         progress,
@@ -157,7 +182,7 @@ def export_wan(
     # PyTorch's outputs first, then free the model: ONNX Runtime and OpenVINO each load a
     # copy of the weights, and three copies of a 14B model do not fit most machines.
     rng = np.random.default_rng(PARITY_SEED)
-    input_sets = [_inputs(config, sizes, rng) for sizes in PARITY_SIZES]
+    input_sets = [_inputs(config, sizes, rng, timestep) for sizes in PARITY_SIZES]
     start = time.perf_counter()
     report("running PyTorch on the parity inputs")
     reference = torch_reference(model, input_sets)
@@ -192,6 +217,7 @@ def export_wan(
         precision=precision,
         inference_precision=INFERENCE_PRECISION[precision],
         lowering=lowering,
+        timestep=timestep,
         ranks=[
             RankFiles(
                 rank=0, onnx=ONNX_NAME, ir_xml=IR_NAME, ir_bin=xml_path.with_suffix(".bin").name

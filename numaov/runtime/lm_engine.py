@@ -162,16 +162,20 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 
 def _split_plan(topology: Topology, world_size: int) -> BindingPlan:
-    """The allowed CPUs dealt out to ``world_size`` ranks round-robin (physical cores first;
-    CPUs are shared only when there are fewer CPUs than ranks)."""
+    """The allowed CPUs split into ``world_size`` contiguous blocks, one per rank (physical
+    cores first; CPUs are shared only when there are fewer CPUs than ranks). Contiguous rather
+    than dealt out one by one, so that on a machine with a few NUMA nodes a rank's CPUs stay
+    on one node when the counts divide."""
     cores = sorted({c for node in topology.nodes for c in topology.usable_cores(node)})
     cpus = cores if len(cores) >= world_size else sorted(topology.allowed_cpus)
+    n = len(cpus)
     ranks = []
     for rank in range(world_size):
-        mine = tuple(cpus[rank::world_size]) or (cpus[rank % len(cpus)],)
-        nodes = tuple(sorted({n for n in map(topology.node_of, mine) if n is not None}))
+        mine = tuple(cpus[rank * n // world_size:(rank + 1) * n // world_size])
+        mine = mine or (cpus[rank % n],)
+        nodes = tuple(sorted({node for node in map(topology.node_of, mine) if node is not None}))
         ranks.append(RankBinding(rank, mine, nodes))
-    return BindingPlan(tuple(ranks), "allowed CPUs split round-robin")
+    return BindingPlan(tuple(ranks), "allowed CPUs split between the ranks")
 
 
 def plan_for_ranks(
@@ -181,7 +185,7 @@ def plan_for_ranks(
 
     ``NUMAOV_CPU_BIND`` when set, else one rank per NUMA node. When neither gives
     ``world_size`` ranks: with ``split_cpus`` (export-time parity, the demo, benchmarks on a
-    small machine) and no ``NUMAOV_CPU_BIND``, the allowed CPUs are split round-robin;
+    small machine) and no ``NUMAOV_CPU_BIND``, the allowed CPUs are split between the ranks;
     otherwise ``RankPlanError`` says what to set.
     """
     env = os.environ if env is None else env

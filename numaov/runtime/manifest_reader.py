@@ -57,6 +57,9 @@ class ModelManifest:
     reference_tolerance: float | None = None
     # The group name in a multi-rank model's collective nodes (None for a single rank).
     collective_group: str | None = None
+    # How a Wan graph takes its timestep: "scalar" [batch] or "per-frame" [batch, F'];
+    # None for other kinds.
+    timestep: str | None = None
 
     def rank(self, rank: int = 0) -> RankModel:
         for entry in self.ranks:
@@ -181,6 +184,7 @@ def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> Mo
         reference_sample=reference_sample,
         reference_tolerance=max(tolerances) if tolerances else None,
         collective_group=_collective_group(data, world_size, path),
+        timestep=_timestep(data, kind, inputs, path),
     )
 
 
@@ -193,6 +197,28 @@ def _collective_group(data: dict[str, Any], world_size: int, where: Path) -> str
             "re-export the model with numaov"
         )
     return group if isinstance(group, str) else None
+
+
+def _timestep(
+    data: dict[str, Any], kind: str, inputs: dict[str, list[int | str]], where: Path
+) -> str | None:
+    """A Wan model's timestep form; it must agree with the rank of its ``timestep`` input."""
+    if kind != "wan":
+        return None
+    # Wan exports written before the field existed all took timestep [batch].
+    timestep = data.get("timestep") or "scalar"
+    rank = {"scalar": 1, "per-frame": 2}.get(timestep)
+    if rank is None:
+        raise ModelDirError(
+            f"{str(where)!r}: timestep {timestep!r} is not one of ('scalar', 'per-frame')"
+        )
+    shape = inputs.get("timestep")
+    if shape is not None and len(shape) != rank:
+        raise ModelDirError(
+            f"{str(where)!r}: timestep is {timestep!r} but the graph's timestep input has shape "
+            f"{shape}; expected {rank} axes: re-export the model"
+        )
+    return timestep
 
 
 def _warn_on_version_change(versions: dict[str, Any]) -> None:

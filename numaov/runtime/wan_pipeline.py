@@ -20,6 +20,15 @@ no VAE): text embeddings come from a ``.npy`` file, the final latents go to one.
   numpy arrays behind ``Denoiser``, so no call site branches on the backend.
 - Noise: ``torch.randn(shape, generator=torch.Generator().manual_seed(seed))`` as diffusers'
   ``prepare_latents`` does with a CPU generator, so every backend starts from the same noise.
+- Timesteps: a graph exported with ``timestep="per-frame"`` (manifest field ``timestep``) is
+  fed ``[B, F']``, one per latent frame after patching; otherwise ``[B]``.
+- Image-to-video (Wan 2.2 TI2V, diffusers' ``WanImageToVideoPipeline`` with
+  ``expand_timesteps=True``): given first-frame latents, the model input's first latent frame
+  is those latents at every step and its timestep is 0 (``mask * t`` with the mask 0 on frame
+  0, 1 elsewhere; our per-frame ``[B, F']`` is diffusers' per-token ``[B, L]`` with one value
+  per frame), and the result's first frame is replaced by them too. diffusers keeps stepping
+  frame 0 underneath and overwrites it in each model input; the Euler update is element-wise,
+  so overwriting it in the latents themselves, as here, gives the same numbers.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ VAE_TEMPORAL_FACTOR = 4
 VAE_SPATIAL_FACTOR = 8
 INPUT_NAMES = ("hidden_states", "timestep", "encoder_hidden_states")
 MAX_WORKERS = 2  # one per guidance branch
+PER_FRAME = "per-frame"  # the manifest's ``timestep`` for [B, F'] graphs
 
 
 class SamplerInputError(NumaovError):
@@ -142,22 +152,17 @@ def latent_shape(config: dict[str, Any], frames: int, height: int, width: int) -
     return (1, channels, *dims)
 
 
-def load_text_embeddings(path: str | Path, text_dim: int, what: str) -> np.ndarray:
-    """Read ``[S, D]`` (or ``[1, S, D]``) f32 text embeddings from a ``.npy`` file."""
+def _load_npy(path: str | Path, what: str) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise SamplerInputError(f"{what} file {str(path)!r} not found")
     try:
-        array = np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise SamplerInputError(f"{what} file {str(path)!r} is not a .npy array ({exc})") from exc
-    if array.ndim == 3 and array.shape[0] == 1:
-        array = array[0]
-    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != text_dim:
-        raise SamplerInputError(
-            f"{what} in {str(path)!r} have shape {list(array.shape)}; expected [text_length, "
-            f"{text_dim}] or [1, text_length, {text_dim}] (text_dim of the model)"
-        )
+
+
+def _finite_f32(array: np.ndarray, path: str | Path, what: str) -> np.ndarray:
     if not np.issubdtype(array.dtype, np.floating):
         raise SamplerInputError(
             f"{what} in {str(path)!r} have dtype {array.dtype}; expected floats"
@@ -166,6 +171,52 @@ def load_text_embeddings(path: str | Path, text_dim: int, what: str) -> np.ndarr
     if not np.all(np.isfinite(array)):
         raise SamplerInputError(f"{what} in {str(path)!r} contain NaN or infinity")
     return array
+
+
+def load_text_embeddings(path: str | Path, text_dim: int, what: str) -> np.ndarray:
+    """Read ``[S, D]`` (or ``[1, S, D]``) f32 text embeddings from a ``.npy`` file."""
+    array = _load_npy(path, what)
+    if array.ndim == 3 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != text_dim:
+        raise SamplerInputError(
+            f"{what} in {str(path)!r} have shape {list(array.shape)}; expected [text_length, "
+            f"{text_dim}] or [1, text_length, {text_dim}] (text_dim of the model)"
+        )
+    return _finite_f32(array, path, what)
+
+
+def load_first_frame_latents(
+    path: str | Path, shape: Sequence[int], manifest: ModelManifest
+) -> np.ndarray:
+    """Read first-frame latents for ``shape`` = (1, C, F, H', W') as ``[1, C, 1, H', W']`` f32.
+
+    They are the VAE-encoded first frame, normalised as the transformer sees latents
+    (diffusers' ``(z - latents_mean) * (1 / latents_std)``); the file may omit the batch axis.
+    """
+    what = "first-frame latents"
+    if manifest.timestep != PER_FRAME:
+        raise SamplerInputError(
+            f"--first-frame-latents needs a model exported with --timestep per-frame (Wan 2.2 "
+            f"TI2V gives the conditioned frame timestep 0), but the model in "
+            f"{str(manifest.directory)!r} takes one timestep per sample: re-export it with "
+            "--timestep per-frame"
+        )
+    patch_t = int(list(manifest.config.get("patch_size", (1, 2, 2)))[0])
+    if patch_t != 1:
+        raise SamplerInputError(
+            f"--first-frame-latents needs temporal patch size 1 (one latent frame per timestep, "
+            f"as Wan 2.2 TI2V); this model's is {patch_t}"
+        )
+    array = _load_npy(path, what)
+    expected = (1, shape[1], 1, *shape[3:])
+    if tuple(array.shape) not in (expected, expected[1:]):
+        raise SamplerInputError(
+            f"{what} in {str(path)!r} have shape {list(array.shape)}; expected "
+            f"{list(expected[1:])} or {list(expected)} (latent channels, one frame, height/"
+            f"{VAE_SPATIAL_FACTOR}, width/{VAE_SPATIAL_FACTOR} of the requested video)"
+        )
+    return _finite_f32(array.reshape(expected), path, what)
 
 
 def _check_against_manifest(manifest: ModelManifest, feeds: dict[str, tuple[int, ...]]) -> None:
@@ -331,9 +382,14 @@ def open_denoiser(
 
 
 class GuidedPredictor:
-    """Both guidance branches' predictions ``(cond, uncond)`` for the current latents."""
+    """Both guidance branches' predictions ``(cond, uncond)`` for the current latents.
 
-    def __call__(self, latents: np.ndarray, timestep: float) -> tuple[np.ndarray, np.ndarray]:
+    ``timestep`` is one sample's: ``[1]``, or ``[1, F']`` for a per-frame graph.
+    """
+
+    def __call__(
+        self, latents: np.ndarray, timestep: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
 
@@ -344,9 +400,11 @@ class BatchedGuidance(GuidedPredictor):
         self._denoiser = denoiser
         self._text = np.ascontiguousarray(np.stack([text, negative]))  # [2, S, D]
 
-    def __call__(self, latents: np.ndarray, timestep: float) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(
+        self, latents: np.ndarray, timestep: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         batch = np.ascontiguousarray(np.concatenate([latents, latents]))  # [2, C, F, H, W]
-        t = np.full((2,), timestep, dtype=np.float32)
+        t = np.ascontiguousarray(np.concatenate([timestep, timestep]))  # [2] or [2, F']
         out = self._denoiser.predict(batch, t, self._text)
         return out[0:1], out[1:2]
 
@@ -360,9 +418,10 @@ class GatheredGuidance(GuidedPredictor):
         self._text = np.ascontiguousarray(branch_text[None])  # [1, S, D]
         self._communicator = communicator
 
-    def __call__(self, latents: np.ndarray, timestep: float) -> tuple[np.ndarray, np.ndarray]:
-        t = np.full((1,), timestep, dtype=np.float32)
-        mine = np.ascontiguousarray(self._denoiser.predict(latents, t, self._text))
+    def __call__(
+        self, latents: np.ndarray, timestep: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        mine = np.ascontiguousarray(self._denoiser.predict(latents, timestep, self._text))
         both = np.empty((2, *mine.shape[1:]), dtype=np.float32)
         self._communicator.all_gather_into_tensor(both, mine)  # rank r's rows at [r]
         return both[0:1], both[1:2]
@@ -396,11 +455,36 @@ class SampleResult:
         )
 
 
+@dataclass(frozen=True)
+class TimestepLayout:
+    """How each step's timestep is fed: ``frames`` is F' for a per-frame graph (None: one
+    timestep per sample); ``first_frame`` the ``[1, C, 1, H', W']`` conditioning latents."""
+
+    frames: int | None = None
+    first_frame: np.ndarray | None = None
+
+    def timestep(self, t: float) -> np.ndarray:
+        """One sample's timestep: ``[1]``, or ``[1, F']`` with 0 on a conditioned frame 0."""
+        if self.frames is None:
+            return np.full((1,), t, dtype=np.float32)
+        per_frame = np.full((1, self.frames), t, dtype=np.float32)
+        if self.first_frame is not None:
+            per_frame[:, 0] = 0.0  # diffusers' first_frame_mask * t
+        return per_frame
+
+    def condition(self, latents: np.ndarray) -> np.ndarray:
+        """``latents`` (changed in place) with frame 0 replaced by the conditioning, if any."""
+        if self.first_frame is not None:
+            latents[:, :, :1] = self.first_frame
+        return latents
+
+
 def sample(
     predictor: GuidedPredictor,
     shape: Sequence[int],
     request: WanSampleRequest,
     progress: Progress = None,
+    layout: TimestepLayout = TimestepLayout(),
 ) -> tuple[np.ndarray, list[float]]:
     """Run the Euler loop from seeded noise; returns the final latents and per-step seconds."""
     report = progress or (lambda _msg: None)
@@ -412,12 +496,12 @@ def sample(
         start = time.perf_counter()
         sigma, sigma_next = sigmas[i], sigmas[i + 1]
         timestep = float(sigma * np.float32(NUM_TRAIN_TIMESTEPS))
-        cond, uncond = predictor(latents, timestep)
+        cond, uncond = predictor(layout.condition(latents), layout.timestep(timestep))
         velocity = uncond + guidance * (cond - uncond)
         latents = (latents + (sigma_next - sigma) * velocity).astype(np.float32)
         seconds.append(time.perf_counter() - start)
         report(f"step {i + 1}/{request.steps} (t={timestep:.1f}) {seconds[-1]:.2f} s")
-    return latents, seconds
+    return layout.condition(latents), seconds
 
 
 @dataclass(frozen=True)
@@ -429,6 +513,7 @@ class _RankJob:
     branch_text: np.ndarray
     shape: tuple[int, ...]
     request: WanSampleRequest
+    layout: TimestepLayout
 
 
 def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]]:
@@ -439,7 +524,7 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
     denoiser = open_denoiser(manifest, job.backend, context.openvino_config())
     try:
         predictor = GatheredGuidance(denoiser, job.branch_text, find_communicator(context.group))
-        return sample(predictor, job.shape, job.request)
+        return sample(predictor, job.shape, job.request, layout=job.layout)
     finally:
         denoiser.close()
 
@@ -472,6 +557,7 @@ def run_wan(
     out: str | Path | None,
     *,
     negative_embeddings: str | Path | None = None,
+    first_frame_latents: str | Path | None = None,
     backend: str = "openvino",
     workers: int = 1,
     progress: Progress = None,
@@ -480,6 +566,9 @@ def run_wan(
 
     ``workers=2`` runs the two guidance branches on two worker processes of the binding plan
     (``NUMAOV_CPU_BIND`` or one per NUMA node), each pinned with its own compiled model.
+    ``first_frame_latents`` (a ``.npy`` of ``[C, 1, H', W']`` or ``[1, C, 1, H', W']``)
+    conditions the video on its first latent frame (Wan 2.2 TI2V image-to-video); it needs a
+    model exported with ``timestep="per-frame"``.
     """
     report = progress or (lambda _msg: None)
     _validate_request(request, backend, workers)
@@ -512,12 +601,19 @@ def run_wan(
                 f"{list(text.shape)}; expected the same (pad both to the text encoder's length, "
                 "512 for Wan's UMT5)"
             )
+    frames = shape[2] // int(list(config["patch_size"])[0])
+    layout = TimestepLayout(
+        frames=frames if manifest.timestep == PER_FRAME else None,
+        first_frame=None
+        if first_frame_latents is None
+        else load_first_frame_latents(first_frame_latents, shape, manifest),
+    )
     batch = 2 if workers == 1 else 1
     _check_against_manifest(
         manifest,
         {
             "hidden_states": (batch, *shape[1:]),
-            "timestep": (batch,),
+            "timestep": (batch,) if layout.frames is None else (batch, layout.frames),
             "encoder_hidden_states": (batch, *text.shape),
         },
     )
@@ -531,12 +627,14 @@ def run_wan(
         report(f"loaded the model on {backend} in {time.perf_counter() - start:.1f} s")
         try:
             latents, seconds = sample(
-                BatchedGuidance(denoiser, text, negative), shape, request, progress
+                BatchedGuidance(denoiser, text, negative), shape, request, progress, layout
             )
         finally:
             denoiser.close()
     else:
-        latents, seconds = _sample_on_workers(manifest, backend, text, negative, shape, request)
+        latents, seconds = _sample_on_workers(
+            manifest, backend, text, negative, shape, request, layout
+        )
     report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
     if out_path is not None:
         np.save(out_path, latents)
@@ -551,6 +649,7 @@ def _sample_on_workers(
     negative: np.ndarray,
     shape: tuple[int, ...],
     request: WanSampleRequest,
+    layout: TimestepLayout,
 ) -> tuple[np.ndarray, list[float]]:
     from numaov.runtime.binding import BindingPlan
     from numaov.runtime.topology import read_topology
@@ -558,7 +657,7 @@ def _sample_on_workers(
 
     plan = BindingPlan.resolve(read_topology(), ranks=MAX_WORKERS)
     jobs = [
-        _RankJob(str(manifest.directory), backend, branch, tuple(shape), request)
+        _RankJob(str(manifest.directory), backend, branch, tuple(shape), request, layout)
         for branch in (text, negative)
     ]
     results = run_on_ranks(plan, _guidance_rank, jobs)

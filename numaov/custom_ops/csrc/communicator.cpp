@@ -46,7 +46,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
+#include <cstdio>
 #include <map>
 #include <set>
 
@@ -126,6 +126,17 @@ Slice slice_of(uint64_t n, int world, int r, uint64_t elem_size) {
     const uint64_t per = ceil_div(ceil_div(n, uint64_t(world)), line) * line;
     const uint64_t begin = std::min(uint64_t(r) * per, n);
     return {begin, std::min(begin + per, n) - begin};
+}
+
+// Rounds a collective of `count` elements takes in chunks of `chunk`: at
+// least one, so even an empty collective synchronises and checks headers.
+uint64_t chunk_count(uint64_t count, uint64_t chunk) {
+    return std::max<uint64_t>(1, ceil_div(count, chunk));
+}
+
+// Elements in chunk j (the last one may be short, or empty when count is 0).
+uint64_t chunk_length(uint64_t count, uint64_t chunk, uint64_t j) {
+    return std::min(chunk, count - std::min(count, j * chunk));
 }
 
 bool overlaps(const void* a, uint64_t a_bytes, const void* b, uint64_t b_bytes) {
@@ -435,7 +446,7 @@ void ShmCommunicator::all_reduce(void* data, uint64_t count, DType dtype) {
         if (world_ == 1) return;
         if (size > oneshot_bytes_) return all_reduce_two_shot(bytes, call);
         // One shot: everyone copies in, then everyone sums everything.
-        std::memcpy(next_half(), bytes, size);
+        kernels::copy(next_half(), bytes, size, false);
         publish(call);
         wait_all(call);
         for (int p = 0; p < world_; ++p) sources_[size_t(p)] = peer_half(p);
@@ -452,17 +463,17 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
     const uint64_t chunk = chunk_elements(Op::all_reduce, call.dtype);
     const uint64_t reduced_offset = chunk * es;
     const uint64_t count = call.count;
-    const uint64_t chunks = ceil_div(count, chunk);
-    auto chunk_length = [&](uint64_t j) { return std::min(chunk, count - j * chunk); };
+    const uint64_t chunks = ceil_div(count, chunk);  // count > oneshot_bytes_ >= 0: at least 1
     const bool stream = streams(count * es);
 
     auto produce_raw = [&](uint64_t j) {
-        const uint64_t n = chunk_length(j);
+        const uint64_t n = chunk_length(count, chunk, j);
         uint8_t* half = next_half();
         for (int r = 0; r < world_; ++r) {
             if (r == rank_) continue;
             const Slice s = slice_of(n, world_, r, es);
-            std::memcpy(half + s.offset * es, data + (j * chunk + s.offset) * es, s.length * es);
+            kernels::copy(half + s.offset * es, data + (j * chunk + s.offset) * es,
+                          s.length * es, false);
         }
     };
 
@@ -472,7 +483,7 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
         wait_all(call);
         if (j >= 1) {
             // Gather the other ranks' finished slices of chunk j-1.
-            const uint64_t n = chunk_length(j - 1);
+            const uint64_t n = chunk_length(count, chunk, j - 1);
             for (int p = 0; p < world_; ++p) {
                 if (p == rank_) continue;
                 const Slice s = slice_of(n, world_, p, es);
@@ -483,7 +494,7 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
         if (j < chunks) {
             // Reduce my slice of chunk j into my next half, where the others
             // pick it up in the next round, and into my own output.
-            const uint64_t n = chunk_length(j);
+            const uint64_t n = chunk_length(count, chunk, j);
             const Slice mine = slice_of(n, world_, rank_, es);
             uint8_t* out = data + (j * chunk + mine.offset) * es;
             for (int p = 0; p < world_; ++p) {
@@ -511,26 +522,26 @@ void ShmCommunicator::reduce_scatter_tensor(void* output, const void* input, uin
                         "; expected separate buffers or the output being this rank's block");
         }
         if (world_ == 1) {
-            if (out != in) std::memcpy(out, in, count * es);
+            if (out != in) kernels::copy(out, in, count * es, false);
             return;
         }
         // My half holds one slot per destination rank.
         const uint64_t chunk = chunk_elements(Op::reduce_scatter_tensor, dtype);
-        const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
+        const uint64_t chunks = chunk_count(count, chunk);
         auto produce = [&](uint64_t j) {
-            const uint64_t n = std::min(chunk, count - std::min(count, j * chunk));
+            const uint64_t n = chunk_length(count, chunk, j);
             uint8_t* half = next_half();
             for (int d = 0; d < world_; ++d) {
                 if (d == rank_) continue;
-                std::memcpy(half + uint64_t(d) * chunk * es,
-                            in + (uint64_t(d) * count + j * chunk) * es, n * es);
+                kernels::copy(half + uint64_t(d) * chunk * es,
+                              in + (uint64_t(d) * count + j * chunk) * es, n * es, false);
             }
         };
         produce(0);
         for (uint64_t j = 0; j < chunks; ++j) {
             publish(call);
             wait_all(call);
-            const uint64_t n = std::min(chunk, count - std::min(count, j * chunk));
+            const uint64_t n = chunk_length(count, chunk, j);
             for (int p = 0; p < world_; ++p) {
                 sources_[size_t(p)] = p == rank_ ? in + mine_offset + j * chunk * es
                                                  : peer_half(p) + uint64_t(rank_) * chunk * es;
@@ -554,16 +565,16 @@ void ShmCommunicator::all_gather_into_tensor(void* output, const void* input, ui
                         "; expected separate buffers or the input being this rank's block");
         }
         const uint64_t chunk = chunk_elements(Op::all_gather_into_tensor, dtype);
-        const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
-        auto length = [&](uint64_t j) { return std::min(chunk, count - std::min(count, j * chunk)); };
+        const uint64_t chunks = chunk_count(count, chunk);
+        auto length = [&](uint64_t j) { return chunk_length(count, chunk, j); };
         const bool stream = streams(count * es * uint64_t(world_));
         auto produce = [&](uint64_t j) {
             const uint64_t n = length(j);
-            std::memcpy(next_half(), in + j * chunk * es, n * es);
+            kernels::copy(next_half(), in + j * chunk * es, n * es, false);
             if (own != in) kernels::copy(own + j * chunk * es, in + j * chunk * es, n * es, stream);
         };
         if (world_ == 1) {
-            if (own != in) std::memcpy(own, in, count * es);
+            if (own != in) kernels::copy(own, in, count * es, false);
             return;
         }
         produce(0);
@@ -588,10 +599,11 @@ void ShmCommunicator::broadcast(void* data, uint64_t count, DType dtype, int roo
         auto* bytes = static_cast<uint8_t*>(data);
         const uint64_t chunk = chunk_elements(Op::broadcast, dtype);
         const bool stream = streams(count * es);
-        const uint64_t chunks = std::max<uint64_t>(1, ceil_div(count, chunk));
-        auto length = [&](uint64_t j) { return std::min(chunk, count - std::min(count, j * chunk)); };
+        const uint64_t chunks = chunk_count(count, chunk);
+        auto length = [&](uint64_t j) { return chunk_length(count, chunk, j); };
         auto produce = [&](uint64_t j) {
-            if (rank_ == root) std::memcpy(next_half(), bytes + j * chunk * es, length(j) * es);
+            if (rank_ == root)
+                kernels::copy(next_half(), bytes + j * chunk * es, length(j) * es, false);
         };
         produce(0);
         for (uint64_t j = 0; j < chunks; ++j) {

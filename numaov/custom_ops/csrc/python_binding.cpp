@@ -79,7 +79,8 @@ PYBIND11_MODULE(_native, m) {
             [](const ShmCommunicator& c, const std::string& op, uint32_t dtype) {
                 for (auto o : {numaov::Op::all_reduce, numaov::Op::all_gather_into_tensor,
                                numaov::Op::reduce_scatter_tensor, numaov::Op::broadcast}) {
-                    if (op == numaov::op_name(o)) return c.chunk_elements(o, dtype_from_code(dtype));
+                    if (op == numaov::op_name(o))
+                        return c.chunk_elements(o, dtype_from_code(dtype));
                 }
                 throw numaov::CollectiveError("unknown collective '" + op + "'");
             },

@@ -185,7 +185,8 @@ NUMAOV_TARGET_AVX2 void reduce_avx2(void* dst, const void* const* srcs, int n, u
     }
     for (; i + 8 <= count; i += 8) {
         __m256 a = V::load(static_cast<const T*>(srcs[0]) + i);
-        for (int p = 1; p < n; ++p) a = _mm256_add_ps(a, V::load(static_cast<const T*>(srcs[p]) + i));
+        for (int p = 1; p < n; ++p)
+            a = _mm256_add_ps(a, V::load(static_cast<const T*>(srcs[p]) + i));
         V::store(out + i, a);
     }
     if (i < count) {
@@ -296,7 +297,8 @@ NUMAOV_TARGET_AVX512 void reduce_avx512(void* dst, const void* const* srcs, int 
 // Non-temporal copy: regular stores up to the first 64-byte boundary of dst,
 // streaming stores for whole cache lines, memcpy for the tail.
 NUMAOV_TARGET_AVX512 void copy_stream_avx512(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
-    const uint64_t head = std::min<uint64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+    const uint64_t head =
+        std::min<uint64_t>(bytes, (64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
     std::memcpy(dst, src, head);
     uint64_t i = head;
     for (; i + 256 <= bytes; i += 256) {
@@ -314,7 +316,8 @@ NUMAOV_TARGET_AVX512 void copy_stream_avx512(uint8_t* dst, const uint8_t* src, u
 }
 
 NUMAOV_TARGET_AVX2 void copy_stream_avx2(uint8_t* dst, const uint8_t* src, uint64_t bytes) {
-    const uint64_t head = std::min<uint64_t>(bytes, (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32);
+    const uint64_t head =
+        std::min<uint64_t>(bytes, (32 - reinterpret_cast<uintptr_t>(dst) % 32) % 32);
     std::memcpy(dst, src, head);
     uint64_t i = head;
     for (; i + 128 <= bytes; i += 128) {
@@ -368,6 +371,7 @@ Isa best_isa() {
 }
 
 void copy(void* dst, const void* src, uint64_t bytes, bool stream) {
+    if (bytes == 0) return;  // an empty tensor may have no address at all
     if (!stream || bytes < 4096) {
         std::memcpy(dst, src, bytes);
         return;

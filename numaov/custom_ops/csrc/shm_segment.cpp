@@ -62,8 +62,8 @@ std::string byte_text(uint64_t bytes) {
 std::string sanitise(const std::string& s, size_t max_len, bool& changed) {
     std::string out;
     for (char c : s) {
-        const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                        c == '.' || c == '_' || c == '-';
+        const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                        (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
         out.push_back(ok ? c : '_');
         if (!ok) changed = true;
     }
@@ -83,7 +83,9 @@ uint64_t fnv1a(const std::string& s) {
     return h;
 }
 
-CollectiveError error(const std::string& text) { return CollectiveError("numaov collectives: " + text); }
+CollectiveError error(const std::string& text) {
+    return CollectiveError("numaov collectives: " + text);
+}
 
 }  // namespace
 
@@ -340,7 +342,10 @@ void Segment::wait_all_attached(const SegmentConfig& config) {
     const uint64_t world = uint64_t(config.world_size);
     const auto start = std::chrono::steady_clock::now();
     while (load_acquire(&control_->attached) < world) {
-        if (error_raised()) throw error("rank " + std::to_string(config.rank) + ": " + error_text());
+        if (error_raised()) {
+            throw error("rank " + std::to_string(config.rank) +
+                        " stopped joining because the group failed: " + error_text());
+        }
         if (seconds_since(start) > config.timeout_s) {
             std::string missing;
             for (int r = 0; r < config.world_size; ++r) {
