@@ -3,7 +3,9 @@
 For each op and message size (4 KiB to 64 MiB) both transports run in the same processes, one
 after the other, and the script prints latency, bandwidth and the speed-up; the single-core
 memcpy bandwidth of the same sizes is measured first as the limit a copy-based transport can
-approach. Writes benchmarks/out/collectives.json and benchmarks/out/collectives.png.
+approach, and so is a cross-core copy (rank 0 writes a shared buffer, rank 1 copies it out: what
+any shared-memory transport must do at least once per byte). Writes
+benchmarks/out/collectives.json and benchmarks/out/collectives.png.
 
 Size is the largest buffer of the call (the tensor for all_reduce and broadcast, the output of
 all_gather_into_tensor, the input of reduce_scatter_tensor); bandwidth is size / time.
@@ -96,7 +98,7 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
     from numaov.custom_ops.collectives import GlooCommunicator, ShmCommunicator
 
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"memcpy": {}, "ours": {}, "gloo": {}}
+    out: dict[str, Any] = {"memcpy": {}, "cross_core": {}, "ours": {}, "gloo": {}}
     # 1. Single-core memcpy, while the other rank blocks (not spins) on the gate.
     if rank == 0:
         for size in args["sizes"]:
@@ -106,18 +108,40 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
                                         lambda: None, lambda n: n)
             out["memcpy"][size] = seconds
     gate.wait()
+    from multiprocessing import shared_memory
+
+    shared = shared_memory.SharedMemory(name=args["shared"])
     dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank,
                             world_size=world)
     transports = {"ours": ShmCommunicator(args["group"], rank, world, job_id=args["group"]),
                   "gloo": GlooCommunicator(args["group"] + "-gloo", dist.group.WORLD)}
     dtype = getattr(torch, args["dtype"])
+    ours = transports["ours"]
+    # 2. Cross-core copy: the consumer's pull of lines the producer just wrote.
+    pulled = np.empty(max(args["sizes"]), np.uint8)
+    staged = np.ones_like(pulled)
+    view = np.ndarray(pulled.shape, np.uint8, buffer=shared.buf)
+    for size in args["sizes"]:
+        best = float("inf")
+        for _ in range(max(5, min(200, int(args["budget_s"] * 2e7 / size)))):
+            if rank == 0:
+                np.copyto(view[:size], staged[:size])
+            ours.barrier()
+            if rank == 1:
+                start = time.perf_counter()
+                np.copyto(pulled[:size], view[:size])
+                best = min(best, time.perf_counter() - start)
+            ours.barrier()
+        out["cross_core"][size] = best
+    del view
+    shared.close()
 
     def agree(n: int) -> int:
         value = torch.tensor([n])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value)
 
-    # 2. Every op and size on both transports, side by side.
+    # 3. Every op and size on both transports, side by side.
     for op in args["ops"]:
         for size in args["sizes"]:
             a, b = _buffers(torch, op, size, dtype, world)
@@ -143,7 +167,7 @@ def _report(merged: dict) -> tuple[str, dict]:
              f"buffer {_fmt_bytes(merged['buffer_bytes'])} per half, one-shot all_reduce up to "
              f"{_fmt_bytes(merged['oneshot_bytes'])}; best ~1 ms sample (medians in JSON)",
              f"{'op':<24}{'size':>8}{'ours us':>11}{'gloo us':>11}{'x gloo':>9}"
-             f"{'ours GB/s':>11}{'memcpy GB/s':>13}{'of memcpy':>11}"]
+             f"{'ours GB/s':>11}{'memcpy GB/s':>13}{'of memcpy':>11}{'x-core us':>11}"]
     verdict = {}
     for op in ops:
         for size in sizes:
@@ -152,7 +176,7 @@ def _report(merged: dict) -> tuple[str, dict]:
             speedup, of_memcpy = gloo / ours, memcpy / ours
             lines.append(f"{op:<24}{_fmt_bytes(size):>8}{ours * 1e6:>11.1f}{gloo * 1e6:>11.1f}"
                          f"{speedup:>9.1f}{size / ours / 1e9:>11.2f}{size / memcpy / 1e9:>13.2f}"
-                         f"{of_memcpy:>11.0%}")
+                         f"{of_memcpy:>11.0%}{merged['cross_core'][size] * 1e6:>11.1f}")
             if size <= SMALL_LIMIT:
                 verdict[f"{op}/{size} >= {SMALL_TARGET:.0f}x gloo"] = speedup >= SMALL_TARGET
             if size == LARGE_SIZE:
@@ -217,9 +241,12 @@ def main() -> None:
     group = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     gate, results = ctx.Barrier(world), ctx.Queue()
+    from multiprocessing import shared_memory
+
+    shared = shared_memory.SharedMemory(create=True, size=max(sizes))
     with tempfile.TemporaryDirectory() as tmp:
         args = {"cpus": cpus, "group": group, "store": f"{tmp}/store", "dtype": opts.dtype,
-                "budget_s": opts.budget_s, "ops": ops, "sizes": sizes}
+                "budget_s": opts.budget_s, "ops": ops, "sizes": sizes, "shared": shared.name}
         procs = [ctx.Process(target=_rank_main, args=(r, world, args, gate, results))
                  for r in range(world)]
         for p in procs:
@@ -227,6 +254,8 @@ def main() -> None:
         per_rank = dict(results.get(timeout=3600) for _ in procs)
         for p in procs:
             p.join()
+    shared.close()
+    shared.unlink()
     errors = [r["error"] for r in per_rank.values() if "error" in r]
     if errors:
         raise SystemExit("a rank failed:\n" + errors[0])
@@ -236,6 +265,7 @@ def main() -> None:
                               "memcpy_median": {k: v[1] for k, v in per_rank[0]["memcpy"].items()},
                               "dtype": opts.dtype,
                               "ops": ops, "sizes": sizes,
+                              "cross_core": per_rank[1]["cross_core"],
                               "cpus": cpus, "isa": per_rank[0]["isa"],
                               "buffer_bytes": per_rank[0]["buffer_bytes"],
                               "oneshot_bytes": per_rank[0]["oneshot_bytes"]}

@@ -264,3 +264,36 @@ def test_a_specialised_dynamic_axis_is_an_export_error(tmp_path: Path) -> None:
         export_onnx(
             FixedBatch(), (torch.zeros(2, 3),), None, {"x": {0: batch}}, tmp_path / "m.onnx"
         )
+
+
+def test_bf16_storage_reaches_weights_inside_if_branches(tmp_path) -> None:
+    """The MoE's experts live in If branches; bf16 storage must compress them too."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from numaov.exporter.openvino_convert import _store_weights_as_bf16
+
+    x = ops.parameter([4, 2048], np.float32, name="x")
+    cond = ops.parameter([], np.bool_, name="c")
+
+    def branch(value: float):
+        p = ops.parameter([4, 2048], np.float32)
+        w = ops.constant(np.full((2048, 8), value, np.float32))
+        return ov.Model([ops.result(ops.matmul(p, w, False, False))], [p]), p
+
+    then_body, then_in = branch(1.0)
+    else_body, else_in = branch(2.0)
+    if_node = ops.if_op(cond)
+    if_node.set_then_body(then_body)
+    if_node.set_else_body(else_body)
+    if_node.set_input(x.output(0), then_in, else_in)
+    out = if_node.set_output(then_body.get_results()[0], else_body.get_results()[0])
+    model = ov.Model([out], [x, cond])
+    assert _store_weights_as_bf16(model) == 2
+    ov.save_model(model, str(tmp_path / "if.xml"), compress_to_fp16=False)
+    # Two 2048x8 weights in bf16, nothing left in f32.
+    assert (tmp_path / "if.bin").stat().st_size == 2 * 2048 * 8 * 2
+    compiled = ov.Core().compile_model(str(tmp_path / "if.xml"), "CPU")
+    result = compiled({"x": np.ones((4, 2048), np.float32), "c": np.array(False)})[0]
+    # Exact: 2048 * 2.0 in bf16 weights, summed in f32.
+    np.testing.assert_array_equal(result, np.full((4, 8), 4096.0, np.float32))

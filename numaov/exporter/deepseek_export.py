@@ -29,23 +29,19 @@ Parity at export:
 - ``dp == 1``: PyTorch versus ONNX Runtime versus OpenVINO (``numaov.exporter.parity``).
 - ``dp > 1``: ONNX Runtime has no kernels for the collective nodes (the manifest's ``notes``
   say so, with ONNX Runtime's refusal as checked on the graph). Every rank's OpenVINO graph runs
-  in its own worker process (the runtime's ``run_on_ranks``, which joins the shared-memory group
-  the nodes name), each on its own share of the sequences: uneven prefill, decode with idle
-  ranks, both MoE branches. Each rank's outputs are compared with the unsharded PyTorch model
-  (dp=1) on the same sequences. The ranks are placed by ``NUMAOV_CPU_BIND`` or one per NUMA
-  node; on a machine with fewer NUMA nodes than ranks and no ``NUMAOV_CPU_BIND``, the allowed
-  CPUs are split between the ranks (``numaov.runtime.lm_engine.plan_for_ranks``): placement
-  does not change the numbers, only the speed, and an export should not need a two-socket
-  machine to be checked. The plan used is recorded in the manifest's ``notes``.
-
-The exporter reaches into ``numaov.runtime`` for exactly that worker launch and plan, so the
-check runs the ranks the way the runtime will; the runtime never imports the exporter.
+  in its own process of a rank group (``numaov.custom_ops.rank_group``, which joins the
+  shared-memory group the nodes name), each on its own share of the sequences: uneven prefill,
+  decode with idle ranks, both MoE branches. Each rank's outputs are compared with the
+  unsharded PyTorch model (dp=1) on the same sequences. The ranks are not pinned: placement
+  changes the speed, not the numbers, and an export should not need a two-socket machine to be
+  checked; each rank gets an equal share of the allowed CPUs as OpenVINO threads.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -203,6 +199,7 @@ class _ParityJob:
     xml: str
     inference_precision: str
     input_sets: list[dict[str, np.ndarray]]
+    threads: int
 
 
 def _run_rank_graph(context: Any, job: _ParityJob) -> list[list[np.ndarray]]:
@@ -213,7 +210,7 @@ def _run_rank_graph(context: Any, job: _ParityJob) -> list[list[np.ndarray]]:
 
     core = ov.Core()
     add_extension(core)
-    properties = {**compile_config(job.inference_precision), **context.openvino_config()}
+    properties = {**compile_config(job.inference_precision), "INFERENCE_NUM_THREADS": job.threads}
     compiled = core.compile_model(job.xml, "CPU", properties)
     request = compiled.create_infer_request()
     outputs = []
@@ -234,19 +231,19 @@ def _check_ranks_on_workers(
 ) -> tuple[list[ParityFigure], str]:
     """Run every rank's IR in its own worker and compare with PyTorch dp=1; returns the
     figures and a description of the placement used."""
-    from numaov.runtime.lm_engine import plan_for_ranks
-    from numaov.runtime.workers import run_on_ranks
+    from numaov.custom_ops.rank_group import run_rank_group
 
     dp = len(xml_paths)
-    plan, placement = plan_for_ranks(dp, split_cpus=True)
+    threads = max(1, len(os.sched_getaffinity(0)) // dp)
+    placement = f"{dp} unpinned rank processes with {threads} OpenVINO thread(s) each"
     progress(f"parity check on openvino ({inference_precision}), {dp} ranks in worker "
              f"processes ({placement})")
     jobs = [
-        _ParityJob(str(xml), inference_precision, inputs)
+        _ParityJob(str(xml), inference_precision, inputs, threads)
         for xml, inputs in zip(xml_paths, rank_inputs, strict=True)
     ]
-    results = run_on_ranks(plan, _run_rank_graph, jobs, group=COLLECTIVE_GROUP,
-                           timeout_s=PARITY_TIMEOUT_S)
+    results = run_rank_group(dp, _run_rank_graph, jobs, group=COLLECTIVE_GROUP,
+                             timeout_s=PARITY_TIMEOUT_S)
     figures = []
     for rank, (outputs, expected, inputs) in enumerate(
         zip(results, references, rank_inputs, strict=True)

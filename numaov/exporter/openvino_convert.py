@@ -54,13 +54,26 @@ def compile_config(precision: str) -> dict[str, str]:
     return {"INFERENCE_PRECISION_HINT": INFERENCE_PRECISION[check_precision(precision)]}
 
 
+def _subgraphs(node) -> list:
+    """The bodies of a node that holds graphs: the MoE's `If` branches hold the experts."""
+    kind = node.get_type_name()
+    if kind == "If":
+        return [node.get_then_body(), node.get_else_body()]
+    if kind in ("Loop", "TensorIterator"):
+        return [node.get_function(0)]  # index 0 is their only body; others crash
+    return []
+
+
 def _store_weights_as_bf16(model) -> int:
-    """Replace big f32 constants with bf16 constants plus a Convert to f32; returns the count."""
+    """Replace big f32 constants with bf16 constants plus a Convert to f32, in the graph and
+    in every subgraph body; returns the count."""
     import openvino as ov
     from openvino import opset13 as ops
 
     replaced = 0
     for node in model.get_ordered_ops():
+        for body in _subgraphs(node):
+            replaced += _store_weights_as_bf16(body)
         if node.get_type_name() != "Constant" or node.get_element_type() != ov.Type.f32:
             continue
         shape = node.get_output_partial_shape(0)

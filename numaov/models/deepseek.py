@@ -880,7 +880,7 @@ class DeepseekV2Model(nn.Module):
         # Integer conversion on the tensor side: while exporting, .item() of an int tensor is
         # a symbolic size the graph computes at run time.
         padded = counts.max().clamp(min=1).to(torch.int64).item()
-        torch._check_is_size(padded)
+        torch._check(padded >= 1)  # a size: tells torch.export it is non-negative
         torch._check(padded >= rows)
         return padded
 

@@ -404,7 +404,8 @@ class GenerationResult:
     backend: str
     world_size: int
     placement: str
-    # Slowest rank per step (the ranks run in lockstep); step 0 is the prefill.
+    # Slowest rank per step (the ranks run in lockstep); step 0 is the prefill, including the
+    # first inference's one-time work (OpenVINO allocates and picks kernels on first use).
     step_seconds: list[float]
     # Slowest rank's model load / compile.
     load_seconds: float

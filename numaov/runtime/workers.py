@@ -1,34 +1,26 @@
 """One worker process per rank of a binding plan.
 
-`run_on_ranks(plan, target, per_rank_args)` spawns a process per rank; each
-binds itself to its CPUs and memory, joins the shared-memory collective
-group, calls ``target(context, arg)`` and sends the result back. The parent
-waits with a deadline: a worker that raises, dies or hangs ends the whole
-run with an error naming the rank, and the other workers are stopped, so a
-failure never leaves a group waiting forever.
+`run_on_ranks(plan, target, per_rank_args)` starts a rank group
+(`numaov.custom_ops.rank_group`) whose processes first bind themselves to
+their rank's CPUs and memory, so each worker computes on its own NUMA node
+with one inference thread per core, then join the shared-memory collective
+group and call ``target(context, arg)`` with a `WorkerContext`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import multiprocessing as mp
-import os
-import queue as queue_module
-import time
-import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from numaov import NumaovError
+from numaov.custom_ops.rank_group import WorkerError, run_rank_group
 from numaov.runtime.binding import AppliedBinding, BindingPlan, apply_rank_binding
 
 log = logging.getLogger(__name__)
 
-
-class WorkerError(NumaovError):
-    """A worker raised, died or did not finish in time."""
+__all__ = ["WorkerContext", "WorkerError", "run_on_ranks"]
 
 
 @dataclass(frozen=True)
@@ -45,31 +37,13 @@ class WorkerContext:
         return self.binding.openvino_config()
 
 
-def _worker_main(plan: BindingPlan, rank: int, group: str | None, job_id: str,
-                 target: Callable[[WorkerContext, Any], Any], arg: Any, results) -> None:
-    communicator = None
-    try:
-        applied = apply_rank_binding(plan, rank)
-        # Matmuls in eager torch should use this rank's cores only.
-        import torch
+def _bind_worker(plan: BindingPlan, rank: int, world_size: int, group: str | None) -> WorkerContext:
+    applied = apply_rank_binding(plan, rank)
+    # Eager torch matmuls should use this rank's cores only.
+    import torch
 
-        torch.set_num_threads(applied.threads)
-        if group is not None:
-            from numaov.custom_ops.collectives import ShmCommunicator, register_communicator
-
-            communicator = ShmCommunicator(group, rank, plan.world_size, job_id=job_id)
-            register_communicator(communicator)
-        context = WorkerContext(rank, plan.world_size, group, applied)
-        results.put((rank, "ok", target(context, arg)))
-    except NumaovError as exc:
-        results.put((rank, "error", str(exc)))
-    except BaseException:  # the parent shows it; a worker must never die silently
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if communicator is not None:
-            from numaov.custom_ops.collectives import destroy_communicator
-
-            destroy_communicator(group)
+    torch.set_num_threads(applied.threads)
+    return WorkerContext(rank, world_size, group, applied)
 
 
 def run_on_ranks(
@@ -80,57 +54,11 @@ def run_on_ranks(
     group: str | None = None,
     timeout_s: float = 3600.0,
 ) -> list[Any]:
-    """Run ``target(context, per_rank_args[r])`` on every rank; return results by rank.
+    """Run ``target(context, per_rank_args[r])`` on every rank of `plan`; results by rank.
 
-    `target` must be a module-level function (it is pickled into spawned
-    processes). With more than one rank the workers share a collective group,
-    named `group` (default: a fresh unique name).
+    `target` must be a module-level function (it is pickled into spawned processes).
+    With more than one rank the workers share a collective group named `group`
+    (default: a fresh unique name).
     """
-    world = plan.world_size
-    if len(per_rank_args) != world:
-        raise WorkerError(f"{len(per_rank_args)} argument sets for {world} ranks; expected one per rank")
-    if world > 1 and group is None:
-        group = f"workers-{uuid.uuid4().hex[:12]}"
-    job_id = os.environ.get("NUMAOV_JOB_ID") or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker_main, name=f"numaov-rank{r}", daemon=True,
-                    args=(plan, r, group if world > 1 else None, job_id, target,
-                          per_rank_args[r], results))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < world:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in out and p.exitcode is not None]
-                if dead:
-                    # Drain a result that raced with the exit before blaming the rank.
-                    time.sleep(0.2)
-                    if results.empty():
-                        codes = ", ".join(f"rank {r} exit code {procs[r].exitcode}" for r in dead)
-                        raise WorkerError(f"worker died without a result ({codes})") from None
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world) if r not in out]
-                    raise WorkerError(
-                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                    ) from None
-                continue
-            if status == "error":
-                raise WorkerError(f"rank {rank} failed: {value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(out) == world else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    return [out[r] for r in range(world)]
+    return run_rank_group(plan.world_size, target, per_rank_args, group=group,
+                          setup=functools.partial(_bind_worker, plan), timeout_s=timeout_s)
