@@ -5,7 +5,7 @@ after the other, and the script prints latency, bandwidth and the speed-up; the 
 memcpy bandwidth of the same sizes is measured first as the limit a copy-based transport can
 approach, and so is a cross-core copy (rank 0 writes a shared buffer, rank 1 copies it out: what
 any shared-memory transport must do at least once per byte). Writes
-benchmarks/out/collectives.json and benchmarks/out/collectives.png.
+benchmarks/out/collectives.json and .png (collectives_<dtype>.* for other dtypes).
 
 Size is the largest buffer of the call (the tensor for all_reduce and broadcast, the output of
 all_gather_into_tensor, the input of reduce_scatter_tensor); bandwidth is size / time.
@@ -108,9 +108,6 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
                                         lambda: None, lambda n: n)
             out["memcpy"][size] = seconds
     gate.wait()
-    from multiprocessing import shared_memory
-
-    shared = shared_memory.SharedMemory(name=args["shared"])
     dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank,
                             world_size=world)
     transports = {"ours": ShmCommunicator(args["group"], rank, world, job_id=args["group"]),
@@ -120,7 +117,7 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
     # 2. Cross-core copy: the consumer's pull of lines the producer just wrote.
     pulled = np.empty(max(args["sizes"]), np.uint8)
     staged = np.ones_like(pulled)
-    view = np.ndarray(pulled.shape, np.uint8, buffer=shared.buf)
+    view = np.asarray(np.memmap(args["shared"], np.uint8, "r+", shape=pulled.shape))
     for size in args["sizes"]:
         best = float("inf")
         for _ in range(max(5, min(200, int(args["budget_s"] * 2e7 / size)))):
@@ -134,7 +131,6 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
             ours.barrier()
         out["cross_core"][size] = best
     del view
-    shared.close()
 
     def agree(n: int) -> int:
         value = torch.tensor([n])
@@ -207,6 +203,8 @@ def _plot(merged: dict, path: Path) -> None:
                             style, label=name)
         bottom.semilogx(sizes, [s / merged["memcpy"][s] / 1e9 for s in sizes], "k:",
                         label="memcpy, 1 core")
+        top.loglog(sizes, [merged["cross_core"][s] * 1e6 for s in sizes], "k:",
+                   label="cross-core copy")
         top.set_title(op)
         top.set_ylabel("latency (us)")
         bottom.set_ylabel("bandwidth (GB/s)")
@@ -241,12 +239,13 @@ def main() -> None:
     group = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     gate, results = ctx.Barrier(world), ctx.Queue()
-    from multiprocessing import shared_memory
-
-    shared = shared_memory.SharedMemory(create=True, size=max(sizes))
-    with tempfile.TemporaryDirectory() as tmp:
+    # The cross-core copy's buffer: a /dev/shm file both ranks map.
+    shared = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="numaov-bench-")
+    shared.truncate(max(sizes))
+    with shared, tempfile.TemporaryDirectory() as tmp:
         args = {"cpus": cpus, "group": group, "store": f"{tmp}/store", "dtype": opts.dtype,
-                "budget_s": opts.budget_s, "ops": ops, "sizes": sizes, "shared": shared.name}
+                "budget_s": opts.budget_s, "ops": ops, "sizes": sizes,
+                "shared": shared.name}
         procs = [ctx.Process(target=_rank_main, args=(r, world, args, gate, results))
                  for r in range(world)]
         for p in procs:
@@ -254,8 +253,6 @@ def main() -> None:
         per_rank = dict(results.get(timeout=3600) for _ in procs)
         for p in procs:
             p.join()
-    shared.close()
-    shared.unlink()
     errors = [r["error"] for r in per_rank.values() if "error" in r]
     if errors:
         raise SystemExit("a rank failed:\n" + errors[0])
@@ -278,9 +275,10 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     merged["targets"] = verdict
     merged["date"] = time.strftime("%Y-%m-%d")
-    (OUT / "collectives.json").write_text(json.dumps(merged, indent=1, default=str))
-    _plot(merged, OUT / "collectives.png")
-    print(f"wrote {OUT / 'collectives.json'} and {OUT / 'collectives.png'}")
+    stem = "collectives" if opts.dtype == "float32" else f"collectives_{opts.dtype}"
+    (OUT / f"{stem}.json").write_text(json.dumps(merged, indent=1, default=str))
+    _plot(merged, OUT / f"{stem}.png")
+    print(f"wrote {OUT / stem}.json and {OUT / stem}.png")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -202,7 +202,11 @@ class ShmCommunicator(Communicator):
                         "(F, BW, VL)", group, self._comm.isa)
         logger.debug("collective group %r: rank %d/%d on %s (%s kernels)", group, self.rank,
                      self.world_size, self._comm.segment_name, self._comm.isa)
-        register_communicator(self)
+        try:
+            register_communicator(self)
+        except CollectiveError:
+            self._comm.close()  # another transport holds the name: do not leave this one mapped
+            raise
 
     @property
     def job_id(self) -> str:
@@ -243,7 +247,7 @@ class ShmCommunicator(Communicator):
             self._comm.fail(str(exc))
             raise
 
-    def _refuse(self, message: str) -> None:
+    def _refuse(self, message: str) -> NoReturn:
         self._comm.fail(message)
         raise CollectiveError(message)
 

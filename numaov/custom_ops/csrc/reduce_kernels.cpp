@@ -132,26 +132,6 @@ struct Avx2F32 {
     NUMAOV_TARGET_AVX2 static void store(T* p, __m256 v) { _mm256_storeu_ps(p, v); }
 };
 
-struct Avx2Bf16 {
-    using T = uint16_t;
-    NUMAOV_TARGET_AVX2 static __m256 load(const T* p) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    NUMAOV_TARGET_AVX2 static void store(T* p, __m256 v) {
-        const __m256i bits = _mm256_castps_si256(v);
-        const __m256i high = _mm256_srli_epi32(bits, 16);
-        const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
-        __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-        r = _mm256_srli_epi32(r, 16);
-        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-        // packus works per 128-bit lane: pick the low quadword of each lane.
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-    }
-};
-
 struct Avx2F16 {
     using T = uint16_t;
     NUMAOV_TARGET_AVX2 static __m256 load(const T* p) {
@@ -218,34 +198,6 @@ struct Avx512F32 {
     }
 };
 
-struct Avx512Bf16 {
-    using T = uint16_t;
-    NUMAOV_TARGET_AVX512 static __m512 widen(__m256i h) {
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    NUMAOV_TARGET_AVX512 static __m512i round(__m512 v) {
-        const __m512i bits = _mm512_castps_si512(v);
-        const __m512i high = _mm512_srli_epi32(bits, 16);
-        const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
-        __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-        r = _mm512_srli_epi32(r, 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        return _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
-    }
-    NUMAOV_TARGET_AVX512 static __m512 load(const T* p) {
-        return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    }
-    NUMAOV_TARGET_AVX512 static __m512 load(const T* p, __mmask16 k) {
-        return widen(_mm256_maskz_loadu_epi16(k, p));
-    }
-    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(round(v)));
-    }
-    NUMAOV_TARGET_AVX512 static void store(T* p, __m512 v, __mmask16 k) {
-        _mm512_mask_cvtepi32_storeu_epi16(p, k, round(v));
-    }
-};
-
 struct Avx512F16 {
     using T = uint16_t;
     static constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -291,6 +243,143 @@ NUMAOV_TARGET_AVX512 void reduce_avx512(void* dst, const void* const* srcs, int 
         for (int p = 1; p < n; ++p)
             a = _mm512_add_ps(a, V::load(static_cast<const T*>(srcs[p]) + i, k));
         V::store(out + i, a, k);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// bf16 without shuffles. A vector of 32-bit lanes holds two bf16 values per
+// lane: the even element in the low half, the odd one in the high half. As
+// f32, the even one is the lane shifted left by 16 and the odd one is the
+// lane with its low half cleared; both are summed as f32 and rounded with the
+// same integer round-to-nearest-even as f32_to_bf16, then OR-ed back into
+// place. Element order never changes, so no permutes (which would all queue
+// on one execution port) are needed.
+
+NUMAOV_TARGET_AVX512 inline __m512 bf16_even_512(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+NUMAOV_TARGET_AVX512 inline __m512 bf16_odd_512(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+// x + 0x7fff + bit 16 of x: the top 16 bits are then x rounded to nearest
+// even (f32_to_bf16 without its NaN case).
+NUMAOV_TARGET_AVX512 inline __m512i bf16_rne_512(__m512i x) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+
+// Rounded bf16 of both sums, packed back into 32-bit lanes.
+NUMAOV_TARGET_AVX512 inline __m512i bf16_pack_512(__m512 even, __m512 odd) {
+    const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
+    const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
+    __m512i re = _mm512_srli_epi32(bf16_rne_512(e), 16);
+    __m512i ro = _mm512_and_si512(bf16_rne_512(o), high);
+    // NaN: keep it, quiet (bit 6 of the bf16), payload truncated.
+    const __mmask16 nan_e = _mm512_cmp_ps_mask(even, even, _CMP_UNORD_Q);
+    const __mmask16 nan_o = _mm512_cmp_ps_mask(odd, odd, _CMP_UNORD_Q);
+    re = _mm512_mask_or_epi32(re, nan_e, _mm512_srli_epi32(e, 16), _mm512_set1_epi32(0x40));
+    ro = _mm512_mask_and_epi32(ro, nan_o, _mm512_or_si512(o, _mm512_set1_epi32(0x400000)), high);
+    return _mm512_or_si512(re, ro);
+}
+
+NUMAOV_TARGET_AVX512 void reduce_bf16_avx512(void* dst, const void* const* srcs, int n,
+                                             uint64_t count) {
+    auto* out = static_cast<uint16_t*>(dst);
+    auto src = [srcs](int p) { return static_cast<const uint16_t*>(srcs[p]); };
+    uint64_t i = 0;
+    for (; i + 64 <= count; i += 64) {
+        const __m512i a = _mm512_loadu_si512(src(0) + i), b = _mm512_loadu_si512(src(0) + i + 32);
+        __m512 ea = bf16_even_512(a), oa = bf16_odd_512(a);
+        __m512 eb = bf16_even_512(b), ob = bf16_odd_512(b);
+        for (int p = 1; p < n; ++p) {
+            const __m512i c = _mm512_loadu_si512(src(p) + i);
+            const __m512i d = _mm512_loadu_si512(src(p) + i + 32);
+            ea = _mm512_add_ps(ea, bf16_even_512(c));
+            oa = _mm512_add_ps(oa, bf16_odd_512(c));
+            eb = _mm512_add_ps(eb, bf16_even_512(d));
+            ob = _mm512_add_ps(ob, bf16_odd_512(d));
+        }
+        _mm512_storeu_si512(out + i, bf16_pack_512(ea, oa));
+        _mm512_storeu_si512(out + i + 32, bf16_pack_512(eb, ob));
+    }
+    for (; i < count; i += 32) {
+        const uint64_t rest = count - i;
+        const __mmask32 k = rest >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << rest) - 1u);
+        const __m512i a = _mm512_maskz_loadu_epi16(k, src(0) + i);
+        __m512 e = bf16_even_512(a), o = bf16_odd_512(a);
+        for (int p = 1; p < n; ++p) {
+            const __m512i c = _mm512_maskz_loadu_epi16(k, src(p) + i);
+            e = _mm512_add_ps(e, bf16_even_512(c));
+            o = _mm512_add_ps(o, bf16_odd_512(c));
+        }
+        _mm512_mask_storeu_epi16(out + i, k, bf16_pack_512(e, o));
+    }
+}
+
+NUMAOV_TARGET_AVX2 inline __m256 bf16_even_256(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+NUMAOV_TARGET_AVX2 inline __m256 bf16_odd_256(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+NUMAOV_TARGET_AVX2 inline __m256i bf16_rne_256(__m256i x) {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+}
+
+NUMAOV_TARGET_AVX2 inline __m256i bf16_pack_256(__m256 even, __m256 odd) {
+    const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+    const __m256i e = _mm256_castps_si256(even), o = _mm256_castps_si256(odd);
+    __m256i re = _mm256_srli_epi32(bf16_rne_256(e), 16);
+    __m256i ro = _mm256_and_si256(bf16_rne_256(o), high);
+    // NaN: keep it, quiet (bit 6 of the bf16), payload truncated.
+    const __m256i nan_e = _mm256_castps_si256(_mm256_cmp_ps(even, even, _CMP_UNORD_Q));
+    const __m256i nan_o = _mm256_castps_si256(_mm256_cmp_ps(odd, odd, _CMP_UNORD_Q));
+    const __m256i quiet_e = _mm256_or_si256(_mm256_srli_epi32(e, 16), _mm256_set1_epi32(0x40));
+    const __m256i quiet_o = _mm256_and_si256(_mm256_or_si256(o, _mm256_set1_epi32(0x400000)), high);
+    re = _mm256_blendv_epi8(re, quiet_e, nan_e);
+    ro = _mm256_blendv_epi8(ro, quiet_o, nan_o);
+    return _mm256_or_si256(re, ro);
+}
+
+NUMAOV_TARGET_AVX2 inline __m256i load_256(const void* p) {
+    return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+NUMAOV_TARGET_AVX2 void reduce_bf16_avx2(void* dst, const void* const* srcs, int n,
+                                         uint64_t count) {
+    auto* out = static_cast<uint16_t*>(dst);
+    auto src = [srcs](int p) { return static_cast<const uint16_t*>(srcs[p]); };
+    uint64_t i = 0;
+    for (; i + 16 <= count; i += 16) {
+        __m256i v = load_256(src(0) + i);
+        __m256 e = bf16_even_256(v), o = bf16_odd_256(v);
+        for (int p = 1; p < n; ++p) {
+            v = load_256(src(p) + i);
+            e = _mm256_add_ps(e, bf16_even_256(v));
+            o = _mm256_add_ps(o, bf16_odd_256(v));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16_pack_256(e, o));
+    }
+    if (i < count) {
+        // The tail through a zero-padded block, so nothing past count is touched.
+        const size_t rest = size_t(count - i) * sizeof(uint16_t);
+        alignas(32) uint16_t block[16] = {};
+        std::memcpy(block, src(0) + i, rest);
+        __m256i v = load_256(block);
+        __m256 e = bf16_even_256(v), o = bf16_odd_256(v);
+        for (int p = 1; p < n; ++p) {
+            std::memcpy(block, src(p) + i, rest);
+            v = load_256(block);
+            e = _mm256_add_ps(e, bf16_even_256(v));
+            o = _mm256_add_ps(o, bf16_odd_256(v));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(block), bf16_pack_256(e, o));
+        std::memcpy(out + i, block, rest);
     }
 }
 
@@ -396,14 +485,14 @@ void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t count, 
         case Isa::avx512:
             switch (dtype) {
                 case DType::f32: return reduce_avx512<Avx512F32>(dst, srcs, n_srcs, count);
-                case DType::bf16: return reduce_avx512<Avx512Bf16>(dst, srcs, n_srcs, count);
+                case DType::bf16: return reduce_bf16_avx512(dst, srcs, n_srcs, count);
                 case DType::f16: return reduce_avx512<Avx512F16>(dst, srcs, n_srcs, count);
             }
             break;
         case Isa::avx2:
             switch (dtype) {
                 case DType::f32: return reduce_avx2<Avx2F32>(dst, srcs, n_srcs, count);
-                case DType::bf16: return reduce_avx2<Avx2Bf16>(dst, srcs, n_srcs, count);
+                case DType::bf16: return reduce_bf16_avx2(dst, srcs, n_srcs, count);
                 case DType::f16: return reduce_avx2<Avx2F16>(dst, srcs, n_srcs, count);
             }
             break;

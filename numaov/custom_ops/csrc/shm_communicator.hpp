@@ -28,7 +28,7 @@ const char* op_name(Op op);
 // Defaults of the environment knobs (README "Environment variables").
 constexpr double kDefaultTimeoutSeconds = 60.0;
 constexpr uint64_t kDefaultBufferBytes = uint64_t(2) << 20;   // per rank and half
-constexpr uint64_t kDefaultOneshotBytes = uint64_t(64) << 10;  // all_reduce one-shot limit
+constexpr uint64_t kDefaultOneshotBytes = uint64_t(32) << 10;  // all_reduce one-shot limit
 constexpr uint64_t kDefaultStreamBytes = uint64_t(8) << 20;    // non-temporal result stores
 
 class ShmCommunicator final : public Communicator {
