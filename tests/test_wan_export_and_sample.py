@@ -288,7 +288,7 @@ def test_torch_backend_checks_the_source_checkpoint(wan: dict, tmp_path: Path) -
 
     manifest["source_checkpoint"] = str(tmp_path / "gone")
     (moved / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(SamplerInputError, match="torch backend loads the checkpoint"):
+    with pytest.raises(ModelDirError, match="torch backend loads the checkpoint"):
         run_wan(moved, REQUEST, wan["text"], None, backend="torch")
 
     # Same shapes, other weights: what a checkpoint overwritten after the export looks like.

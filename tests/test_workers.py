@@ -39,7 +39,7 @@ def test_a_failing_rank_is_named(two_cpus) -> None:
 
 def test_a_dead_worker_is_reported(two_cpus) -> None:
     plan = BindingPlan.from_bind_string(f"{two_cpus[0]}", read_topology())
-    with pytest.raises(WorkerError, match="died without a result \(rank 0 exit code 7\)"):
+    with pytest.raises(WorkerError, match=r"died without a result \(rank 0 exit code 7\)"):
         run_on_ranks(plan, _die, [0], timeout_s=120)
 
 

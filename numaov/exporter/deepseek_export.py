@@ -407,10 +407,5 @@ def export_deepseek(
         notes=notes,
         world_size=dp,
     )
-    manifest.write(out_dir)
-    report(
-        f"exported to {out_dir} in {sum(timings.values()):.1f} s ("
-        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-        + ")"
-    )
+    manifest.write_and_report(out_dir, timings, report)
     return manifest

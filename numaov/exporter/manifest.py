@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,17 @@ class ExportManifest:
         return (
             f"exported {self.kind} ({self.precision}, {self.lowering} ops{timestep}) to "
             f"{model_dir}; parity vs torch (max rel error): {parity}"
+        )
+
+    def write_and_report(
+        self, model_dir: str | Path, timings: dict[str, float], report: Callable[[str], None]
+    ) -> None:
+        """Write the manifest (the last file of an export) and report the stage timings."""
+        self.write(model_dir)
+        report(
+            f"exported to {model_dir} in {sum(timings.values()):.1f} s ("
+            + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+            + ")"
         )
 
     def to_json(self) -> str:

@@ -229,10 +229,5 @@ def export_wan(
         export_seconds={k: round(v, 3) for k, v in timings.items()},
         reference_sample=REFERENCE_SAMPLE_NAME,
     )
-    manifest.write(out_dir)
-    report(
-        f"exported to {out_dir} in {sum(timings.values()):.1f} s ("
-        + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
-        + ")"
-    )
+    manifest.write_and_report(out_dir, timings, report)
     return manifest

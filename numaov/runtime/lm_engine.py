@@ -230,16 +230,7 @@ class OpenVINOStep(StepModel):
     name = "openvino"
 
     def __init__(self, manifest: ModelManifest, rank: int, config: Mapping[str, Any]) -> None:
-        import openvino as ov
-
-        from numaov.custom_ops import add_extension
-
-        core = ov.Core()
-        add_extension(core)
-        # The export's precision decides the inference precision: an f32 export must say so,
-        # or OpenVINO runs it in bf16 on CPUs with AVX512-BF16 / AMX.
-        properties = {"INFERENCE_PRECISION_HINT": manifest.inference_precision, **config}
-        self._compiled = core.compile_model(str(manifest.rank(rank).ir_xml), "CPU", properties)
+        self._compiled = manifest.compile_rank(rank, config)
         self._request = self._compiled.create_infer_request()
 
     def step(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -263,13 +254,7 @@ class TorchStep(StepModel):
 
         from numaov.models.deepseek import DataParallelGroup, DeepseekV2
 
-        source = manifest.source_checkpoint
-        if source is None or not source.is_dir():
-            raise ModelDirError(
-                f"the torch backend loads the checkpoint the model was exported from, but "
-                f"{str(source)!r} (source_checkpoint in {str(manifest.directory)!r}) is not a "
-                "directory; use --backend openvino"
-            )
+        source = manifest.source_checkpoint_dir("openvino")
         dp = None
         if manifest.world_size > 1:
             dp = DataParallelGroup(str(manifest.collective_group), rank, manifest.world_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,32 @@ class ModelManifest:
             f"model directory {str(self.directory)!r} has no rank {rank}; it was exported for "
             f"ranks {[r.rank for r in self.ranks]}"
         )
+
+    def compile_rank(self, rank: int = 0, config: Mapping[str, Any] | None = None) -> Any:
+        """Compile rank `rank`'s IR on the CPU with numaov's extension ops loaded.
+
+        The export's precision decides the inference precision: an f32 export must say so,
+        or OpenVINO runs it in bf16 on CPUs with AVX512-BF16 / AMX.
+        """
+        import openvino as ov
+
+        from numaov.custom_ops import add_extension
+
+        core = ov.Core()
+        add_extension(core)
+        properties = {"INFERENCE_PRECISION_HINT": self.inference_precision, **(config or {})}
+        return core.compile_model(str(self.rank(rank).ir_xml), "CPU", properties)
+
+    def source_checkpoint_dir(self, other_backends: str) -> Path:
+        """The checkpoint the model was exported from, for the PyTorch backend."""
+        source = self.source_checkpoint
+        if source is None or not source.is_dir():
+            raise ModelDirError(
+                f"the torch backend loads the checkpoint the model was exported from, but "
+                f"{str(source)!r} (source_checkpoint in {str(self.directory)!r}) is not a "
+                f"directory; use --backend {other_backends}"
+            )
+        return source
 
 
 def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: Path) -> Any:

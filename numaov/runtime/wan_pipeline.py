@@ -258,16 +258,7 @@ class OpenVINODenoiser(Denoiser):
     name = "openvino"
 
     def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
-        import openvino as ov
-
-        from numaov.custom_ops import add_extension
-
-        core = ov.Core()
-        add_extension(core)
-        # The export's precision decides the inference precision: f32 exports must say so, or
-        # OpenVINO runs them in bf16 on CPUs with AVX512-BF16 / AMX.
-        properties = {"INFERENCE_PRECISION_HINT": manifest.inference_precision, **(config or {})}
-        self._compiled = core.compile_model(str(manifest.rank(0).ir_xml), "CPU", properties)
+        self._compiled = manifest.compile_rank(0, config)
         self._request = self._compiled.create_infer_request()
 
     def predict(
@@ -317,13 +308,7 @@ class TorchDenoiser(Denoiser):
 
         from numaov.models.wan import WanTransformer
 
-        source = manifest.source_checkpoint
-        if source is None or not source.is_dir():
-            raise SamplerInputError(
-                f"the torch backend loads the checkpoint the model was exported from, but "
-                f"{str(source)!r} (source_checkpoint in {str(manifest.directory)!r}) is not a "
-                "directory; use --backend openvino or onnxruntime"
-            )
+        source = manifest.source_checkpoint_dir("openvino or onnxruntime")
         dtype = torch.bfloat16 if manifest.precision == "bf16" else torch.float32
         self._torch = torch
         self._model = WanTransformer.from_pretrained(source, dtype=dtype)
