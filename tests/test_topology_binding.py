@@ -184,3 +184,14 @@ def test_apply_rejects_unknown_rank(two_cpus) -> None:
     plan = BindingPlan.from_bind_string(f"{two_cpus[0]}", read_topology())
     with pytest.raises(BindingError, match="rank 3 is not in the plan"):
         apply_rank_binding(plan, 3)
+
+
+def test_split_allowed_cpus_keeps_blocks_contiguous(two_socket_smt) -> None:
+    sys_root, proc_root = two_socket_smt
+    topo = read_topology(sys_root, proc_root, allowed_cpus=tuple(range(16)))
+    plan = BindingPlan.split_allowed_cpus(topo, 2)
+    # Physical cores 0-7 in two blocks: each rank stays on one socket's two nodes.
+    assert [b.cpus for b in plan.ranks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [b.nodes for b in plan.ranks] == [(0, 1), (2, 3)]
+    # More ranks than physical cores: hardware threads are used, one block each.
+    assert BindingPlan.split_allowed_cpus(topo, 16).ranks[15].cpus == (15,)

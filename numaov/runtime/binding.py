@@ -93,6 +93,26 @@ class BindingPlan:
         )
 
     @classmethod
+    def split_allowed_cpus(cls, topology: Topology, ranks: int) -> BindingPlan:
+        """The allowed CPUs split into `ranks` contiguous blocks, one per rank.
+
+        For running more ranks than NUMA nodes without a bind string (the demo, benchmarks
+        on a small machine): physical cores first; CPUs are shared only
+        when there are fewer CPUs than ranks. Contiguous rather than dealt out one by one, so
+        that on a machine with a few NUMA nodes a rank's CPUs stay on one node when the
+        counts divide.
+        """
+        cores = sorted({c for node in topology.nodes for c in topology.usable_cores(node)})
+        cpus = cores if len(cores) >= ranks else sorted(topology.allowed_cpus)
+        n = len(cpus)
+        bindings = []
+        for rank in range(ranks):
+            mine = tuple(cpus[rank * n // ranks:(rank + 1) * n // ranks]) or (cpus[rank % n],)
+            nodes = tuple(sorted({node for node in map(topology.node_of, mine) if node is not None}))
+            bindings.append(RankBinding(rank, mine, nodes))
+        return cls(tuple(bindings), "allowed CPUs split between the ranks")
+
+    @classmethod
     def from_bind_string(
         cls, bind: str, topology: Topology, ranks: int | None = None
     ) -> BindingPlan:

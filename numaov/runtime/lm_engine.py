@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.runtime.binding import BIND_ENV, BindingError, BindingPlan, RankBinding
+from numaov.runtime.binding import BIND_ENV, BindingError, BindingPlan
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
-from numaov.runtime.topology import Topology, format_cpu_list, read_topology
+from numaov.runtime.topology import format_cpu_list, read_topology
 
 logger = logging.getLogger(__name__)
 
@@ -161,30 +161,13 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 # -- placement --------------------------------------------------------------------------------
 
 
-def _split_plan(topology: Topology, world_size: int) -> BindingPlan:
-    """The allowed CPUs split into ``world_size`` contiguous blocks, one per rank (physical
-    cores first; CPUs are shared only when there are fewer CPUs than ranks). Contiguous rather
-    than dealt out one by one, so that on a machine with a few NUMA nodes a rank's CPUs stay
-    on one node when the counts divide."""
-    cores = sorted({c for node in topology.nodes for c in topology.usable_cores(node)})
-    cpus = cores if len(cores) >= world_size else sorted(topology.allowed_cpus)
-    n = len(cpus)
-    ranks = []
-    for rank in range(world_size):
-        mine = tuple(cpus[rank * n // world_size:(rank + 1) * n // world_size])
-        mine = mine or (cpus[rank % n],)
-        nodes = tuple(sorted({node for node in map(topology.node_of, mine) if node is not None}))
-        ranks.append(RankBinding(rank, mine, nodes))
-    return BindingPlan(tuple(ranks), "allowed CPUs split between the ranks")
-
-
 def plan_for_ranks(
     world_size: int, split_cpus: bool = False, env: Mapping[str, str] | None = None
 ) -> tuple[BindingPlan, str]:
     """The binding plan for a model with ``world_size`` DP ranks, and a one-line description.
 
     ``NUMAOV_CPU_BIND`` when set, else one rank per NUMA node. When neither gives
-    ``world_size`` ranks: with ``split_cpus`` (export-time parity, the demo, benchmarks on a
+    ``world_size`` ranks: with ``split_cpus`` (the demo, benchmarks on a
     small machine) and no ``NUMAOV_CPU_BIND``, the allowed CPUs are split between the ranks;
     otherwise ``RankPlanError`` says what to set.
     """
@@ -203,7 +186,7 @@ def plan_for_ranks(
                 f"binding plan does not fit: {exc}{hint} (or export with a --dp that matches "
                 "the NUMA nodes)"
             ) from None
-        plan = _split_plan(topology, world_size)
+        plan = BindingPlan.split_allowed_cpus(topology, world_size)
         logger.info("%s; splitting the allowed CPUs over %d ranks", exc, world_size)
     placement = ", ".join(
         f"rank {b.rank} on CPUs {format_cpu_list(b.cpus)}" for b in plan.ranks
