@@ -570,8 +570,11 @@ void ShmCommunicator::all_gather_into_tensor(void* output, const void* input, ui
         const bool stream = streams(count * es * uint64_t(world_));
         auto produce = [&](uint64_t j) {
             const uint64_t n = length(j);
-            kernels::copy(next_half(), in + j * chunk * es, n * es, false);
-            if (own != in) kernels::copy(own + j * chunk * es, in + j * chunk * es, n * es, stream);
+            uint8_t* half = next_half();
+            kernels::copy(half, in + j * chunk * es, n * es, false);
+            // My own block comes from the copy just made, still in this core's
+            // cache, rather than from the input a second time.
+            if (own != in) kernels::copy(own + j * chunk * es, half, n * es, stream);
         };
         if (world_ == 1) {
             if (own != in) kernels::copy(own, in, count * es, false);
