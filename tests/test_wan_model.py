@@ -135,6 +135,23 @@ def test_matches_diffusers_fp32(reference_dirs, layout: str, shape: tuple[int, .
     torch.testing.assert_close(got, expected, **FP32_TOL)
 
 
+@pytest.mark.parametrize("max_columns", [16, 10, 47, 1000])
+def test_ffn_column_blocks_match_diffusers(reference_dirs, max_columns: int) -> None:
+    # ffn_dim 48: 16 -> 3 blocks of 16; 10 -> 5 uneven blocks (9/10/9/10/10); 47 -> 2 of 24;
+    # 1000 -> one block, the plain path. Exports run this layout.
+    directory = reference_dirs["single"]
+    model = WanTransformer.from_pretrained(directory).split_ffn_columns(max_columns)
+    expected_blocks = -(-TINY["ffn_dim"] // max_columns)
+    assert {block.ffn.column_blocks for block in model.blocks} == {expected_blocks}
+    x, t, e = _inputs(2, 3, 4, 6, 5, seed=SEED + max_columns)
+    expected = _reference_forward(_load_reference(directory), x, t, e)
+    with torch.no_grad():
+        got = model(x, t, e)
+    torch.testing.assert_close(got, expected, **FP32_TOL)
+    with pytest.raises(WanConfigError, match="FFN column block width 0; expected at least 1"):
+        model.split_ffn_columns(0)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 4, 4), (1, 4, 2, 6)])
 def test_per_frame_timesteps_match_diffusers(reference_dirs, shape: tuple[int, ...]) -> None:
     """numaov's per-frame [B, F] timesteps equal diffusers' per-token [B, L] form.

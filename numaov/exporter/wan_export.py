@@ -63,6 +63,9 @@ _MAX_TEXT = 4096
 _MAX_BATCH = 256
 # How the graph takes its timestep (manifest field ``timestep``): see the module docstring.
 TIMESTEP_KINDS = ("scalar", "per-frame")
+# The exported FFN runs as narrower up/GELU/down blocks of at most this many inner columns
+# (WanFeedForward): Wan 1.3B's 8,960 becomes 5 x 1,792, 14B's 13,824 becomes 7 x 1,975.
+FFN_COLUMN_BLOCK = 2048
 
 
 class WanExportError(NumaovError):
@@ -161,6 +164,7 @@ def export_wan(
     start = time.perf_counter()
     report(f"loading Wan checkpoint {checkpoint_dir}")
     model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    model.split_ffn_columns(FFN_COLUMN_BLOCK)
     config = model.config
     timings["load"] = time.perf_counter() - start
     _prepare_out_dir(out_dir)
