@@ -295,6 +295,67 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run_deepseek)
 
 
+# -- serve ------------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import socket
+
+    import uvicorn
+
+    from numaov.runtime.lm_engine import load_tokenizer
+    from numaov.runtime.lm_service import LMService, ServiceError, build_app
+
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    name = args.model_name or Path(args.model_dir).resolve().name
+    # Bind before starting the workers: a taken port fails in a second, not after loading.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        sock.close()
+        raise ServiceError(f"cannot listen on {args.host}:{args.port} ({exc.strerror}); "
+                           "expected a free port (--port) on a local address (--host)") from None
+    with sock, LMService(args.model_dir, args.backend, progress=_progress(args)) as service:
+        host, port = sock.getsockname()[:2]
+        server = uvicorn.Server(uvicorn.Config(build_app(service, name, tokenizer),
+                                               log_level="warning", lifespan="off"))
+        print(f"numaov serve: {name!r} ({service.world_size} rank(s), {args.backend}) on "
+              f"http://{host}:{port}  (POST /v1/completions, GET /v1/models, GET /health)",
+              flush=True)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make
+        # SIGTERM end up here like Ctrl-C, so the workers are stopped either way.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+        print("numaov serve: stopped", flush=True)
+    return 0
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an exported DeepSeek-V2 over HTTP "
+                       "(OpenAI-style /v1/completions), one worker per DP rank")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="output of `numaov export deepseek`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="directory with a Hugging Face tokenizer.json: text prompts and text "
+                   "in the answers")
+    p.add_argument("--model-name", metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: the "
+                   "model directory's name)")
+    p.add_argument("--backend", choices=["openvino", "torch"], default="openvino",
+                   help="what runs each rank's step (default openvino)")
+    _add_common(p)
+    p.set_defaults(func=cmd_serve)
+
+
 # -- parser and entry point ---------------------------------------------------------------
 
 
@@ -319,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_wan_parser(run_sub)
     _add_export_deepseek_parser(export_sub)
     _add_run_deepseek_parser(run_sub)
+    _add_serve_parser(sub)
     return parser
 
 

@@ -14,3 +14,22 @@ def two_cpus() -> tuple[int, int]:
     if len(allowed) < 2:
         pytest.skip(f"needs 2 allowed CPUs, this process has {allowed}")
     return allowed[0], allowed[1]
+
+
+@pytest.fixture(scope="session")
+def deepseek_bind() -> str:
+    """NUMAOV_CPU_BIND for the DeepSeek dp=2 tests: one rank on each of two CPUs."""
+    from deepseek_harness import two_cpu_bind_string
+
+    bind = two_cpu_bind_string()
+    if bind is None:
+        pytest.skip(f"needs 2 allowed CPUs, this process has {sorted(os.sched_getaffinity(0))}")
+    return bind
+
+
+@pytest.fixture(scope="session")
+def deepseek_exported(tmp_path_factory: pytest.TempPathFactory, deepseek_bind: str) -> dict:
+    """The tiny DeepSeek-V2 exported once for dp=2 (deepseek_harness.export_tiny_dp2)."""
+    from deepseek_harness import export_tiny_dp2
+
+    return export_tiny_dp2(tmp_path_factory.mktemp("deepseek_export"), deepseek_bind)

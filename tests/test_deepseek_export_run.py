@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from deepseek_harness import CLI, CLI_TIMEOUT_S, MAX_NEW_TOKENS, SCENARIOS, tiny_tokenizer
 
 from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can_run
 from numaov.exporter.deepseek_export import COLLECTIVE_GROUP, export_deepseek
-from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 from numaov.models.checkpoint import CheckpointError
 from numaov.models.deepseek import DeepseekV2, ShardError, generate_greedy
 from numaov.runtime.binding import BindingPlan
@@ -39,14 +38,6 @@ from numaov.runtime.lm_engine import (
 )
 from numaov.runtime.topology import read_topology
 
-SEED = 3
-MAX_NEW_TOKENS = 6
-# "three": prompts of different lengths, rank 0 gets prompts 0 and 2, rank 1 prompt 1.
-# "one": a single prompt, so rank 1 is idle and runs every step with a batch of 0 rows.
-SCENARIOS: dict[str, list[list[int]]] = {
-    "three": [[5, 17, 99, 3, 250, 8, 41], [300, 2], [77, 12, 19, 401]],
-    "one": [[11, 22, 33, 44, 55]],
-}
 # f32 on both sides (the IR is compiled with INFERENCE_PRECISION_HINT=f32). dp=2 sums each MLP
 # output from two half-width partial sums through the shared-memory reduce-scatter, and
 # OpenVINO reorders the f32 math (fused FullyConnected, other blockings): logits differ from
@@ -54,43 +45,17 @@ SCENARIOS: dict[str, list[list[int]]] = {
 # a wide margin and is far below the top-1 / top-2 logit gaps the greedy tokens depend on.
 LOGITS_ATOL = 1e-4
 LOGITS_RTOL = 1e-4
-CLI = [sys.executable, "-m", "numaov.cli"]
-CLI_TIMEOUT_S = 600
-
-
-def _bind_string() -> str:
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        pytest.skip(f"needs 2 allowed CPUs, this process has {allowed}")
-    return f"{allowed[0]}|{allowed[1]}"
 
 
 @pytest.fixture(scope="module")
-def bind() -> str:
-    return _bind_string()
+def bind(deepseek_bind: str) -> str:
+    return deepseek_bind
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory, bind: str) -> dict[str, Any]:
+def exported(deepseek_exported: dict[str, Any]) -> dict[str, Any]:
     """The tiny model exported once for dp=2 through the CLI, and torch dp=1 references."""
-    print(f"tiny DeepSeek-V2 seed: {SEED}")
-    root = tmp_path_factory.mktemp("deepseek_export")
-    checkpoint = build_tiny_deepseek(root / "checkpoint", seed=SEED)
-    model_dir = root / "model"
-    proc = subprocess.run(
-        [*CLI, "export", "deepseek", "--checkpoint", str(checkpoint), "--dp", "2",
-         "--out", str(model_dir)],
-        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-        env={**os.environ, "NUMAOV_CPU_BIND": bind},
-    )
-    assert proc.returncode == 0, proc.stderr
-    model = DeepseekV2.from_pretrained(checkpoint)
-    references = {}
-    for name, prompts in SCENARIOS.items():
-        out = generate_greedy(model, prompts, MAX_NEW_TOKENS)
-        references[name] = (out.tokens, out.logits)
-    return {"root": root, "checkpoint": checkpoint, "model_dir": model_dir, "export": proc,
-            "references": references}
+    return deepseek_exported
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -197,24 +162,10 @@ def test_cli_run_prints_the_tokens_of_every_prompt_in_order(exported, bind: str)
     assert "on torch with 2 rank(s)" in lines[-1]
 
 
-def _tiny_tokenizer(directory: Path) -> Any:
-    """A word-level tokenizer whose 512 ids cover the tiny model's vocabulary."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["[UNK]", "the", "cat", "sat", "on", "a", "mat", "hello", "world"]
-    vocab = {w: i for i, w in enumerate(words)}
-    vocab.update({f"w{i}": i for i in range(len(words), 512)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    return tokenizer
-
-
 def test_cli_run_with_a_tokenizer_takes_and_prints_text(
     exported, bind: str, tmp_path: Path
 ) -> None:
-    tokenizer = _tiny_tokenizer(tmp_path / "tok")
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
     texts = ["the cat sat on a mat", "hello world"]
     proc = _run_cli(exported, bind, "--tokenizer", str(tmp_path / "tok"),
                     "--prompt", texts[0], "--prompt", texts[1])

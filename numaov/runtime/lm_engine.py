@@ -342,23 +342,37 @@ class _RankJob:
     keep_logits: bool
 
 
+class RankModel:
+    """One rank's loaded step model and the cache sizes generation needs (a worker's state)."""
+
+    def __init__(self, context: Any, model_dir: str, backend: str) -> None:
+        manifest = read_manifest(model_dir, expected_kind=KIND)
+        config = manifest.config
+        self.rank = context.rank
+        self.layers = int(config["num_hidden_layers"])
+        self.cache_width = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+        start = time.perf_counter()
+        self.model = open_step_model(manifest, backend, context.rank, context.openvino_config())
+        self.load_seconds = time.perf_counter() - start
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 keep_logits: bool = False) -> RankGeneration:
+        result = generate_on_rank(self.model, prompts, max_new_tokens, self.layers,
+                                  self.cache_width, keep_logits, self.rank)
+        result.load_seconds = self.load_seconds
+        return result
+
+    def close(self) -> None:
+        self.model.close()
+
+
 def _generate_rank(context: Any, job: _RankJob) -> RankGeneration:
     """Worker body: load this rank's model, generate for its prompts in lockstep with the rest."""
-    manifest = read_manifest(job.model_dir, expected_kind=KIND)
-    config = manifest.config
-    start = time.perf_counter()
-    model = open_step_model(manifest, job.backend, context.rank, context.openvino_config())
-    load_seconds = time.perf_counter() - start
+    model = RankModel(context, job.model_dir, job.backend)
     try:
-        result = generate_on_rank(
-            model, job.prompts, job.max_new_tokens, int(config["num_hidden_layers"]),
-            int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]), job.keep_logits,
-            context.rank,
-        )
+        return model.generate(job.prompts, job.max_new_tokens, job.keep_logits)
     finally:
         model.close()
-    result.load_seconds = load_seconds
-    return result
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -444,6 +458,41 @@ def merge_rank_outputs(per_rank: Sequence[Sequence[Any]], count: int) -> list[An
     return merged
 
 
+def open_lm_manifest(model_dir: str | Path, backend: str) -> ModelManifest:
+    """The manifest of a ``numaov export deepseek`` directory, checked for ``backend``."""
+    if backend not in BACKENDS:
+        raise GenerationInputError(
+            f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"
+        )
+    manifest = read_manifest(model_dir, expected_kind=KIND)
+    missing = [key for key in _CONFIG_KEYS if key not in manifest.config]
+    if missing:
+        raise ModelDirError(
+            f"manifest config in {str(manifest.directory)!r} lacks {missing}; expected a "
+            "DeepSeek-V2 config (re-export the model)"
+        )
+    return manifest
+
+
+def resolve_plan(manifest: ModelManifest, plan: BindingPlan | None) -> tuple[BindingPlan, str]:
+    """``plan`` (default :func:`plan_for_ranks`) and its description, refused unless it has
+    one rank per DP rank of the model."""
+    world = manifest.world_size
+    if plan is None:
+        plan, placement = plan_for_ranks(world)
+    else:
+        placement = f"{plan.source}: " + ", ".join(
+            f"rank {b.rank} on CPUs {format_cpu_list(b.cpus)}" for b in plan.ranks
+        )
+    if plan.world_size != world:
+        raise RankPlanError(
+            f"the binding plan has {plan.world_size} rank(s) but the model in "
+            f"{str(manifest.directory)!r} was exported for dp={world}; expected one rank per "
+            f"DP rank: set {BIND_ENV} to {world} CPU lists separated by '|'"
+        )
+    return plan, placement
+
+
 def run_deepseek(
     model_dir: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -460,31 +509,10 @@ def run_deepseek(
     with another number of ranks than the model's dp).
     """
     report = progress or (lambda _msg: None)
-    if backend not in BACKENDS:
-        raise GenerationInputError(
-            f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"
-        )
-    manifest = read_manifest(model_dir, expected_kind=KIND)
-    missing = [key for key in _CONFIG_KEYS if key not in manifest.config]
-    if missing:
-        raise ModelDirError(
-            f"manifest config in {str(manifest.directory)!r} lacks {missing}; expected a "
-            "DeepSeek-V2 config (re-export the model)"
-        )
+    manifest = open_lm_manifest(model_dir, backend)
     checked = check_prompts(prompts, manifest.config, max_new_tokens)
     world = manifest.world_size
-    if plan is None:
-        plan, placement = plan_for_ranks(world)
-    else:
-        placement = f"{plan.source}: " + ", ".join(
-            f"rank {b.rank} on CPUs {format_cpu_list(b.cpus)}" for b in plan.ranks
-        )
-    if plan.world_size != world:
-        raise RankPlanError(
-            f"the binding plan has {plan.world_size} rank(s) but the model in "
-            f"{str(manifest.directory)!r} was exported for dp={world}; expected one rank per "
-            f"DP rank: set {BIND_ENV} to {world} CPU lists separated by '|'"
-        )
+    plan, placement = resolve_plan(manifest, plan)
     shares = split_prompts(checked, world)
     report(
         f"generating {max_new_tokens} tokens for {len(checked)} prompt(s) on {backend} with "

@@ -1,0 +1,382 @@
+"""The HTTP service: OpenAI-style completions over long-lived DP-rank workers.
+
+``LMService(model_dir)`` starts one worker per rank of the binding plan, as ``numaov run
+deepseek`` does, but the workers stay: each pins itself, joins the model's collective group,
+loads and compiles its rank's graph once, then serves batches until the service closes. A
+batch is sent to every rank (prompt ``i`` to rank ``i % dp``; idle ranks run with 0 rows,
+because the collectives in the graph need every rank at every step) and the ranks' tokens come
+back in prompt order. Batches run one at a time; a request waits for the one before it.
+
+``build_app(service)`` is the FastAPI application ``numaov serve`` runs with uvicorn:
+
+- ``GET /health``: ``{"status": "ok", ...}``, or HTTP 503 once the workers have failed.
+- ``GET /v1/models``: the one model served.
+- ``POST /v1/completions``: ``prompt`` as text, a list of texts (both need ``--tokenizer``), a
+  list of token ids or a list of such lists; ``max_tokens`` (default 16). Decoding is greedy:
+  ``temperature`` 0 and ``top_p`` 1 are accepted, other values, ``n`` > 1, ``stream``,
+  ``logprobs``, ``echo`` and ``stop`` are refused with HTTP 400 rather than ignored. Each choice
+  carries ``text`` (decoded when the server has a tokenizer, else empty) and ``token_ids``; it
+  ends at the model's end-of-sequence token (``finish_reason`` "stop", the token left out) or
+  after ``max_tokens`` ("length").
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400 for
+bad input, 404 for another model name, 503 when the workers are gone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves the handler's annotation here
+
+from numaov import NumaovError
+from numaov.runtime.binding import BindingPlan
+from numaov.runtime.lm_engine import (
+    GENERATION_TIMEOUT_S,
+    GenerationInputError,
+    Progress,
+    RankModel,
+    check_prompts,
+    merge_rank_outputs,
+    open_lm_manifest,
+    resolve_plan,
+    split_prompts,
+)
+
+DEFAULT_MAX_TOKENS = 16
+# Loading and compiling a rank's graph; a real checkpoint can take minutes.
+STARTUP_TIMEOUT_S = 1800.0
+_POLL_S = 0.2
+
+
+class ServiceError(NumaovError):
+    """The service's workers failed, stopped or did not start."""
+
+
+class CompletionRequestError(NumaovError):
+    """A completion request the service cannot run; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+# -- the workers ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ServeJob:
+    model_dir: str
+    backend: str
+    requests: Any  # this rank's queue of (request id, prompts, max new tokens) or None
+    replies: Any  # shared queue of ("ready" | "done", rank, payload)
+
+
+def _serve_rank(context: Any, job: _ServeJob) -> int:
+    """Worker body: load this rank's model once, then run every batch sent to it."""
+    model = RankModel(context, job.model_dir, job.backend)
+    parent = os.getppid()
+    served = 0
+    try:
+        job.replies.put(("ready", context.rank, model.load_seconds))
+        while True:
+            try:
+                item = job.requests.get(timeout=_POLL_S * 5)
+            except queue_module.Empty:
+                if os.getppid() != parent:  # the service was killed: do not linger
+                    break
+                continue
+            if item is None:
+                break
+            request_id, prompts, max_new_tokens = item
+            result = model.generate(prompts, max_new_tokens)
+            job.replies.put(("done", context.rank, (request_id, result.tokens)))
+            served += 1
+    finally:
+        model.close()
+    return served
+
+
+class LMService:
+    """Long-lived rank workers for one exported DeepSeek-V2 model; thread-safe."""
+
+    def __init__(self, model_dir: str | Path, backend: str = "openvino", *,
+                 plan: BindingPlan | None = None, progress: Progress = None) -> None:
+        from numaov.runtime.workers import run_on_ranks
+
+        report = progress or (lambda _msg: None)
+        self.manifest = open_lm_manifest(model_dir, backend)
+        self.backend = backend
+        self.world_size = self.manifest.world_size
+        self.plan, self.placement = resolve_plan(self.manifest, plan)
+        ctx = mp.get_context("spawn")
+        self._requests = [ctx.Queue() for _ in range(self.world_size)]
+        self._replies = ctx.Queue()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._failure: str | None = None
+        self._closed = False
+        jobs = [_ServeJob(str(self.manifest.directory), backend, self._requests[r], self._replies)
+                for r in range(self.world_size)]
+
+        def run_workers() -> None:
+            try:
+                run_on_ranks(self.plan, _serve_rank, jobs, group=self.manifest.collective_group,
+                             timeout_s=float("inf"))
+            except Exception as exc:  # noqa: BLE001 - kept for every later request to report
+                self._failure = str(exc)
+
+        report(f"starting {self.world_size} worker(s) on {backend} ({self.placement})")
+        self._thread = threading.Thread(target=run_workers, name="numaov-lm-workers",
+                                        daemon=True)
+        self._thread.start()
+        ready = self._collect("ready", None, STARTUP_TIMEOUT_S, "starting")
+        self.load_seconds = max(ready.values())
+        report(f"workers ready (model loaded and compiled in {self.load_seconds:.1f} s)")
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        return self.manifest.config
+
+    def failure(self) -> str | None:
+        """Why the workers stopped, or None while they serve."""
+        if self._failure is None and not self._closed and not self._thread.is_alive():
+            return "the worker processes exited"
+        return self._failure
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int
+                 ) -> list[list[int]]:
+        """``max_new_tokens`` greedy tokens for every prompt, in the caller's order."""
+        checked = check_prompts(prompts, self.config, max_new_tokens)
+        with self._lock:
+            if self._closed:
+                raise ServiceError("the service was closed; expected a running service")
+            failure = self.failure()
+            if failure is not None:
+                raise ServiceError(f"the rank workers failed earlier: {failure}")
+            self._next_id += 1
+            request_id = self._next_id
+            shares = split_prompts(checked, self.world_size)
+            for rank, share in enumerate(shares):
+                self._requests[rank].put((request_id, share, max_new_tokens))
+            done = self._collect("done", request_id, GENERATION_TIMEOUT_S, "generating")
+        return merge_rank_outputs([done[r] for r in range(self.world_size)], len(checked))
+
+    def _collect(self, kind: str, request_id: int | None, timeout_s: float,
+                 doing: str) -> dict[int, Any]:
+        """One ``kind`` reply per rank (for ``request_id``), failing when the workers stop."""
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < self.world_size:
+            try:
+                reply_kind, rank, payload = self._replies.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                failure = self.failure()
+                if failure is not None:
+                    raise ServiceError(f"the rank workers failed while {doing}: {failure}"
+                                       ) from None
+                if time.monotonic() > deadline:
+                    raise ServiceError(
+                        f"the rank workers did not finish {doing} within {timeout_s:.0f} s "
+                        f"(ranks done: {sorted(got)})"
+                    ) from None
+                continue
+            if reply_kind != kind:
+                continue
+            if request_id is not None:
+                reply_id, payload = payload
+                if reply_id != request_id:
+                    continue
+            got[rank] = payload
+        return got
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the workers (they finish the batch they are on) and wait for them."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for q in self._requests:
+                q.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> LMService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked ``/v1/completions`` body."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+
+
+# Sampling fields and the only value greedy decoding honours (None = absent).
+_GREEDY_ONLY = {"temperature": (0, 0.0), "top_p": (1, 1.0), "n": (1,), "best_of": (1,)}
+_REFUSED = ("stream", "logprobs", "echo", "stop", "suffix")
+
+
+def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: Any = None
+                             ) -> CompletionRequest:
+    """Check a ``/v1/completions`` JSON body against the model; token ids per prompt."""
+    if not isinstance(body, dict):
+        raise CompletionRequestError("the request body is not a JSON object; expected "
+                                     '{"prompt": ..., "max_tokens": N}')
+    for name, allowed in _GREEDY_ONLY.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value not in allowed):
+            raise CompletionRequestError(
+                f"{name}={value!r} is not supported: this server decodes greedily; expected "
+                f"{name} absent or {allowed[0]}", name)
+    for name in _REFUSED:
+        if body.get(name) not in (None, False, ""):
+            raise CompletionRequestError(
+                f"{name} is not supported by this server; expected it absent", name)
+    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise CompletionRequestError(
+            f"max_tokens={max_tokens!r}; expected a positive integer", "max_tokens")
+    prompts = _prompt_ids(body.get("prompt"), tokenizer)
+    try:
+        checked = check_prompts(prompts, config, max_tokens)
+    except GenerationInputError as exc:
+        raise CompletionRequestError(str(exc), "prompt") from None
+    return CompletionRequest(checked, max_tokens)
+
+
+def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
+    """The four OpenAI prompt forms: text, texts, token ids, lists of token ids."""
+    expected = ("expected a string, a list of strings, a list of token ids or a list of lists "
+                "of token ids")
+    if prompt is None:
+        raise CompletionRequestError(f"prompt is missing; {expected}", "prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise CompletionRequestError(f"prompt is {type(prompt).__name__} or empty; {expected}",
+                                     "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        if tokenizer is None:
+            raise CompletionRequestError(
+                "prompt is text but this server has no tokenizer (start it with --tokenizer "
+                "DIR); expected token ids", "prompt")
+        out = []
+        for i, text in enumerate(prompt):
+            ids = tokenizer.encode(text).ids
+            if not ids:
+                raise CompletionRequestError(f"prompt {i} ({text!r}) encodes to no tokens; "
+                                             "expected non-empty text", "prompt")
+            out.append(list(ids))
+        return out
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        for i, ids in enumerate(prompt):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise CompletionRequestError(f"prompt {i} holds non-integer token ids; "
+                                             f"{expected}", "prompt")
+        return [list(p) for p in prompt]
+    raise CompletionRequestError(f"prompt mixes types; {expected}", "prompt")
+
+
+def end_of_sequence_ids(config: Mapping[str, Any]) -> set[int]:
+    eos = config.get("eos_token_id")
+    if eos is None:
+        return set()
+    return {int(t) for t in (eos if isinstance(eos, list) else [eos])}
+
+
+def completion_choice(index: int, tokens: Sequence[int], eos: set[int], tokenizer: Any
+                      ) -> dict[str, Any]:
+    """One OpenAI choice: tokens up to (not including) the first end-of-sequence token."""
+    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
+    kept = list(tokens if stop is None else tokens[:stop])
+    return {
+        "index": index,
+        "text": tokenizer.decode(kept) if tokenizer is not None else "",
+        "token_ids": kept,
+        "logprobs": None,
+        "finish_reason": "length" if stop is None else "stop",
+    }
+
+
+# -- the HTTP application ---------------------------------------------------------------------
+
+
+def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any:
+    """The FastAPI application serving ``service`` under ``model_name``."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+
+    app = FastAPI(title="numaov", version="1")
+    eos = end_of_sequence_ids(service.config)
+
+    def error(status: int, message: str, param: str | None = None,
+              kind: str = "invalid_request_error") -> JSONResponse:
+        return JSONResponse(status_code=status, content={
+            "error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    @app.get("/health")
+    def health() -> Any:
+        failure = service.failure()
+        body = {"status": "ok" if failure is None else "failed", "model": model_name,
+                "ranks": service.world_size, "backend": service.backend}
+        if failure is not None:
+            body["error"] = failure
+            return JSONResponse(status_code=503, content=body)
+        return body
+
+    @app.get("/v1/models")
+    def models() -> Any:
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "numaov"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "the request body is not JSON; expected a JSON object")
+        if isinstance(body, dict) and body.get("model") not in (None, model_name):
+            return error(404, f"model {body.get('model')!r} is not served here; expected "
+                         f"{model_name!r}", "model", "model_not_found")
+        try:
+            parsed = parse_completion_request(body, service.config, tokenizer)
+        except CompletionRequestError as exc:
+            return error(exc.status, str(exc), exc.param)
+        try:  # generation blocks: off the event loop, so /health answers meanwhile
+            tokens = await run_in_threadpool(service.generate, parsed.prompts, parsed.max_tokens)
+        except ServiceError as exc:
+            return error(503, str(exc), None, "server_error")
+        choices = [completion_choice(i, t, eos, tokenizer) for i, t in enumerate(tokens)]
+        prompt_tokens = sum(len(p) for p in parsed.prompts)
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+    return app

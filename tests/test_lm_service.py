@@ -1,0 +1,259 @@
+"""`numaov serve`: a real HTTP server (the CLI, started as a process) over two pinned rank
+workers serving the tiny DeepSeek-V2 exported for dp=2, checked against the PyTorch dp=1
+references, for every prompt form, concurrent clients, bad requests and shutdown."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, tiny_tokenizer
+
+from numaov.models.deepseek import DeepseekV2, generate_greedy
+from numaov.runtime.lm_service import (
+    CompletionRequestError,
+    completion_choice,
+    parse_completion_request,
+)
+
+MODEL_NAME = "tiny-deepseek"
+STARTUP_S = 300
+STOP_S = 60
+
+
+class Server:
+    """A `numaov serve` process and the lines it printed."""
+
+    def __init__(self, args: list[str], bind: str) -> None:
+        self.proc = subprocess.Popen(
+            [*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "NUMAOV_CPU_BIND": bind},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None and self.lines.empty():
+                    break
+                continue
+            self.output.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"no line matching {pattern!r}; output: {''.join(self.output)}")
+
+    def rest_of_output(self, timeout_s: float) -> str:
+        self.proc.wait(timeout=timeout_s)
+        time.sleep(0.2)
+        while not self.lines.empty():
+            self.output.append(self.lines.get())
+        return "".join(self.output)
+
+
+def _start(model_dir: Path, bind: str, *extra: str) -> tuple[Server, str]:
+    server = Server(["--model-dir", str(model_dir), "--port", "0", *extra], bind)
+    match = server.wait_for(r"on (http://[\d.]+:\d+)", STARTUP_S)
+    return server, match.group(1)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(deepseek_exported: dict[str, Any], deepseek_bind: str, tmp_path_factory):
+    tok_dir = tmp_path_factory.mktemp("tokenizer")
+    tokenizer = tiny_tokenizer(tok_dir)
+    server, url = _start(deepseek_exported["model_dir"], deepseek_bind, "--tokenizer",
+                         str(tok_dir), "--model-name", MODEL_NAME)
+    client = httpx.Client(base_url=url, timeout=120)
+    try:
+        yield {"url": url, "client": client, "tokenizer": tokenizer, "server": server,
+               "exported": deepseek_exported}
+    finally:
+        client.close()
+        server.proc.send_signal(signal.SIGTERM)
+        output = server.rest_of_output(STOP_S)
+        # SIGTERM is a clean stop: workers closed, exit 0, nothing printed as a traceback.
+        assert server.proc.returncode == 0, output
+        assert "numaov serve: stopped" in output and "Traceback" not in output, output
+
+
+def _expected_choice(tokens: list[int], eos: int = 1) -> tuple[list[int], str]:
+    """The served form of generated tokens: cut before the first end-of-sequence token."""
+    if eos in tokens:
+        return tokens[: tokens.index(eos)], "stop"
+    return tokens, "length"
+
+
+def test_completions_with_token_ids_match_torch_dp1(served) -> None:
+    references = served["exported"]["references"]
+    for name, prompts in SCENARIOS.items():
+        body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": MAX_NEW_TOKENS}
+        if name == "one":  # also the flat form: one prompt as a list of ids
+            body["prompt"] = prompts[0]
+        response = served["client"].post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["object"] == "text_completion" and answer["model"] == MODEL_NAME
+        assert [c["index"] for c in answer["choices"]] == list(range(len(prompts)))
+        generated = 0
+        for choice, tokens in zip(answer["choices"], references[name][0], strict=True):
+            kept, reason = _expected_choice(list(tokens))
+            assert choice["token_ids"] == kept
+            assert choice["finish_reason"] == reason
+            assert choice["text"] == served["tokenizer"].decode(kept)
+            generated += len(kept)
+        assert answer["usage"] == {
+            "prompt_tokens": sum(map(len, prompts)), "completion_tokens": generated,
+            "total_tokens": sum(map(len, prompts)) + generated}
+
+
+def test_text_prompts_go_through_the_tokenizer(served) -> None:
+    tokenizer = served["tokenizer"]
+    texts = ["the cat sat on a mat", "hello world"]
+    response = served["client"].post("/v1/completions", json={"prompt": texts, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    model = DeepseekV2.from_pretrained(served["exported"]["checkpoint"])
+    expected = generate_greedy(model, [tokenizer.encode(t).ids for t in texts], 4).tokens
+    for choice, tokens in zip(response.json()["choices"], expected, strict=True):
+        kept, _ = _expected_choice(list(tokens))
+        assert choice["token_ids"] == kept
+        assert choice["text"] == tokenizer.decode(kept)
+
+
+def test_concurrent_clients_each_get_their_own_answer(served) -> None:
+    # Different prompts and lengths at once: requests queue for the workers, none is mixed up.
+    prompts = SCENARIOS["three"] + [[9, 8, 7], [400, 401, 402, 403, 404, 405]]
+    client = served["client"]
+
+    def ask(i: int) -> list[int]:
+        response = client.post("/v1/completions", json={"prompt": prompts[i], "max_tokens": 5})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(ask, range(len(prompts))))
+    one_by_one = [ask(i) for i in range(len(prompts))]
+    assert together == one_by_one
+    model = DeepseekV2.from_pretrained(served["exported"]["checkpoint"])
+    expected = generate_greedy(model, prompts, 5).tokens
+    assert together == [_expected_choice(list(t))[0] for t in expected]
+
+
+def test_models_and_health(served) -> None:
+    client = served["client"]
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
+    health = client.get("/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "model": MODEL_NAME, "ranks": 2,
+                             "backend": "openvino"}
+
+
+@pytest.mark.parametrize(("body", "status", "param", "message"), [
+    ({"prompt": [1, 2], "temperature": 0.7}, 400, "temperature", "decodes greedily"),
+    ({"prompt": [1, 2], "n": 2}, 400, "n", "decodes greedily"),
+    ({"prompt": [1, 2], "stream": True}, 400, "stream", "not supported"),
+    ({"prompt": [1, 2], "stop": ["\n"]}, 400, "stop", "not supported"),
+    ({"max_tokens": 2}, 400, "prompt", "prompt is missing"),
+    ({"prompt": []}, 400, "prompt", "expected a string, a list of strings"),
+    ({"prompt": [[1, 2], "a"]}, 400, "prompt", "mixes types"),
+    ({"prompt": [1, 600]}, 400, "prompt", r"token id\(s\) \[600\] outside the vocabulary"),
+    ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens", "expected a positive integer"),
+    ({"prompt": [1], "max_tokens": 100000}, 400, "prompt", "max_position_embeddings"),
+    ({"model": "gpt-4", "prompt": [1]}, 404, "model", "not served here"),
+    ([1, 2], 400, None, "not a JSON object"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    served, body: Any, status: int, param: str | None, message: str
+) -> None:
+    client = served["client"]
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and re.search(message, error["message"]), error
+    assert client.post("/v1/completions", json={"prompt": [3], "max_tokens": 1}).status_code == 200
+
+
+def test_a_body_that_is_not_json_is_a_400(served) -> None:
+    response = served["client"].post("/v1/completions", content=b"{not json",
+                                     headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not JSON" in response.json()["error"]["message"]
+
+
+def test_text_prompt_without_a_tokenizer_says_to_start_with_one() -> None:
+    config = {"vocab_size": 512, "max_position_embeddings": 64}
+    with pytest.raises(CompletionRequestError, match="no tokenizer .*--tokenizer DIR"):
+        parse_completion_request({"prompt": "hello"}, config, None)
+    assert parse_completion_request({"prompt": [[4, 5], [6]], "max_tokens": 3}, config
+                                    ).prompts == [[4, 5], [6]]
+    # the end-of-sequence token ends a choice and is not returned
+    assert completion_choice(0, [7, 1, 9], {1}, None)["token_ids"] == [7]
+
+
+def test_serve_errors_are_one_line_and_fast(deepseek_exported, deepseek_bind: str,
+                                            tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [*CLI, "serve", "--model-dir", str(deepseek_exported["model_dir"]), "--port",
+             str(port)], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "NUMAOV_CPU_BIND": deepseek_bind})
+        assert time.monotonic() - start < 60  # refused before any worker starts
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([*CLI, "serve", "--model-dir", str(tmp_path / "missing"), "--port",
+                           "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert str(tmp_path / "missing") in proc.stderr
+
+
+def test_killed_server_leaves_no_worker_behind(deepseek_exported, deepseek_bind: str) -> None:
+    server, url = _start(deepseek_exported["model_dir"], deepseek_bind)
+    workers = _children(server.proc.pid)
+    assert workers, "the server has no child processes"
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 2},
+                      timeout=120).status_code == 200
+    server.proc.kill()
+    server.proc.wait(timeout=STOP_S)
+    deadline = time.monotonic() + STOP_S
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.2)
+    alive = [p for p in workers if Path(f"/proc/{p}").exists()
+             and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    assert not alive, f"worker processes {alive} outlived the killed server"
