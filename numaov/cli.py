@@ -356,6 +356,72 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+# -- bench ------------------------------------------------------------------------------------
+
+
+def _finish_bench(report, args: argparse.Namespace) -> int:
+    print(report.summary())
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_bench_wan(args: argparse.Namespace) -> int:
+    from numaov.runtime.bench import bench_wan
+
+    return _finish_bench(bench_wan(
+        args.model_dir, args.frames, args.height, args.width, args.backends.split(","),
+        rounds=args.rounds, batch=args.batch, text_length=args.text_length,
+        progress=_progress(args)), args)
+
+
+def cmd_bench_deepseek(args: argparse.Namespace) -> int:
+    from numaov.runtime.bench import bench_deepseek
+
+    return _finish_bench(bench_deepseek(
+        args.model_dir, args.backends.split(","), batch=args.batch,
+        prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens,
+        rounds=args.rounds, progress=_progress(args)), args)
+
+
+def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="time the backends side by side on an exported model")
+    bench_sub = bench.add_subparsers(dest="model", required=True, metavar="MODEL")
+    p = bench_sub.add_parser("wan", help="one Wan transformer forward per backend and round")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="output of `numaov export wan`")
+    p.add_argument("--frames", type=int, required=True, help="video frames (4k+1)")
+    p.add_argument("--height", type=int, required=True, help="pixels (multiple of 16)")
+    p.add_argument("--width", type=int, required=True, help="pixels (multiple of 16)")
+    p.add_argument("--batch", type=int, default=2,
+                   help="samples per forward (default 2: a guidance pair)")
+    p.add_argument("--text-length", type=int, default=64, metavar="N",
+                   help="text embedding tokens (default 64)")
+    p.add_argument("--backends", default="torch,openvino",
+                   help="comma-separated, the first is the baseline of the ratios (default "
+                   "torch,openvino; also onnxruntime)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds, best kept (default 3)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    _add_common(p)
+    p.set_defaults(func=cmd_bench_wan)
+    p = bench_sub.add_parser("deepseek", help="greedy generation per backend on the rank "
+                             "workers")
+    p.add_argument("--model-dir", required=True, metavar="DIR",
+                   help="output of `numaov export deepseek`")
+    p.add_argument("--batch", type=int, default=4, help="prompts (default 4)")
+    p.add_argument("--prompt-length", type=int, default=32, metavar="N",
+                   help="tokens per prompt, seeded random ids (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=8, metavar="N",
+                   help="tokens generated per prompt (default 8)")
+    p.add_argument("--backends", default="torch,openvino",
+                   help="comma-separated, the first is the baseline (default torch,openvino)")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds, best kept (default 2)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    _add_common(p)
+    p.set_defaults(func=cmd_bench_deepseek)
+
+
 # -- parser and entry point ---------------------------------------------------------------
 
 
@@ -381,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_deepseek_parser(export_sub)
     _add_run_deepseek_parser(run_sub)
     _add_serve_parser(sub)
+    _add_bench_parsers(sub)
     return parser
 
 

@@ -246,3 +246,25 @@ def test_round_robin_split_and_merge_keep_prompt_order(count: int, world: int) -
     # each rank answers with something derived from its own prompts only
     answers = [[p[0] * 10 for p in share] for share in shares]
     assert merge_rank_outputs(answers, count) == [i * 10 for i in range(count)]
+
+
+def test_bench_deepseek_compares_backends_on_the_rank_workers(
+    exported, bind: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [*CLI, "bench", "deepseek", "--model-dir", str(exported["model_dir"]), "--batch", "3",
+         "--prompt-length", "5", "--max-new-tokens", "3", "--rounds", "1", "--json", str(out),
+         "--quiet"],
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+        env={**os.environ, "NUMAOV_CPU_BIND": bind},
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["backend"] for r in report["rows"]] == ["torch", "openvino"]
+    assert "3 prompt(s) x 5 tokens + 3 new, dp=2" in report["what"]
+    for row in report["rows"]:
+        assert row["prefill_ms"] > 0 and row["decode_ms_per_step"] > 0
+    # f32 torch and OpenVINO over the same collectives pick the same greedy tokens
+    assert report["rows"][1]["same_tokens"] is True
+    assert "x 1.00 vs torch" in proc.stdout

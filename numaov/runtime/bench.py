@@ -1,0 +1,189 @@
+"""`numaov bench`: the backends side by side on an exported model, on this machine.
+
+- ``bench_wan``: one transformer forward at a chosen video size, every backend once per round,
+  round-robin (so load from other processes hits them alike); best and median seconds per
+  backend, speed-up against the first backend listed, and each backend's largest difference
+  from the first one's output (relative to its largest magnitude).
+- ``bench_deepseek``: greedy generation of a batch of seeded random prompts with each backend
+  on the rank workers of the binding plan (``numaov run deepseek``'s engine): prefill and
+  decode time per step (best of the rounds), tokens/s, and whether the backends generated the
+  same tokens.
+
+Model loading and compiling are not timed. The repository's ``benchmarks/`` compare numaov
+against other systems; this command measures an exported model where it will run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numaov import NumaovError
+from numaov.runtime.manifest_reader import read_manifest
+
+SEED = 0
+
+
+class BenchInputError(NumaovError):
+    """A bench request that cannot run (size, backend list, rounds)."""
+
+
+@dataclass
+class BenchRow:
+    backend: str
+    seconds: list[float] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def best(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.seconds))
+
+
+@dataclass
+class BenchReport:
+    """Rows in the order the backends were given; the first is the baseline of the ratios."""
+
+    what: str
+    rows: list[BenchRow]
+    notes: list[str] = field(default_factory=list)
+
+    def speedup(self, row: BenchRow) -> float:
+        return self.rows[0].best / row.best
+
+    def summary(self) -> str:
+        lines = [self.what]
+        for row in self.rows:
+            extra = "".join(f"  {k} {v}" for k, v in row.figures.items())
+            lines.append(f"  {row.backend:12s} best {row.best:9.4f} s  median {row.median:9.4f} s"
+                         f"  x{self.speedup(row):5.2f} vs {self.rows[0].backend}{extra}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "what": self.what,
+            "baseline": self.rows[0].backend,
+            "rows": [{"backend": r.backend, "best_s": r.best, "median_s": r.median,
+                      "seconds": r.seconds, "speedup_vs_baseline": self.speedup(r), **r.figures}
+                     for r in self.rows],
+            "notes": self.notes,
+        }
+
+
+def _check_backends(backends: Sequence[str], known: Sequence[str]) -> list[str]:
+    chosen = list(backends)
+    unknown = [b for b in chosen if b not in known]
+    if not chosen or unknown or len(set(chosen)) != len(chosen):
+        raise BenchInputError(
+            f"backends {chosen}; expected distinct names from {', '.join(known)}")
+    return chosen
+
+
+def _check_rounds(rounds: int) -> None:
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise BenchInputError(f"rounds={rounds!r}; expected a positive integer")
+
+
+def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
+              backends: Sequence[str] = ("torch", "openvino"), *, rounds: int = 3,
+              batch: int = 2, text_length: int = 64, progress: Any = None) -> BenchReport:
+    """One Wan forward per backend and round at ``frames`` x ``height`` x ``width`` pixels
+    (batch 2 = a guidance pair by default)."""
+    from numaov.runtime.wan_pipeline import BACKENDS, latent_shape, open_denoiser
+
+    report = progress or (lambda _msg: None)
+    chosen = _check_backends(backends, BACKENDS)
+    _check_rounds(rounds)
+    for name, value in (("batch", batch), ("text_length", text_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BenchInputError(f"{name}={value!r}; expected a positive integer")
+    manifest = read_manifest(model_dir, expected_kind="wan")
+    config = manifest.config
+    shape = (batch, *latent_shape(config, frames, height, width)[1:])
+    rng = np.random.default_rng(SEED)
+    hidden = rng.standard_normal(shape, dtype=np.float32)
+    timestep = np.full((batch,) if manifest.timestep != "per-frame" else (batch, shape[2]),
+                       700.0, dtype=np.float32)
+    text = rng.standard_normal((batch, text_length, int(config["text_dim"])), dtype=np.float32)
+    patch = list(config.get("patch_size", (1, 2, 2)))
+    tokens = shape[2] // patch[0] * (shape[3] // patch[1]) * (shape[4] // patch[2])
+    what = (f"Wan forward, latents {list(shape)} ({tokens} video tokens per sample), text "
+            f"{text_length} tokens, {manifest.precision} export, best of {rounds} round(s)")
+    denoisers = {}
+    try:
+        for backend in chosen:
+            report(f"loading {backend}")
+            denoisers[backend] = open_denoiser(manifest, backend)
+        rows = {b: BenchRow(b) for b in chosen}
+        outputs: dict[str, np.ndarray] = {}
+        for backend, denoiser in denoisers.items():  # warm-up: first-run allocations
+            outputs[backend] = denoiser.predict(hidden, timestep, text)
+        for i in range(rounds):
+            for backend, denoiser in denoisers.items():
+                start = time.perf_counter()
+                denoiser.predict(hidden, timestep, text)
+                rows[backend].seconds.append(time.perf_counter() - start)
+            report(f"round {i + 1}/{rounds}: " + ", ".join(
+                f"{b} {rows[b].seconds[-1]:.3f} s" for b in chosen))
+    finally:
+        for denoiser in denoisers.values():
+            denoiser.close()
+    reference = outputs[chosen[0]]
+    scale = max(float(np.max(np.abs(reference))), 1e-12)
+    for backend in chosen[1:]:
+        rows[backend].figures["max_rel_diff"] = float(
+            f"{float(np.max(np.abs(outputs[backend] - reference))) / scale:.3g}")
+    return BenchReport(what, [rows[b] for b in chosen])
+
+
+def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "openvino"), *,
+                   batch: int = 4, prompt_length: int = 32, max_new_tokens: int = 8,
+                   rounds: int = 2, progress: Any = None) -> BenchReport:
+    """Greedy generation of ``batch`` seeded prompts per backend on the rank workers."""
+    from numaov.runtime.lm_engine import BACKENDS, open_lm_manifest, run_deepseek
+
+    chosen = _check_backends(backends, BACKENDS)
+    _check_rounds(rounds)
+    for name, value in (("batch", batch), ("prompt_length", prompt_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BenchInputError(f"{name}={value!r}; expected a positive integer")
+    manifest = open_lm_manifest(model_dir, chosen[0])
+    vocab = int(manifest.config["vocab_size"])
+    rng = np.random.default_rng(SEED)
+    prompts = rng.integers(0, vocab, size=(batch, prompt_length)).tolist()
+    rows = {b: BenchRow(b) for b in chosen}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for backend in chosen:
+            result = run_deepseek(model_dir, prompts, max_new_tokens, backend, progress=progress)
+            row = rows[backend]
+            row.seconds.append(sum(result.step_seconds))
+            decode = result.decode_seconds
+            best = {"prefill_ms": result.prefill_seconds * 1e3,
+                    "decode_ms_per_step": float(np.median(decode)) * 1e3 if decode else None}
+            for key, value in best.items():
+                if value is not None:
+                    kept = row.figures.get(key)
+                    row.figures[key] = round(value if kept is None else min(kept, value), 2)
+            row.figures["tokens_per_s"] = round(batch * max_new_tokens / row.best, 1)
+            tokens[backend] = result.tokens
+    what = (f"DeepSeek-V2 generation, {batch} prompt(s) x {prompt_length} tokens + "
+            f"{max_new_tokens} new, dp={manifest.world_size}, {manifest.precision} export, "
+            f"best of {rounds} round(s) (time = prefill + all decode steps)")
+    notes = []
+    for backend in chosen[1:]:
+        same = tokens[backend] == tokens[chosen[0]]
+        rows[backend].figures["same_tokens"] = same
+        if not same:
+            notes.append(f"{backend} generated other tokens than {chosen[0]} (near-tied logits "
+                         "at this precision can do that; compare with `numaov export`'s parity)")
+    return BenchReport(what, [rows[b] for b in chosen], notes)
