@@ -20,13 +20,14 @@ from numaov.exporter.openvino_convert import ConversionError
 from numaov.exporter.wan_export import WanExportError, export_wan
 from numaov.models.builtin import build_tiny_wan
 from numaov.models.wan import WanTransformer
-from numaov.runtime.manifest_reader import ModelDirError
+from numaov.runtime.manifest_reader import ModelDirError, read_manifest
 from numaov.runtime.wan_pipeline import (
     SamplerInputError,
     WanSampleRequest,
     flow_match_sigmas,
     initial_noise,
     latent_shape,
+    open_denoiser,
     run_wan,
 )
 
@@ -544,3 +545,27 @@ def test_bench_wan_bad_arguments_are_one_line_errors(wan: dict, args: list[str],
     code, _, err = _cli_in_process("bench", "wan", "--model-dir", str(wan["model_dir"]),
                                    *[x for kv in base.items() for x in kv], "--quiet")
     assert code != 0 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text_length", [8, 16, 64])
+def test_openvino_is_right_on_a_single_video_token(wan: dict, text_length: int) -> None:
+    # One video token (a 16x16-pixel frame) with 16+ text tokens is where OpenVINO 2026.4's
+    # fused attention goes wrong (relative error ~1); the denoiser compiles such inputs
+    # without snippets. ONNX Runtime is the reference.
+    manifest = read_manifest(wan["model_dir"], expected_kind="wan")
+    rng = np.random.default_rng(SEED + text_length)
+    hidden = rng.standard_normal((2, *latent_shape(manifest.config, 1, 16, 16)[1:]),
+                                 dtype=np.float32)
+    assert hidden.shape[2:] == (1, 2, 2)  # patch (1, 2, 2): one token per sample
+    timestep = np.array([700.0, 20.0], dtype=np.float32)
+    text = rng.standard_normal((2, text_length, manifest.config["text_dim"]), dtype=np.float32)
+    outs = {}
+    for backend in ("onnxruntime", "openvino"):
+        denoiser = open_denoiser(manifest, backend)
+        try:
+            outs[backend] = denoiser.predict(hidden, timestep, text)
+        finally:
+            denoiser.close()
+    reference = outs["onnxruntime"]
+    error = float(np.abs(outs["openvino"] - reference).max() / np.abs(reference).max())
+    assert error < 1e-4, error  # f32 export: float32 rounding, ~3e-7 measured

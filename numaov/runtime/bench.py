@@ -98,7 +98,7 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
               batch: int = 2, text_length: int = 64, progress: Any = None) -> BenchReport:
     """One Wan forward per backend and round at ``frames`` x ``height`` x ``width`` pixels
     (batch 2 = a guidance pair by default)."""
-    from numaov.runtime.wan_pipeline import BACKENDS, latent_shape, open_denoiser
+    from numaov.runtime.wan_pipeline import BACKENDS, latent_shape, open_denoiser, video_tokens
 
     report = progress or (lambda _msg: None)
     chosen = _check_backends(backends, BACKENDS)
@@ -114,8 +114,7 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     timestep = np.full((batch,) if manifest.timestep != "per-frame" else (batch, shape[2]),
                        700.0, dtype=np.float32)
     text = rng.standard_normal((batch, text_length, int(config["text_dim"])), dtype=np.float32)
-    patch = list(config.get("patch_size", (1, 2, 2)))
-    tokens = shape[2] // patch[0] * (shape[3] // patch[1]) * (shape[4] // patch[2])
+    tokens = video_tokens(config, shape)
     what = (f"Wan forward, latents {list(shape)} ({tokens} video tokens per sample), text "
             f"{text_length} tokens, {manifest.precision} export, best of {rounds} round(s)")
     denoisers = {}

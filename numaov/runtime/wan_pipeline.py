@@ -254,23 +254,48 @@ class Denoiser:
         """Release the compiled model / session."""
 
 
+# OpenVINO 2026.4's fused attention (an MHA snippet) returns wrong values when the video has a
+# single token (one query row) and the text 16 or more (cross-attention keys): off by the
+# output's own magnitude, while the same graph compiled without snippets matches ONNX Runtime
+# and PyTorch. Such inputs (a 16x16-pixel frame) run on a second compilation made on first use.
+SINGLE_TOKEN_CONFIG = {"SNIPPETS_MODE": "DISABLE"}
+
+
+def video_tokens(config: dict[str, Any], hidden_states_shape: Sequence[int]) -> int:
+    """Video tokens per sample of ``[B, C, F, H, W]`` latents (after patching)."""
+    patch = list(config.get("patch_size", (1, 2, 2)))
+    frames, height, width = hidden_states_shape[2:5]
+    return frames // patch[0] * (height // patch[1]) * (width // patch[2])
+
+
 class OpenVINODenoiser(Denoiser):
     name = "openvino"
 
     def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
+        self._manifest, self._config = manifest, dict(config or {})
         self._compiled = manifest.compile_rank(0, config)
         self._request = self._compiled.create_infer_request()
+        self._single_token_request = None
+
+    def _request_for(self, hidden_states: np.ndarray) -> Any:
+        if video_tokens(self._manifest.config, hidden_states.shape) != 1:
+            return self._request
+        if self._single_token_request is None:
+            compiled = self._manifest.compile_rank(0, {**self._config, **SINGLE_TOKEN_CONFIG})
+            self._single_token_request = compiled.create_infer_request()
+        return self._single_token_request
 
     def predict(
         self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
     ) -> np.ndarray:
-        self._request.infer(
+        request = self._request_for(hidden_states)
+        request.infer(
             {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
         )
-        return np.array(self._request.get_output_tensor(0).data, dtype=np.float32)
+        return np.array(request.get_output_tensor(0).data, dtype=np.float32)
 
     def close(self) -> None:
-        self._request = None
+        self._request = self._single_token_request = None
         self._compiled = None
 
 
