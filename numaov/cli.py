@@ -320,8 +320,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            "expected a free port (--port) on a local address (--host)") from None
     with sock, LMService(args.model_dir, args.backend, progress=_progress(args)) as service:
         host, port = sock.getsockname()[:2]
-        server = uvicorn.Server(uvicorn.Config(build_app(service, name, tokenizer),
-                                               log_level="warning", lifespan="off"))
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: object) -> None:
+                if not self.should_exit:  # the first signal drains; a second one forces
+                    print("numaov serve: stopping once the request in flight is answered "
+                          "(again to force)", flush=True)
+                super().handle_exit(sig, frame)
+
+        server = Server(uvicorn.Config(build_app(service, name, tokenizer),
+                                       log_level="warning", lifespan="off"))
         print(f"numaov serve: {name!r} ({service.world_size} rank(s), {args.backend}) on "
               f"http://{host}:{port}  (POST /v1/completions, GET /v1/models, GET /health)",
               flush=True)
@@ -336,13 +343,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port; expected 0 to 65535")
+    return int(text)
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an exported DeepSeek-V2 over HTTP "
                        "(OpenAI-style /v1/completions), one worker per DP rank")
     p.add_argument("--model-dir", required=True, metavar="DIR",
                    help="output of `numaov export deepseek`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000,
+    p.add_argument("--port", type=_port, default=8000,
                    help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="directory with a Hugging Face tokenizer.json: text prompts and text "
@@ -359,6 +372,18 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 # -- bench ------------------------------------------------------------------------------------
 
 
+def _check_json_target(path: str | None) -> None:
+    """Refuse an unwritable --json path before the benchmark runs, not after."""
+    from numaov.runtime.bench import BenchInputError
+
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir() or not target.parent.is_dir():
+        raise BenchInputError(f"--json {path!r} is a directory or its folder does not exist; "
+                              "expected a file path in an existing directory")
+
+
 def _finish_bench(report, args: argparse.Namespace) -> int:
     print(report.summary())
     if args.json is not None:
@@ -370,6 +395,7 @@ def _finish_bench(report, args: argparse.Namespace) -> int:
 def cmd_bench_wan(args: argparse.Namespace) -> int:
     from numaov.runtime.bench import bench_wan
 
+    _check_json_target(args.json)
     return _finish_bench(bench_wan(
         args.model_dir, args.frames, args.height, args.width, args.backends.split(","),
         rounds=args.rounds, batch=args.batch, text_length=args.text_length,
@@ -379,6 +405,7 @@ def cmd_bench_wan(args: argparse.Namespace) -> int:
 def cmd_bench_deepseek(args: argparse.Namespace) -> int:
     from numaov.runtime.bench import bench_deepseek
 
+    _check_json_target(args.json)
     return _finish_bench(bench_deepseek(
         args.model_dir, args.backends.split(","), batch=args.batch,
         prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens,

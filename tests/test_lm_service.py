@@ -183,14 +183,21 @@ def test_models_and_health(served) -> None:
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
     ({"prompt": [1, 2], "temperature": 0.7}, 400, "temperature", "decodes greedily"),
     ({"prompt": [1, 2], "n": 2}, 400, "n", "decodes greedily"),
+    ({"prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty", "decodes greedily"),
+    ({"prompt": [1, 2], "temperature": "0"}, 400, "temperature", "expected a number"),
+    ({"prompt": [1, 2], "logit_bias": {"5": -100}}, 400, "logit_bias", "not supported"),
     ({"prompt": [1, 2], "stream": True}, 400, "stream", "not supported"),
     ({"prompt": [1, 2], "stop": ["\n"]}, 400, "stop", "not supported"),
+    ({"prompt": [1, 2], "max_token": 3}, 400, "max_token", "unknown field"),
     ({"max_tokens": 2}, 400, "prompt", "prompt is missing"),
-    ({"prompt": []}, 400, "prompt", "expected a string, a list of strings"),
-    ({"prompt": [[1, 2], "a"]}, 400, "prompt", "mixes types"),
+    ({"prompt": []}, 400, "prompt", "prompt is an empty list"),
+    ({"prompt": 5}, 400, "prompt", "prompt is 5; expected a string"),
+    ({"prompt": [[1, 2], "a"]}, 400, "prompt", "mixes texts"),
+    ({"prompt": [1.5, 2]}, 400, "prompt", "not token ids"),
     ({"prompt": [1, 600]}, 400, "prompt", r"token id\(s\) \[600\] outside the vocabulary"),
     ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens", "expected a positive integer"),
-    ({"prompt": [1], "max_tokens": 100000}, 400, "prompt", "max_position_embeddings"),
+    ({"prompt": [1, 2], "max_tokens": 100000}, 400, "max_tokens",
+     r"expected max_tokens at most \d+"),
     ({"model": "gpt-4", "prompt": [1]}, 404, "model", "not served here"),
     ([1, 2], 400, None, "not a JSON object"),
 ])
@@ -204,6 +211,30 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and re.search(message, error["message"]), error
     assert client.post("/v1/completions", json={"prompt": [3], "max_tokens": 1}).status_code == 200
+
+
+def test_neutral_openai_fields_are_accepted(served) -> None:
+    # What OpenAI clients send by default or as no-ops; max_tokens null means the default (16).
+    body = {"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": None, "temperature": 0,
+            "top_p": 1.0, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "stop": [],
+            "stream": False, "logit_bias": {}, "user": "someone", "seed": 4}
+    response = served["client"].post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert len(choice["token_ids"]) == 16 or choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/completions", 405),
+    ("POST", "/v1/chat/completions", 404),
+    ("POST", "/v1/completions/", 404),
+])
+def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, path: str,
+                                                          status: int) -> None:
+    response = served["client"].request(method, path, json={"prompt": [1]})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert "POST /v1/completions, GET /v1/models and GET /health" in error["message"]
 
 
 def test_a_body_that_is_not_json_is_a_400(served) -> None:

@@ -535,7 +535,7 @@ def test_bench_wan_times_every_backend_and_compares_outputs(
 @pytest.mark.parametrize(("args", "message"), [
     (["--frames", "4"], "frames=4; expected 4k+1 video frames"),
     (["--backends", "torch,tensorrt"], "expected distinct names from openvino, onnxruntime"),
-    (["--rounds", "0"], "rounds=0; expected a positive integer"),
+    (["--rounds", "0"], "--rounds 0; expected a positive integer"),
 ])
 def test_bench_wan_bad_arguments_are_one_line_errors(wan: dict, args: list[str],
                                                      message: str) -> None:

@@ -5,9 +5,9 @@
   backend, speed-up against the first backend listed, and each backend's largest difference
   from the first one's output (relative to its largest magnitude).
 - ``bench_deepseek``: greedy generation of a batch of seeded random prompts with each backend
-  on the rank workers of the binding plan (``numaov run deepseek``'s engine): prefill and
-  decode time per step (best of the rounds), tokens/s, and whether the backends generated the
-  same tokens.
+  on long-lived rank workers of the binding plan (``numaov serve``'s), after a warm-up
+  generation: prefill and decode time per step of the fastest round, tokens/s, and whether the
+  backends generated the same tokens.
 
 Model loading and compiling are not timed. The repository's ``benchmarks/`` compare numaov
 against other systems; this command measures an exported model where it will run.
@@ -55,6 +55,8 @@ class BenchReport:
     what: str
     rows: list[BenchRow]
     notes: list[str] = field(default_factory=list)
+    # The request as data (sizes, rounds), for the JSON.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def speedup(self, row: BenchRow) -> float:
         return self.rows[0].best / row.best
@@ -71,6 +73,7 @@ class BenchReport:
     def as_dict(self) -> dict[str, Any]:
         return {
             "what": self.what,
+            "settings": self.settings,
             "baseline": self.rows[0].backend,
             "rows": [{"backend": r.backend, "best_s": r.best, "median_s": r.median,
                       "seconds": r.seconds, "speedup_vs_baseline": self.speedup(r), **r.figures}
@@ -80,17 +83,20 @@ class BenchReport:
 
 
 def _check_backends(backends: Sequence[str], known: Sequence[str]) -> list[str]:
-    chosen = list(backends)
+    chosen = [b.strip() for b in backends]
     unknown = [b for b in chosen if b not in known]
     if not chosen or unknown or len(set(chosen)) != len(chosen):
+        problem = (f"unknown backend(s) {', '.join(map(repr, unknown))}" if unknown
+                   else "a backend is named twice" if chosen else "no backend given")
         raise BenchInputError(
-            f"backends {chosen}; expected distinct names from {', '.join(known)}")
+            f"--backends {','.join(chosen)}: {problem}; expected distinct names from "
+            f"{', '.join(known)}")
     return chosen
 
 
 def _check_rounds(rounds: int) -> None:
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise BenchInputError(f"rounds={rounds!r}; expected a positive integer")
+        raise BenchInputError(f"--rounds {rounds!r}; expected a positive integer")
 
 
 def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
@@ -103,9 +109,9 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     report = progress or (lambda _msg: None)
     chosen = _check_backends(backends, BACKENDS)
     _check_rounds(rounds)
-    for name, value in (("batch", batch), ("text_length", text_length)):
+    for name, value in (("--batch", batch), ("--text-length", text_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BenchInputError(f"{name}={value!r}; expected a positive integer")
+            raise BenchInputError(f"{name} {value!r}; expected a positive integer")
     manifest = read_manifest(model_dir, expected_kind="wan")
     config = manifest.config
     shape = (batch, *latent_shape(config, frames, height, width)[1:])
@@ -115,7 +121,8 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
                        700.0, dtype=np.float32)
     text = rng.standard_normal((batch, text_length, int(config["text_dim"])), dtype=np.float32)
     tokens = video_tokens(config, shape)
-    what = (f"Wan forward, latents {list(shape)} ({tokens} video tokens per sample), text "
+    what = (f"Wan forward, latents {list(shape)} ({tokens} video token"
+            f"{'' if tokens == 1 else 's'} per sample), text "
             f"{text_length} tokens, {manifest.precision} export, best of {rounds} round(s)")
     denoisers = {}
     try:
@@ -141,43 +148,53 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     for backend in chosen[1:]:
         rows[backend].figures["max_rel_diff"] = float(
             f"{float(np.max(np.abs(outputs[backend] - reference))) / scale:.3g}")
-    return BenchReport(what, [rows[b] for b in chosen])
+    settings = {"frames": frames, "height": height, "width": width, "batch": batch,
+                "text_length": text_length, "rounds": rounds, "latents": list(shape),
+                "video_tokens_per_sample": tokens, "precision": manifest.precision}
+    return BenchReport(what, [rows[b] for b in chosen], settings=settings)
 
 
 def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "openvino"), *,
                    batch: int = 4, prompt_length: int = 32, max_new_tokens: int = 8,
                    rounds: int = 2, progress: Any = None) -> BenchReport:
-    """Greedy generation of ``batch`` seeded prompts per backend on the rank workers."""
-    from numaov.runtime.lm_engine import BACKENDS, open_lm_manifest, run_deepseek
+    """Greedy generation of ``batch`` seeded prompts per backend on long-lived rank workers
+    (``numaov serve``'s): one untimed warm-up generation, then ``rounds`` timed ones. The
+    backends run one after the other, so only one backend's workers hold the model at a
+    time."""
+    from numaov.runtime.lm_engine import BACKENDS, open_lm_manifest
+    from numaov.runtime.lm_service import LMService
 
+    if "onnxruntime" in [b.strip() for b in backends]:
+        raise BenchInputError("--backends: onnxruntime cannot run the DeepSeek rank graphs (they "
+                              f"hold numaov.collective nodes); expected {', '.join(BACKENDS)}")
     chosen = _check_backends(backends, BACKENDS)
     _check_rounds(rounds)
-    for name, value in (("batch", batch), ("prompt_length", prompt_length)):
+    for name, value in (("--batch", batch), ("--prompt-length", prompt_length),
+                        ("--max-new-tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BenchInputError(f"{name}={value!r}; expected a positive integer")
+            raise BenchInputError(f"{name} {value!r}; expected a positive integer")
     manifest = open_lm_manifest(model_dir, chosen[0])
     vocab = int(manifest.config["vocab_size"])
     rng = np.random.default_rng(SEED)
     prompts = rng.integers(0, vocab, size=(batch, prompt_length)).tolist()
     rows = {b: BenchRow(b) for b in chosen}
     tokens: dict[str, list[list[int]]] = {}
-    for _ in range(rounds):
-        for backend in chosen:
-            result = run_deepseek(model_dir, prompts, max_new_tokens, backend, progress=progress)
-            row = rows[backend]
-            row.seconds.append(sum(result.step_seconds))
-            decode = result.decode_seconds
-            best = {"prefill_ms": result.prefill_seconds * 1e3,
-                    "decode_ms_per_step": float(np.median(decode)) * 1e3 if decode else None}
-            for key, value in best.items():
-                if value is not None:
-                    kept = row.figures.get(key)
-                    row.figures[key] = round(value if kept is None else min(kept, value), 2)
-            row.figures["tokens_per_s"] = round(batch * max_new_tokens / row.best, 1)
-            tokens[backend] = result.tokens
+    for backend in chosen:
+        with LMService(model_dir, backend, progress=progress) as service:
+            tokens[backend] = service.generate(prompts, max_new_tokens).tokens  # warm-up
+            results = [service.generate(prompts, max_new_tokens) for _ in range(rounds)]
+        row = rows[backend]
+        row.seconds = [sum(r.step_seconds) for r in results]
+        fastest = min(results, key=lambda r: sum(r.step_seconds))
+        row.figures["prefill_ms"] = round(fastest.prefill_seconds * 1e3, 2)
+        if fastest.decode_seconds:
+            row.figures["decode_ms_per_step"] = round(
+                float(np.median(fastest.decode_seconds)) * 1e3, 2)
+        row.figures["tokens_per_s"] = round(batch * max_new_tokens / row.best, 1)
     what = (f"DeepSeek-V2 generation, {batch} prompt(s) x {prompt_length} tokens + "
             f"{max_new_tokens} new, dp={manifest.world_size}, {manifest.precision} export, "
-            f"best of {rounds} round(s) (time = prefill + all decode steps)")
+            f"best of {rounds} round(s) after a warm-up (time = prefill + all decode steps, "
+            "figures from the fastest round)")
     notes = []
     for backend in chosen[1:]:
         same = tokens[backend] == tokens[chosen[0]]
@@ -185,4 +202,7 @@ def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "o
         if not same:
             notes.append(f"{backend} generated other tokens than {chosen[0]} (near-tied logits "
                          "at this precision can do that; compare with `numaov export`'s parity)")
-    return BenchReport(what, [rows[b] for b in chosen], notes)
+    settings = {"batch": batch, "prompt_length": prompt_length,
+                "max_new_tokens": max_new_tokens, "rounds": rounds,
+                "dp": manifest.world_size, "precision": manifest.precision}
+    return BenchReport(what, [rows[b] for b in chosen], notes, settings)

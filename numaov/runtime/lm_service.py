@@ -25,6 +25,8 @@ bad input, 404 for another model name, 503 when the workers are gone.
 
 from __future__ import annotations
 
+import json
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -43,6 +45,7 @@ from numaov.runtime.binding import BindingPlan
 from numaov.runtime.lm_engine import (
     GENERATION_TIMEOUT_S,
     GenerationInputError,
+    GenerationResult,
     Progress,
     RankModel,
     check_prompts,
@@ -51,6 +54,8 @@ from numaov.runtime.lm_engine import (
     resolve_plan,
     split_prompts,
 )
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16
 # Loading and compiling a rank's graph; a real checkpoint can take minutes.
@@ -100,7 +105,8 @@ def _serve_rank(context: Any, job: _ServeJob) -> int:
                 break
             request_id, prompts, max_new_tokens = item
             result = model.generate(prompts, max_new_tokens)
-            job.replies.put(("done", context.rank, (request_id, result.tokens)))
+            job.replies.put(("done", context.rank,
+                             (request_id, (result.tokens, result.step_seconds))))
             served += 1
     finally:
         model.close()
@@ -135,6 +141,7 @@ class LMService:
                              timeout_s=float("inf"))
             except Exception as exc:  # noqa: BLE001 - kept for every later request to report
                 self._failure = str(exc)
+                logger.error("the rank workers stopped: %s", exc)
 
         report(f"starting {self.world_size} worker(s) on {backend} ({self.placement})")
         self._thread = threading.Thread(target=run_workers, name="numaov-lm-workers",
@@ -155,8 +162,9 @@ class LMService:
         return self._failure
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int
-                 ) -> list[list[int]]:
-        """``max_new_tokens`` greedy tokens for every prompt, in the caller's order."""
+                 ) -> GenerationResult:
+        """``max_new_tokens`` greedy tokens for every prompt, in the caller's order, and the
+        slowest rank's time per step."""
         checked = check_prompts(prompts, self.config, max_new_tokens)
         with self._lock:
             if self._closed:
@@ -170,7 +178,11 @@ class LMService:
             for rank, share in enumerate(shares):
                 self._requests[rank].put((request_id, share, max_new_tokens))
             done = self._collect("done", request_id, GENERATION_TIMEOUT_S, "generating")
-        return merge_rank_outputs([done[r] for r in range(self.world_size)], len(checked))
+        tokens = merge_rank_outputs([done[r][0] for r in range(self.world_size)], len(checked))
+        steps = [max(done[r][1][i] for r in done) for i in range(max_new_tokens)]
+        return GenerationResult(tokens=tokens, backend=self.backend, world_size=self.world_size,
+                                placement=self.placement, step_seconds=steps,
+                                load_seconds=self.load_seconds)
 
     def _collect(self, kind: str, request_id: int | None, timeout_s: float,
                  doing: str) -> dict[int, Any]:
@@ -228,9 +240,19 @@ class CompletionRequest:
     max_tokens: int
 
 
-# Sampling fields and the only value greedy decoding honours (None = absent).
-_GREEDY_ONLY = {"temperature": (0, 0.0), "top_p": (1, 1.0), "n": (1,), "best_of": (1,)}
-_REFUSED = ("stream", "logprobs", "echo", "stop", "suffix")
+# The OpenAI completion fields. Sampling fields are accepted only at the value that leaves
+# greedy decoding unchanged; fields that would change the output's form are accepted only
+# when absent or empty; anything else (a typo such as "max_token" included) is refused, so no
+# request is silently answered differently from what it asked.
+_NEUTRAL = {"temperature": 0, "top_p": 1, "n": 1, "best_of": 1, "presence_penalty": 0,
+            "frequency_penalty": 0}
+_EMPTY_ONLY = ("stream", "stream_options", "logprobs", "echo", "stop", "suffix", "logit_bias")
+_FREE = ("model", "prompt", "max_tokens", "user", "seed")
+_KNOWN = (*_FREE, *_NEUTRAL, *_EMPTY_ONLY)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: Any = None
@@ -239,26 +261,50 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
     if not isinstance(body, dict):
         raise CompletionRequestError("the request body is not a JSON object; expected "
                                      '{"prompt": ..., "max_tokens": N}')
-    for name, allowed in _GREEDY_ONLY.items():
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or value not in allowed):
-            raise CompletionRequestError(
-                f"{name}={value!r} is not supported: this server decodes greedily; expected "
-                f"{name} absent or {allowed[0]}", name)
-    for name in _REFUSED:
-        if body.get(name) not in (None, False, ""):
-            raise CompletionRequestError(
-                f"{name} is not supported by this server; expected it absent", name)
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    unknown = sorted(set(body) - set(_KNOWN))
+    if unknown:
         raise CompletionRequestError(
-            f"max_tokens={max_tokens!r}; expected a positive integer", "max_tokens")
+            f"unknown field(s) {', '.join(unknown)}; expected only OpenAI completion fields "
+            f"({', '.join(_KNOWN)})", unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_number(value):
+            raise CompletionRequestError(f"{name} is {json.dumps(value)}; expected a number",
+                                         name)
+        if value != neutral:
+            raise CompletionRequestError(
+                f"{name} {json.dumps(value)} is not supported: this server decodes greedily, one "
+                f"answer per prompt; expected {name} absent or {neutral}", name)
+    for name in _EMPTY_ONLY:
+        if body.get(name) not in (None, False, "", [], {}):
+            raise CompletionRequestError(
+                f"{name} is not supported by this server; expected it absent, false or empty",
+                name)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise CompletionRequestError(
+            f"max_tokens is {json.dumps(max_tokens)}; expected a positive integer", "max_tokens")
     prompts = _prompt_ids(body.get("prompt"), tokenizer)
+    limit = int(config["max_position_embeddings"])
+    longest = max(len(p) for p in prompts)
+    if longest + max_tokens > limit:
+        raise CompletionRequestError(
+            f"max_tokens {max_tokens} with a {longest}-token prompt exceeds the model's "
+            f"{limit} positions; expected max_tokens at most {max(limit - longest, 0)}",
+            "max_tokens" if longest < limit else "prompt")
     try:
         checked = check_prompts(prompts, config, max_tokens)
     except GenerationInputError as exc:
         raise CompletionRequestError(str(exc), "prompt") from None
     return CompletionRequest(checked, max_tokens)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
@@ -269,9 +315,10 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
         raise CompletionRequestError(f"prompt is missing; {expected}", "prompt")
     if isinstance(prompt, str):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise CompletionRequestError(f"prompt is {type(prompt).__name__} or empty; {expected}",
-                                     "prompt")
+    if not isinstance(prompt, list):
+        raise CompletionRequestError(f"prompt is {json.dumps(prompt)}; {expected}", "prompt")
+    if not prompt:
+        raise CompletionRequestError(f"prompt is an empty list; {expected}", "prompt")
     if all(isinstance(p, str) for p in prompt):
         if tokenizer is None:
             raise CompletionRequestError(
@@ -285,15 +332,20 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
                                              "expected non-empty text", "prompt")
             out.append(list(ids))
         return out
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [list(prompt)]
     if all(isinstance(p, list) for p in prompt):
         for i, ids in enumerate(prompt):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise CompletionRequestError(f"prompt {i} holds non-integer token ids; "
-                                             f"{expected}", "prompt")
+            if not all(_is_token_id(t) for t in ids):
+                raise CompletionRequestError(
+                    f"prompt {i} holds values that are not token ids; expected integers",
+                    "prompt")
         return [list(p) for p in prompt]
-    raise CompletionRequestError(f"prompt mixes types; {expected}", "prompt")
+    if any(isinstance(p, (str, list)) for p in prompt):
+        raise CompletionRequestError(f"prompt mixes texts, token ids and lists; {expected}",
+                                     "prompt")
+    if not all(_is_token_id(t) for t in prompt):
+        raise CompletionRequestError("prompt holds values that are not token ids; expected "
+                                     "integers", "prompt")
+    return [list(prompt)]
 
 
 def end_of_sequence_ids(config: Mapping[str, Any]) -> set[int]:
@@ -325,14 +377,24 @@ def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="numaov", version="1")
+    app.router.redirect_slashes = False  # "/v1/completions/" is an error, not a redirect
     eos = end_of_sequence_ids(service.config)
+    routes = "POST /v1/completions, GET /v1/models and GET /health"
 
     def error(status: int, message: str, param: str | None = None,
               kind: str = "invalid_request_error") -> JSONResponse:
         return JSONResponse(status_code=status, content={
             "error": {"message": message, "type": kind, "param": param, "code": None}})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown paths and methods, in the same error shape as everything else.
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}; "
+                     f"this server answers {routes}", None, kind)
 
     @app.get("/health")
     def health() -> Any:
@@ -353,7 +415,7 @@ def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any
     async def completions(request: Request) -> Any:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             return error(400, "the request body is not JSON; expected a JSON object")
         if isinstance(body, dict) and body.get("model") not in (None, model_name):
             return error(404, f"model {body.get('model')!r} is not served here; expected "
@@ -363,10 +425,10 @@ def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any
         except CompletionRequestError as exc:
             return error(exc.status, str(exc), exc.param)
         try:  # generation blocks: off the event loop, so /health answers meanwhile
-            tokens = await run_in_threadpool(service.generate, parsed.prompts, parsed.max_tokens)
+            result = await run_in_threadpool(service.generate, parsed.prompts, parsed.max_tokens)
         except ServiceError as exc:
             return error(503, str(exc), None, "server_error")
-        choices = [completion_choice(i, t, eos, tokenizer) for i, t in enumerate(tokens)]
+        choices = [completion_choice(i, t, eos, tokenizer) for i, t in enumerate(result.tokens)]
         prompt_tokens = sum(len(p) for p in parsed.prompts)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {
