@@ -87,7 +87,7 @@ def test_bind_string_plans_and_warnings(two_socket_smt) -> None:
     [
         ("0-1|1-2", None, "CPU 1 is already in entry 0"),
         ("0-1||2", None, "entry 1 .* is empty"),
-        ("0-1|2-3", 3, "has 2 entries but 3 ranks were asked"),
+        ("0-1|2-3", 3, r"has 2 CPU list\(s\) but 3 rank\(s\) were asked"),
         ("0-1|99", None, "CPU 99 is unknown or offline"),
         ("0-x", None, "cannot parse '0-x'"),
         ("3-1", None, "runs backwards"),

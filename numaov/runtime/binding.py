@@ -84,7 +84,7 @@ class BindingPlan:
             raise BindingError(
                 f"{ranks} ranks asked for but this machine has {len(usable)} usable NUMA "
                 f"node(s) ({', '.join(str(n.id) for n, _ in usable)}); by default each rank gets "
-                f"its own node. Ask for at most {len(usable)} ranks, or set {BIND_ENV} with one "
+                f"its own node. Ask for at most {len(usable)} rank(s), or set {BIND_ENV} with one "
                 "CPU list per rank, e.g. NUMAOV_CPU_BIND='0|1'"
             )
         return cls(
@@ -119,8 +119,8 @@ class BindingPlan:
         entries = bind.split("|")
         if ranks is not None and len(entries) != ranks:
             raise BindingError(
-                f"{BIND_ENV}={bind!r} has {len(entries)} entries but {ranks} ranks were asked "
-                "for; expected one CPU list per rank"
+                f"{BIND_ENV}={bind!r} has {len(entries)} CPU list(s) but {ranks} rank(s) were "
+                "asked for; expected one CPU list per rank, separated by '|'"
             )
         online, allowed = set(topology.online_cpus), set(topology.allowed_cpus)
         owner: dict[int, int] = {}

@@ -130,6 +130,11 @@ def check_prompts(
 def load_tokenizer(directory: str | Path) -> Any:
     """The Hugging Face ``tokenizers.Tokenizer`` in ``directory/tokenizer.json``."""
     path = Path(directory) / "tokenizer.json"
+    if not Path(directory).is_dir():
+        raise GenerationInputError(
+            f"--tokenizer {str(directory)!r} is not a directory; expected a directory with a "
+            "Hugging Face tokenizer.json"
+        )
     if not path.is_file():
         raise GenerationInputError(
             f"--tokenizer {str(directory)!r} holds no tokenizer.json; expected a directory with "
