@@ -222,7 +222,7 @@ def test_a_plan_with_another_rank_count_says_to_set_the_bind_variable(
 ) -> None:
     cpu = sorted(os.sched_getaffinity(0))[0]
     monkeypatch.setenv("NUMAOV_CPU_BIND", str(cpu))
-    with pytest.raises(RankPlanError, match="dp=2 runs one worker per rank.*1 entries"):
+    with pytest.raises(RankPlanError, match=r"dp=2 runs one worker per rank.*1 CPU list\(s\)"):
         run_deepseek(exported["model_dir"], [[1, 2]], 2)
     one_rank = BindingPlan.from_bind_string(str(cpu), read_topology())
     with pytest.raises(RankPlanError, match=r"1 rank\(s\) but .* dp=2.*NUMAOV_CPU_BIND"):
