@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import shutil
 import traceback
 import uuid
 from pathlib import Path
@@ -180,6 +181,30 @@ def test_shards_reassemble_the_full_weights(checkpoint: Path) -> None:
             dim = next(d for d in range(tensor.dim()) if parts[0].shape[d] != tensor.shape[d])
             rebuilt = torch.cat(parts, dim)
         assert torch.equal(rebuilt, tensor), name
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "stacked"])
+def test_rank_load_equals_the_sliced_full_model(checkpoint: Path, tmp_path: Path,
+                                                layout: str) -> None:
+    # A rank's load slices the per-expert tensors before stacking them (so only its share of
+    # the experts is ever copied); the result must be exactly the full model's shard.
+    from safetensors.torch import save_file
+
+    full = DeepseekV2.from_pretrained(checkpoint)
+    directory = checkpoint
+    if layout == "stacked":  # transformers' in-memory layout, saved as is
+        directory = tmp_path / "stacked"
+        directory.mkdir()
+        shutil.copy(checkpoint / "config.json", directory / "config.json")
+        save_file({k: v.contiguous() for k, v in full.state_dict().items()},
+                  str(directory / "model.safetensors"))
+    for rank in range(WORLD):
+        expected = shard_state_dict(full.state_dict(), TINY_DEEPSEEK_CONFIG, rank, WORLD)
+        got = DeepseekV2.from_pretrained(directory, dp=DataParallelGroup("unused", rank, WORLD))
+        state = got.state_dict()
+        assert state.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(state[name], tensor), name
 
 
 def test_rank_model_refuses_to_save_a_shard(tmp_path: Path, checkpoint: Path) -> None:

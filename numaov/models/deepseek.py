@@ -55,7 +55,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -411,18 +411,23 @@ _GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")
 
 
 def shard_state_dict(
-    state_dict: Mapping[str, Tensor], config: DeepseekV2Config, rank: int, world_size: int
+    state_dict: Mapping[str, Tensor], config: DeepseekV2Config, rank: int, world_size: int,
+    presharded: Collection[str] = (),
 ) -> dict[str, Tensor]:
     """Rank ``rank``'s weights out of a full (model-layout) state dict.
 
     Intermediate-dim slices of the dense MLPs, shared experts and routed experts; everything
     else is shared by reference. Sharded tensors are copied, so the full ones can be freed.
+    Tensors named in ``presharded`` already hold this rank's slice and pass through.
     """
     check_dp_divides(config, world_size)
     if not 0 <= rank < world_size:
         raise ShardError(f"rank {rank} is outside 0 .. {world_size - 1}")
     out: dict[str, Tensor] = {}
     for name, tensor in state_dict.items():
+        if name in presharded:
+            out[name] = tensor
+            continue
         if _GATE_UP.search(name):
             e, two_i, h = tensor.shape
             halves = tensor.view(e, 2, two_i // 2, h)
@@ -938,8 +943,7 @@ class DeepseekV2(nn.Module):
 
         ``dtype`` is a torch dtype or ``"auto"`` (the checkpoint's ``torch_dtype``, fp32 when
         absent); the router stays fp32 either way. With ``dp`` only this rank's shard is kept:
-        the full checkpoint is read once (peak memory: the checkpoint plus the shard), sliced,
-        and dropped.
+        the checkpoint is memory-mapped and only the rank's slices are copied out of it.
         """
         what = f"DeepSeek-V2 checkpoint {str(directory)!r}"
         values = read_config(directory, what=what)
@@ -948,9 +952,8 @@ class DeepseekV2(nn.Module):
         world = dp.world_size if dp is not None else 1
         check_dp_divides(config, world)
         state = load_safetensors_state_dict(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
-        state = checkpoint_to_model_state_dict(state, config, what)
-        if dp is not None:
-            state = shard_state_dict(state, config, dp.rank, world)
+        shard = (dp.rank, world) if dp is not None else None
+        state = checkpoint_to_model_state_dict(state, config, what, shard)
         model = cls.empty(config, dtype, dp)
         load_into_module(model, state, what)
         return model.eval()
@@ -1109,10 +1112,16 @@ def _checkpoint_shapes(config: DeepseekV2Config, per_expert: bool) -> dict[str, 
 
 
 def checkpoint_to_model_state_dict(
-    state_dict: Mapping[str, Tensor], config: DeepseekV2Config, what: str = "checkpoint"
+    state_dict: Mapping[str, Tensor], config: DeepseekV2Config, what: str = "checkpoint",
+    shard: tuple[int, int] | None = None,
 ) -> dict[str, Tensor]:
     """A full checkpoint's tensors (per-expert DeepSeek layout, or transformers' stacked one)
-    in the model's layout, after checking every name and shape against ``config``.
+    in the model's layout, after checking every name and shape against ``config``; with
+    ``shard=(rank, world_size)``, only that rank's slices (as :func:`shard_state_dict`).
+
+    Sharding here rather than after matters for memory: the per-expert tensors are stacked
+    from slices of the (memory-mapped) checkpoint, so only the rank's share of the experts is
+    ever copied, not every expert of every layer.
 
     Raises CheckpointError naming the missing, unexpected and mis-shaped tensors.
     """
@@ -1121,19 +1130,30 @@ def checkpoint_to_model_state_dict(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the embedding is the head
     check_state_dict(_checkpoint_shapes(config, per_expert), state, what)
+    if shard is not None:
+        check_dp_divides(config, shard[1])
+    presharded = []
     if per_expert:
+        rows = slice(None)
+        if shard is not None:
+            step = int(config.moe_intermediate_size) // shard[1]
+            rows = slice(shard[0] * step, (shard[0] + 1) * step)
         for layer in range(config.num_hidden_layers):
             if not config.is_moe_layer(layer):
                 continue
             prefix = f"model.layers.{layer}.mlp.experts"
             experts = range(config.n_routed_experts or 0)
-            gate = [state.pop(f"{prefix}.{e}.gate_proj.weight") for e in experts]
-            up = [state.pop(f"{prefix}.{e}.up_proj.weight") for e in experts]
-            down = [state.pop(f"{prefix}.{e}.down_proj.weight") for e in experts]
+            gate = [state.pop(f"{prefix}.{e}.gate_proj.weight")[rows] for e in experts]
+            up = [state.pop(f"{prefix}.{e}.up_proj.weight")[rows] for e in experts]
+            down = [state.pop(f"{prefix}.{e}.down_proj.weight")[:, rows] for e in experts]
             state[f"{prefix}.gate_up_proj"] = torch.cat((torch.stack(gate), torch.stack(up)), 1)
             state[f"{prefix}.down_proj"] = torch.stack(down)
+            presharded += [f"{prefix}.gate_up_proj", f"{prefix}.down_proj"]
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if shard is not None:
+        state = shard_state_dict(state, config, shard[0], shard[1],
+                                 presharded if shard[1] > 1 else ())
     return state
 
 
