@@ -94,9 +94,12 @@ def _check_backends(backends: Sequence[str], known: Sequence[str]) -> list[str]:
     return chosen
 
 
-def _check_rounds(rounds: int) -> None:
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise BenchInputError(f"--rounds {rounds!r}; expected a positive integer")
+def _check_positive(**flags: Any) -> None:
+    """Each value a positive integer; the keyword is the flag name without its dashes."""
+    for name, value in flags.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise BenchInputError(f"{flag} {value!r}; expected a positive integer")
 
 
 def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
@@ -108,10 +111,7 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
 
     report = progress or (lambda _msg: None)
     chosen = _check_backends(backends, BACKENDS)
-    _check_rounds(rounds)
-    for name, value in (("--batch", batch), ("--text-length", text_length)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BenchInputError(f"{name} {value!r}; expected a positive integer")
+    _check_positive(rounds=rounds, batch=batch, text_length=text_length)
     manifest = read_manifest(model_dir, expected_kind="wan")
     config = manifest.config
     shape = (batch, *latent_shape(config, frames, height, width)[1:])
@@ -168,11 +168,8 @@ def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "o
         raise BenchInputError("--backends: onnxruntime cannot run the DeepSeek rank graphs (they "
                               f"hold numaov.collective nodes); expected {', '.join(BACKENDS)}")
     chosen = _check_backends(backends, BACKENDS)
-    _check_rounds(rounds)
-    for name, value in (("--batch", batch), ("--prompt-length", prompt_length),
-                        ("--max-new-tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BenchInputError(f"{name} {value!r}; expected a positive integer")
+    _check_positive(rounds=rounds, batch=batch, prompt_length=prompt_length,
+                    max_new_tokens=max_new_tokens)
     manifest = open_lm_manifest(model_dir, chosen[0])
     vocab = int(manifest.config["vocab_size"])
     rng = np.random.default_rng(SEED)

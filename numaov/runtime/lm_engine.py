@@ -399,6 +399,23 @@ class GenerationResult:
     # Per prompt, [steps, vocab] f32 logits each token was chosen from (keep_logits=True).
     logits: list[np.ndarray] | None = field(default=None, repr=False)
 
+    @classmethod
+    def from_ranks(cls, results: Sequence[RankGeneration], count: int, backend: str,
+                   placement: str) -> GenerationResult:
+        """The ranks' generations (by rank) put back in prompt order; per step the slowest
+        rank's time, since the ranks run in lockstep."""
+        logits = None
+        if any(r.logits is not None for r in results):
+            logits = merge_rank_outputs(
+                [list(r.logits) if r.logits is not None else [] for r in results], count
+            )
+        steps = [max(step) for step in zip(*(r.step_seconds for r in results), strict=True)]
+        return cls(
+            tokens=merge_rank_outputs([r.tokens for r in results], count), backend=backend,
+            world_size=len(results), placement=placement, step_seconds=steps,
+            load_seconds=max(r.load_seconds for r in results), logits=logits,
+        )
+
     @property
     def prefill_seconds(self) -> float:
         return self.step_seconds[0]
@@ -526,18 +543,7 @@ def run_deepseek(
     jobs = [_RankJob(str(manifest.directory), backend, share, max_new_tokens, keep_logits)
             for share in shares]
     results: list[RankGeneration] = _run_jobs(plan, jobs, manifest.collective_group)
-    tokens = merge_rank_outputs([r.tokens for r in results], len(checked))
-    logits = None
-    if keep_logits:
-        logits = merge_rank_outputs(
-            [list(r.logits) if r.logits is not None else [] for r in results], len(checked)
-        )
-    steps = [max(r.step_seconds[i] for r in results) for i in range(max_new_tokens)]
-    result = GenerationResult(
-        tokens=tokens, backend=backend, world_size=world, placement=placement,
-        step_seconds=steps, load_seconds=max(r.load_seconds for r in results), logits=logits,
-    )
-    return result
+    return GenerationResult.from_ranks(results, len(checked), backend, placement)
 
 
 def format_generation(

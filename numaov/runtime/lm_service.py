@@ -49,7 +49,6 @@ from numaov.runtime.lm_engine import (
     Progress,
     RankModel,
     check_prompts,
-    merge_rank_outputs,
     open_lm_manifest,
     resolve_plan,
     split_prompts,
@@ -104,9 +103,8 @@ def _serve_rank(context: Any, job: _ServeJob) -> int:
             if item is None:
                 break
             request_id, prompts, max_new_tokens = item
-            result = model.generate(prompts, max_new_tokens)
             job.replies.put(("done", context.rank,
-                             (request_id, (result.tokens, result.step_seconds))))
+                             (request_id, model.generate(prompts, max_new_tokens))))
             served += 1
     finally:
         model.close()
@@ -178,11 +176,8 @@ class LMService:
             for rank, share in enumerate(shares):
                 self._requests[rank].put((request_id, share, max_new_tokens))
             done = self._collect("done", request_id, GENERATION_TIMEOUT_S, "generating")
-        tokens = merge_rank_outputs([done[r][0] for r in range(self.world_size)], len(checked))
-        steps = [max(done[r][1][i] for r in done) for i in range(max_new_tokens)]
-        return GenerationResult(tokens=tokens, backend=self.backend, world_size=self.world_size,
-                                placement=self.placement, step_seconds=steps,
-                                load_seconds=self.load_seconds)
+        return GenerationResult.from_ranks([done[r] for r in range(self.world_size)],
+                                           len(checked), self.backend, self.placement)
 
     def _collect(self, kind: str, request_id: int | None, timeout_s: float,
                  doing: str) -> dict[int, Any]:
