@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from numaov.custom_ops import add_extension
+from numaov.custom_ops.flash_attention import flash_attention, swap_attention, use_numaov_attention
 from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import compile_config, convert_to_ir
 from numaov.exporter.wan_export import FFN_COLUMN_BLOCK
@@ -193,18 +195,25 @@ def export_naive(checkpoint: Path, out: Path) -> tuple[Path, float]:
 def inventory(compiled) -> dict[str, object]:
     """Executed layer types; attention counts SDPA nodes and Softmax-bearing MHA subgraphs."""
     types: Counter[str] = Counter()
-    mha_subgraphs = 0
+    fused_attention = 0
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
         layer_type = info["layerType"].astype(str)
         types[layer_type] += 1
-        if layer_type == "Subgraph" and "Softmax" in info["originalLayersNames"].astype(str):
-            mha_subgraphs += 1
+        if layer_type in ("Subgraph", "Reference") and is_attention(info):
+            fused_attention += 1
     counts = {
         key: sum(n for t, n in types.items() if t in names) for key, names in INVENTORY.items()
     }
-    counts["attention"] += mha_subgraphs
+    counts["attention"] += fused_attention
     return {"counts": counts, "all": dict(sorted(types.items()))}
+
+
+def is_attention(rt_info) -> bool:
+    """Whether a compiled node runs attention: OpenVINO's MHA snippet (it holds a Softmax) or
+    numaov's FlashAttention (a Reference node named after the attention it replaced)."""
+    names = rt_info["originalLayersNames"].astype(str)
+    return "Softmax" in names or "scaled_dot_product_attention" in names
 
 
 class Runner:
@@ -227,9 +236,20 @@ def torch_runner(name: str, model: torch.nn.Module, dtype: torch.dtype) -> Runne
     return Runner(name, run, 0)
 
 
-def openvino_runner(name: str, core, xml: Path, precision: str) -> tuple[Runner, object]:
+def compile_ir(core, xml: Path | str, precision: str, attention: str = "openvino"):
+    """Compile an IR; ``attention="numaov"`` first swaps in numaov's AMX flash attention, as
+    the runtime does for bf16 models (``NUMAOV_ATTENTION``)."""
+    model = core.read_model(str(xml))
+    if attention == "numaov":
+        swap_attention(model)
+    return core.compile_model(model, "CPU", compile_config(precision))
+
+
+def openvino_runner(
+    name: str, core, xml: Path, precision: str, attention: str = "openvino"
+) -> tuple[Runner, object]:
     before = rss_bytes()
-    compiled = core.compile_model(str(xml), "CPU", compile_config(precision))
+    compiled = compile_ir(core, xml, precision, attention)
     request = compiled.create_infer_request()
 
     def run(inputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -260,15 +280,21 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _memory_probe(xml: str, precision: str, token_counts: list[int]) -> dict[str, float]:
+def _memory_probe(
+    xml: str, precision: str, token_counts: list[int], attention: str
+) -> dict[str, float]:
     """In a fresh process: RSS after compiling, peak RSS after a forward at each size, and
     the share of the forward spent in attention at the largest size (from OpenVINO's
     per-node counters), which the extrapolation scales quadratically."""
     import openvino as ov
 
     base = _status_bytes("VmRSS")
-    config = {**compile_config(precision), "PERF_COUNT": "YES"}
-    compiled = ov.Core().compile_model(xml, "CPU", config)
+    core = ov.Core()
+    add_extension(core)
+    model = core.read_model(xml)
+    if attention == "numaov":
+        swap_attention(model)
+    compiled = core.compile_model(model, "CPU", {**compile_config(precision), "PERF_COUNT": "YES"})
     request = compiled.create_infer_request()
     result: dict[str, float] = {"compiled": _status_bytes("VmRSS") - base}
     for tokens in sorted(token_counts):  # VmHWM only grows: smallest size first
@@ -277,7 +303,7 @@ def _memory_probe(xml: str, precision: str, token_counts: list[int]) -> dict[str
     attention_nodes = {
         op.get_friendly_name()
         for op in compiled.get_runtime_model().get_ordered_ops()
-        if "Softmax" in op.get_rt_info()["originalLayersNames"].astype(str)
+        if is_attention(op.get_rt_info())
     }
     shares = []
     for _ in range(2):
@@ -288,11 +314,64 @@ def _memory_probe(xml: str, precision: str, token_counts: list[int]) -> dict[str
     return result
 
 
-def memory_probe(xml: Path, precision: str, token_counts: list[int]) -> dict[str, float]:
+def memory_probe(
+    xml: Path, precision: str, token_counts: list[int], attention: str
+) -> dict[str, float]:
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_memory_probe, (str(xml), precision, token_counts))
+        return pool.apply(_memory_probe, (str(xml), precision, token_counts, attention))
+
+
+def attention_alone(core, tokens: int, heads: int, head_dim: int, rounds: int) -> dict:
+    """Self-attention of one block alone, [1, heads, tokens, head_dim], round-robin: PyTorch's
+    bf16 SDPA (its CPU flash attention), OpenVINO's ScaledDotProductAttention compiled at bf16
+    (its MHA snippet), and numaov's FlashAttention kernel where AMX is usable."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    rng = np.random.default_rng(SEED)
+    q, k, v = (rng.standard_normal((1, heads, tokens, head_dim), dtype=np.float32) for _ in "qkv")
+    params = [ops.parameter([1, heads, -1, head_dim], np.float32, name=n) for n in "qkv"]
+    sdpa = ov.Model([ops.scaled_dot_product_attention(*params, causal=False)], params)
+    request = core.compile_model(sdpa, "CPU", compile_config("bf16")).create_infer_request()
+    tq, tk, tv = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
+
+    def torch_sdpa(_: dict) -> np.ndarray:
+        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv).float().numpy()
+
+    runners = [
+        Runner("torch sdpa bf16", torch_sdpa, 0),
+        Runner("openvino sdpa bf16", lambda _: request.infer([q, k, v])[0].copy(), 0),
+    ]
+    if use_numaov_attention():
+        runners.append(Runner("numaov flash attention", lambda _: flash_attention(q, k, v), 0))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (q, k, v))
+    ).numpy()
+    best = {r.name: float("inf") for r in runners}
+    errors = {}
+    for _ in range(rounds + 1):  # the first round warms up and is not counted
+        for runner in runners:
+            start = time.perf_counter()
+            out = runner.run({})
+            seconds = time.perf_counter() - start
+            if _:
+                best[runner.name] = min(best[runner.name], seconds)
+            errors[runner.name] = float(np.abs(out - reference).max())
+    log(f"\n== attention alone: [1, {heads}, {tokens}, {head_dim}], best of {rounds} ==")
+    for name, seconds in best.items():
+        log(f"  {name:24s} {seconds * 1e3:8.1f} ms   max|diff| vs torch fp32 {errors[name]:.1e}")
+    result: dict[str, object] = {"best_s": best, "max_abs_diff_vs_torch_fp32": errors}
+    if "numaov flash attention" in best:
+        fast = best["numaov flash attention"]
+        result["ratios"] = {
+            "numaov / openvino sdpa speedup": best["openvino sdpa bf16"] / fast,
+            "numaov / torch sdpa speedup": best["torch sdpa bf16"] / fast,
+        }
+        for name, value in result["ratios"].items():
+            log(f"  {name:42s} {value:5.2f}x")
+    return result
 
 
 def time_round_robin(runners: list[Runner], inputs: dict[str, np.ndarray], rounds: int) -> dict:
@@ -381,16 +460,24 @@ def run(args: argparse.Namespace, work: Path) -> int:
     ]
     # numaov runs its own IR of each precision; the naive path compiles its one f32 IR with
     # either inference precision, as a user of openvino.convert_model would.
+    # numaov's bf16 IR runs as the runtime runs it: with numaov's AMX flash attention where
+    # the CPU has AMX (and NUMAOV_ATTENTION allows), and also with OpenVINO's own attention.
+    attention = "numaov" if use_numaov_attention() else "openvino"
+    log(f"numaov bf16 attention: {attention}'s")
+    add_extension(core)
     compiled = {}
-    for label, precision, path in (
-        ("numaov", "f32", irs["f32"]),
-        ("numaov", "bf16", irs["bf16"]),
-        ("naive", "f32", naive_xml),
-        ("naive", "bf16", naive_xml),
-        ("numaov 0-block", "bf16", irs0["bf16"]),
+    for label, precision, path, attn in (
+        ("numaov", "f32", irs["f32"], "openvino"),
+        ("numaov", "bf16", irs["bf16"], attention),
+        ("numaov ov-attention", "bf16", irs["bf16"], "openvino"),
+        ("naive", "f32", naive_xml, "openvino"),
+        ("naive", "bf16", naive_xml, "openvino"),
+        ("numaov 0-block", "bf16", irs0["bf16"], attention),
     ):
+        if label == "numaov ov-attention" and attention == "openvino":
+            continue  # the same as "numaov bf16"
         runner, compiled[(label, precision)] = openvino_runner(
-            f"openvino {precision} {label}", core, path, precision
+            f"openvino {precision} {label}", core, path, precision, attn
         )
         runners.append(runner)
 
@@ -423,6 +510,10 @@ def run(args: argparse.Namespace, work: Path) -> int:
             "openvino f32 / onnxruntime fp32 speedup": best["onnxruntime fp32"]
             / best["openvino f32 numaov"],
         }
+        if "openvino bf16 numaov ov-attention" in best:
+            ratios["numaov attention / openvino attention speedup (bf16 forward)"] = (
+                best["openvino bf16 numaov ov-attention"] / best["openvino bf16 numaov"]
+            )
         for name, value in ratios.items():
             log(f"  {name:42s} {value:5.2f}x")
         per_block = (best["openvino bf16 numaov"] - best["openvino bf16 numaov 0-block"]) / 2
@@ -436,6 +527,13 @@ def run(args: argparse.Namespace, work: Path) -> int:
         log(
             f"  per block (OpenVINO bf16): {per_block:.3f} s; outside the blocks "
             f"{best['openvino bf16 numaov 0-block']:.3f} s"
+        )
+
+    report["attention_alone"] = {}
+    for tokens in token_counts:
+        report["attention_alone"][str(tokens)] = attention_alone(
+            core, tokens, WIDTH_1_3B.num_attention_heads, WIDTH_1_3B.attention_head_dim,
+            args.rounds,
         )
 
     log("\n== executed layer types (OpenVINO, after the runs) ==")
@@ -454,8 +552,8 @@ def run(args: argparse.Namespace, work: Path) -> int:
     # forward at each size. Per block = (2-block - 0-block) / 2 after compiling; activations =
     # peak - compiled of the 2-block model (they do not grow with depth: buffers are reused).
     log("\n== memory (OpenVINO bf16, fresh process each) ==")
-    probe = memory_probe(irs["bf16"], "bf16", token_counts)
-    probe0 = memory_probe(irs0["bf16"], "bf16", token_counts)
+    probe = memory_probe(irs["bf16"], "bf16", token_counts, attention)
+    probe0 = memory_probe(irs0["bf16"], "bf16", token_counts, attention)
     per_block_bytes = (probe["compiled"] - probe0["compiled"]) / 2
     params_per_block = sum(p.numel() for p in eager32.blocks[0].parameters())
     params_outside = sum(

@@ -74,9 +74,27 @@ def _extension_info() -> dict[str, Any]:
 
         path = library_path()
         add_extension(ov.Core())
-        return {"path": str(path), "loads": True}
+        return {"path": str(path), "loads": True, "attention": _attention_info()}
     except Exception as exc:  # doctor reports, never crashes
         return {"path": None, "loads": False, "error": str(exc)}
+
+
+def _attention_info() -> str:
+    """Which kernel bf16 models' attention runs on, under NUMAOV_ATTENTION."""
+    from numaov.custom_ops.flash_attention import (
+        amx_unavailable_reason,
+        attention_setting,
+        use_numaov_attention,
+    )
+
+    try:
+        setting = attention_setting()
+        if use_numaov_attention(setting):
+            return f"numaov flash attention on AMX (NUMAOV_ATTENTION={setting})"
+    except NumaovError as exc:
+        return f"error: {exc}"
+    why = "as set" if setting == "openvino" else amx_unavailable_reason()
+    return f"OpenVINO's own (NUMAOV_ATTENTION={setting}: {why})"
 
 
 def _shm_needed(world_size: int) -> int | None:
@@ -115,6 +133,8 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
     extension = _extension_info()
     if not extension["loads"]:
         warnings.append(f"the numaov extension does not load: {extension['error']}")
+    elif extension["attention"].startswith("error: "):
+        warnings.append(extension["attention"][len("error: "):])
     openvino_info = _openvino_info()
     if "error" in openvino_info:
         warnings.append(openvino_info["error"])
@@ -179,6 +199,8 @@ def format_report(report: dict) -> str:
     ext = report["extension"]
     lines.append(f"  numaov extension: {'loads' if ext['loads'] else 'FAILS'} "
                  f"({ext['path'] or ext.get('error')})")
+    if ext["loads"]:
+        lines.append(f"  bf16 attention: {ext['attention']}")
     shm = report["shm"]
     lines += ["", f"Shared memory: {shm['path']} {_mib(shm['free_bytes'])} free of "
               f"{_mib(shm['total_bytes'])}"

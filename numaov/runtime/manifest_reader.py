@@ -75,16 +75,23 @@ class ModelManifest:
         """Compile rank `rank`'s IR on the CPU with numaov's extension ops loaded.
 
         The export's precision decides the inference precision: an f32 export must say so,
-        or OpenVINO runs it in bf16 on CPUs with AVX512-BF16 / AMX.
+        or OpenVINO runs it in bf16 on CPUs with AVX512-BF16 / AMX. At bf16, plain attention
+        runs on numaov's AMX flash-attention kernel when ``NUMAOV_ATTENTION`` allows it (see
+        `numaov.custom_ops.flash_attention`); at f32 it stays OpenVINO's, since the kernel
+        rounds its operands to bf16.
         """
         import openvino as ov
 
         from numaov.custom_ops import add_extension
+        from numaov.custom_ops.flash_attention import swap_attention, use_numaov_attention
 
         core = ov.Core()
         add_extension(core)
         properties = {"INFERENCE_PRECISION_HINT": self.inference_precision, **(config or {})}
-        return core.compile_model(str(self.rank(rank).ir_xml), "CPU", properties)
+        model = core.read_model(str(self.rank(rank).ir_xml))
+        if str(properties["INFERENCE_PRECISION_HINT"]) == "bf16" and use_numaov_attention():
+            swap_attention(model)
+        return core.compile_model(model, "CPU", properties)
 
     def source_checkpoint_dir(self, other_backends: str) -> Path:
         """The checkpoint the model was exported from, for the PyTorch backend."""

@@ -1,5 +1,6 @@
-// The OpenVINO extension entry point: every numaov op is listed here, once
-// for IR (ov::OpExtension) and once for the ONNX frontend (domain mapping).
+// The OpenVINO extension entry point: every numaov op is listed here, for IR
+// (ov::OpExtension) and, for the ops the exporter writes, for the ONNX
+// frontend (domain mapping).
 //
 // ONNX attributes map onto the ops' visit_attributes() by name: the exporter
 // writes `group` (string) and `world_size` (int) and the ops visit exactly
@@ -8,6 +9,7 @@
 #include <openvino/core/op_extension.hpp>
 #include <openvino/frontend/onnx/extension/op.hpp>
 
+#include "attention_op.hpp"
 #include "collective_ops.hpp"
 
 // The ONNX domain the exporter writes the collectives in
@@ -23,6 +25,9 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<numaov::AllGatherIntoTensor>>(),
     // IR: the reduce-scatter of DP attention (each rank keeps its own rows).
     std::make_shared<ov::OpExtension<numaov::ReduceScatterTensor>>(),
+    // IR: flash attention on AMX, put in place of ScaledDotProductAttention by
+    // the runtime before compiling (never written by the exporter).
+    std::make_shared<ov::OpExtension<numaov::FlashAttention>>(),
     // ONNX: numaov.collective::AllReduce nodes written by the exporter become AllReduce.
     std::make_shared<ov::frontend::onnx::OpExtension<numaov::AllReduce>>(
         "AllReduce", NUMAOV_COLLECTIVE_DOMAIN),

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "communicator.hpp"
+#include "flash_attention.hpp"
 #include "reduce_kernels.hpp"
 #include "shm_communicator.hpp"
 #include "shm_segment.hpp"
@@ -164,4 +165,31 @@ PYBIND11_MODULE(_native, m) {
         Release(),
         "The collectives' sum kernel on local buffers (for tests and benchmarks): "
         "dst = sum of srcs in order, in fp32, rounded to the dtype.");
+
+    m.def("amx_unavailable_reason", &numaov::attention::amx_unavailable_reason,
+          "Why the flash-attention kernel cannot run here (\"\" when AMX is usable).");
+    m.def(
+        "flash_attention",
+        [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, const std::vector<uint64_t>& shape,
+           float scale, const std::vector<std::string>& layouts) {
+            namespace at = numaov::attention;
+            if (shape.size() != 5) throw std::invalid_argument("shape is (batch, heads, q_len, kv_len, head_dim)");
+            if (layouts.size() != 4) throw std::invalid_argument("layouts are those of q, k, v and out");
+            const at::Shape s{shape[0], shape[1], shape[2], shape[3], shape[4]};
+            auto strides = [&](size_t i, size_t length) {
+                if (layouts[i] != "bhsd" && layouts[i] != "bshd") {
+                    throw std::invalid_argument("layout '" + layouts[i] + "'; expected 'bhsd' or 'bshd'");
+                }
+                const auto layout = layouts[i] == "bshd" ? at::Layout::bshd : at::Layout::bhsd;
+                return at::strides_of(layout, s.heads, length, s.head_dim);
+            };
+            const at::Tensors tensors{address<const float>(q), address<const float>(k), address<const float>(v),
+                                      address<float>(out),     strides(0, s.q_len),    strides(1, s.kv_len),
+                                      strides(2, s.kv_len),    strides(3, s.q_len)};
+            py::gil_scoped_release release;
+            at::flash_attention_f32(tensors, s, scale);
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("shape"), py::arg("scale"),
+        py::arg("layouts"),
+        "The FlashAttention op's kernel on dense f32 buffers; layouts of q, k, v, out: 'bhsd' or 'bshd'.");
 }

@@ -1,0 +1,118 @@
+#include "attention_op.hpp"
+
+#include <sstream>
+#include <utility>
+
+#include "flash_attention.hpp"
+
+namespace numaov {
+
+namespace {
+
+const char* const kNames[] = {"q", "k", "v", "out"};
+
+bool is_bshd(const std::string& layout) { return layout == "bshd"; }
+
+// A [B, H, S, D] shape in the given layout, or back: swapping dims 1 and 2 is
+// its own inverse.
+template <class ShapeT>
+ShapeT as_layout(ShapeT shape, const std::string& layout) {
+    if (is_bshd(layout) && shape.rank().is_static()) std::swap(shape[1], shape[2]);
+    return shape;
+}
+
+ov::Shape as_layout(ov::Shape shape, const std::string& layout) {
+    if (is_bshd(layout)) std::swap(shape[1], shape[2]);
+    return shape;
+}
+
+}  // namespace
+
+FlashAttention::FlashAttention(const ov::Output<ov::Node>& q, const ov::Output<ov::Node>& k,
+                               const ov::Output<ov::Node>& v, float scale, std::array<std::string, 4> layouts)
+    : Op({q, k, v}),
+      m_scale(scale),
+      m_layouts(std::move(layouts)) {
+    constructor_validate_and_infer_types();
+}
+
+bool FlashAttention::visit_attributes(ov::AttributeVisitor& visitor) {
+    visitor.on_attribute("scale", m_scale);
+    visitor.on_attribute("q_layout", m_layouts[0]);
+    visitor.on_attribute("k_layout", m_layouts[1]);
+    visitor.on_attribute("v_layout", m_layouts[2]);
+    visitor.on_attribute("out_layout", m_layouts[3]);
+    return true;
+}
+
+void FlashAttention::validate_and_infer_types() {
+    NODE_VALIDATION_CHECK(this, get_input_size() == 3, "expected 3 inputs (q, k, v), got ", get_input_size());
+    NODE_VALIDATION_CHECK(this, m_scale > 0.0f, "attribute 'scale' is ", m_scale, "; expected a positive number");
+    for (size_t i = 0; i < 4; ++i) {
+        NODE_VALIDATION_CHECK(this, m_layouts[i] == "bhsd" || is_bshd(m_layouts[i]), "attribute '", kNames[i],
+                              "_layout' is '", m_layouts[i], "'; expected 'bhsd' or 'bshd'");
+    }
+    ov::PartialShape shapes[3];
+    for (size_t i = 0; i < 3; ++i) {
+        const auto& type = get_input_element_type(i);
+        NODE_VALIDATION_CHECK(this, type.is_dynamic() || type == ov::element::f32, "input ", kNames[i],
+                              " has element type ", type, "; expected f32");
+        const auto& rank = get_input_partial_shape(i).rank();
+        NODE_VALIDATION_CHECK(this, rank.is_dynamic() || rank.get_length() == 4, "input ", kNames[i], " has rank ",
+                              rank, "; expected 4");
+        shapes[i] = as_layout(get_input_partial_shape(i), m_layouts[i]);  // as [B, H, S, D]
+    }
+    const auto &q = shapes[0], &k = shapes[1], &v = shapes[2];
+    if (q.rank().is_static() && k.rank().is_static() && v.rank().is_static()) {
+        for (size_t d : {size_t(0), size_t(1), size_t(3)}) {
+            NODE_VALIDATION_CHECK(this, q[d].compatible(k[d]) && k[d].compatible(v[d]),
+                                  "q, k and v (as [B, H, S, D]) disagree in dim ", d, ": ", q, ", ", k, ", ", v);
+        }
+        NODE_VALIDATION_CHECK(this, k[2].compatible(v[2]), "k and v disagree in length: ", k, ", ", v);
+    }
+    set_output_type(0, ov::element::f32, as_layout(q, m_layouts[3]));
+}
+
+std::shared_ptr<ov::Node> FlashAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    OPENVINO_ASSERT(new_args.size() == 3, "FlashAttention takes 3 inputs, got ", new_args.size());
+    return std::make_shared<FlashAttention>(new_args[0], new_args[1], new_args[2], m_scale, m_layouts);
+}
+
+bool FlashAttention::has_evaluate() const {
+    return get_input_element_type(0) == ov::element::f32;
+}
+
+bool FlashAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    ov::Shape shapes[3];
+    for (size_t i = 0; i < 3; ++i) {
+        OPENVINO_ASSERT(inputs[i].get_shape().size() == 4 && inputs[i].is_continuous(), "FlashAttention '",
+                        get_friendly_name(), "': input ", kNames[i], " ", inputs[i].get_shape(),
+                        " is not a dense rank-4 tensor");
+        shapes[i] = as_layout(inputs[i].get_shape(), m_layouts[i]);
+    }
+    const auto &q = shapes[0], &k = shapes[1], &v = shapes[2];
+    if (k != v || q[0] != k[0] || q[1] != k[1] || q[3] != k[3]) {
+        std::ostringstream msg;
+        msg << "FlashAttention '" << get_friendly_name() << "': q " << q << ", k " << k << ", v " << v
+            << " (as [B, H, S, D]); expected q [B, H, Sq, D] and k, v [B, H, Sk, D]";
+        OPENVINO_THROW(msg.str());
+    }
+    outputs[0].set_shape(as_layout(q, m_layouts[3]));
+    const attention::Shape shape{q[0], q[1], q[2], k[2], q[3]};
+    auto strides = [&](size_t i, size_t length) {
+        return attention::strides_of(is_bshd(m_layouts[i]) ? attention::Layout::bshd : attention::Layout::bhsd,
+                                     shape.heads, length, shape.head_dim);
+    };
+    const attention::Tensors tensors{inputs[0].data<const float>(),
+                                     inputs[1].data<const float>(),
+                                     inputs[2].data<const float>(),
+                                     outputs[0].data<float>(),
+                                     strides(0, shape.q_len),
+                                     strides(1, shape.kv_len),
+                                     strides(2, shape.kv_len),
+                                     strides(3, shape.q_len)};
+    attention::flash_attention_f32(tensors, shape, m_scale);
+    return true;
+}
+
+}  // namespace numaov

@@ -1,0 +1,395 @@
+#include "flash_attention.hpp"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include <openvino/core/parallel.hpp>
+
+// Only the functions marked with this attribute use AMX / AVX-512 code; the rest
+// of the file (and every inline function it instantiates) stays baseline x86-64,
+// so loading the library on an older CPU is safe.
+#define NUMAOV_TARGET_AMX \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// GCC's tile intrinsics are asm statements that do not tell the compiler which
+// memory they read or write; this barrier keeps ordinary loads and stores of
+// the tile buffers on the right side of them.
+#define NUMAOV_MEMORY_BARRIER() asm volatile("" ::: "memory")
+
+namespace numaov::attention {
+
+namespace {
+
+constexpr size_t kBlockM = 32;   // query rows per work item: two 16-row tiles
+constexpr size_t kBlockN = 128;  // keys per online-softmax step
+constexpr size_t kGroupBlocks = 8;  // row blocks sharing one pass over the keys: 256 query rows
+constexpr size_t kTileK = 32;    // bf16 elements in a 64-byte tile row
+constexpr size_t kTileN = 16;    // fp32 columns of a result tile
+
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ARCH_REQ_XCOMP_PERM
+constexpr int kXfeatureXtiledata = 18;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+struct AmxState {
+    bool usable = false;
+    std::string reason;
+};
+
+const AmxState& amx_state() {
+    static const AmxState state = [] {
+        AmxState s;
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
+            s.reason = "the CPU does not report extended features (cpuid leaf 7)";
+            return s;
+        }
+        const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
+        const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1);
+        if (!amx_tile || !amx_bf16 || !avx512_bf16) {
+            s.reason = "the CPU has no AMX-BF16 tiles (Sapphire Rapids or later Xeon needed)";
+            return s;
+        }
+        // Linux hands out the 8 KiB tile state only to processes that ask.
+        if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+            s.reason = "the CPU has AMX but the kernel refused this process the tile state (Linux 5.16+ needed)";
+            return s;
+        }
+        s.usable = true;
+        return s;
+    }();
+    return state;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// All eight tiles are 16 rows of 64 bytes: tmm0-3 accumulate a 32x32 fp32 block,
+// tmm4-5 hold two 16-row A blocks, tmm6-7 two 16-column B blocks.
+constexpr TileConfig make_tile_config() {
+    TileConfig config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    return config;
+}
+
+// A constant in memory, not a local: GCC 12 drops stores to a local config
+// before ldtilecfg (it does not see the instruction read them).
+alignas(64) constexpr TileConfig kTileConfig = make_tile_config();
+
+NUMAOV_TARGET_AMX void load_tile_config() { _tile_loadconfig(&kTileConfig); }
+
+// f32 row of `n` values -> `padded` bf16 values (round to nearest even, zero tail).
+NUMAOV_TARGET_AMX void to_bf16_row(const float* src, size_t n, uint16_t* dst, size_t padded) {
+    for (size_t i = 0; i < padded; i += 16) {
+        const size_t left = i < n ? n - i : 0;
+        const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(mask, src + i);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+}
+
+// 2^x for x <= 0 (scores minus the running max); NaN stays NaN. The result is
+// rounded to bf16 for the P V product, so a degree-4 polynomial is enough.
+NUMAOV_TARGET_AMX inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);  // in [-0.5, 0.5]
+    // 2^f = e^(f ln 2): Taylor series to degree 4, relative error < 5e-5 on [-0.5, 0.5]
+    // (bf16 rounding of the probabilities is 4e-3).
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One (batch, head)'s keys and values in the bf16 pair layout the tile products read.
+struct PackedHead {
+    // The B operands, laid out so that every 16x16 tile of pairs is 1 KiB of
+    // contiguous memory (a strided tile would touch 16 pages and thrash L1):
+    // keys[n / 16][p][n % 16] = (K[n][2p], K[n][2p+1])   for Q K^T
+    const uint32_t* keys;
+    // values[d / 16][r][d % 16] = (V[2r][d], V[2r+1][d])  for P V
+    const uint32_t* values;
+};
+
+struct Geometry {
+    Shape shape;
+    size_t dim_padded;  // D rounded up to 32
+    size_t kv_padded;   // Sk rounded up to kBlockN
+    float log2_scale;   // scale * log2(e): scores go through exp2
+};
+
+NUMAOV_TARGET_AMX void pack_head(const float* k, size_t k_row, const float* v, size_t v_row, const Geometry& g,
+                                 uint32_t* keys, uint32_t* values, uint16_t* row_a, uint16_t* row_b) {
+    const size_t D = g.shape.head_dim, Dp = g.dim_padded, Sk = g.shape.kv_len, SkP = g.kv_padded;
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row_a);
+    for (size_t n = 0; n < SkP; ++n) {
+        if (n < Sk) {
+            to_bf16_row(k + n * k_row, D, row_a, Dp);
+        } else {
+            std::memset(row_a, 0, Dp * sizeof(uint16_t));
+        }
+        uint32_t* tile = keys + (n / kTileN) * (Dp / 2) * kTileN + n % kTileN;
+        for (size_t p = 0; p < Dp / 2; ++p) tile[p * kTileN] = pairs[p];
+    }
+    for (size_t r = 0; r < SkP / 2; ++r) {
+        const size_t n0 = 2 * r, n1 = 2 * r + 1;
+        to_bf16_row(v + n0 * v_row, n0 < Sk ? D : 0, row_a, Dp);
+        to_bf16_row(v + n1 * v_row, n1 < Sk ? D : 0, row_b, Dp);
+        for (size_t d = 0; d < Dp; d += kTileN) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_a + d)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_b + d)));
+            _mm512_storeu_si512(values + (d / kTileN) * (SkP / 2) * kTileN + r * kTileN,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+// One 32-row block of queries in flight: its bf16 queries, fp32 output rows,
+// and each row's running max (log2 domain) and running sum.
+struct RowBlock {
+    uint16_t* query;  // [32][Dp]
+    float* acc;       // [32][Dp]
+    float max[kBlockM];
+    // Per-row sums kept as 16 partial sums, reduced once at the end.
+    float sum[kBlockM][16];
+};
+
+// What one thread keeps: up to kGroupBlocks row blocks that share each pass
+// over the keys, and the scores / probabilities of the block being worked on.
+struct Scratch {
+    explicit Scratch(const Geometry& g)
+        : query(kGroupBlocks * kBlockM * g.dim_padded), acc(kGroupBlocks * kBlockM * g.dim_padded),
+          scores(kBlockM * kBlockN), probs(kBlockM * kBlockN), row_a(g.dim_padded), row_b(g.dim_padded),
+          blocks(kGroupBlocks) {
+        for (size_t b = 0; b < kGroupBlocks; ++b) {
+            blocks[b].query = query.data() + b * kBlockM * g.dim_padded;
+            blocks[b].acc = acc.data() + b * kBlockM * g.dim_padded;
+        }
+    }
+    std::vector<uint16_t> query;
+    std::vector<float> acc;
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;
+    std::vector<uint16_t> row_a, row_b;
+    std::vector<RowBlock> blocks;
+};
+
+// scores[32][kBlockN] = Q_block (32 x Dp) . K[n0 : n0 + kBlockN]^T
+NUMAOV_TARGET_AMX void block_scores(const Geometry& g, const PackedHead& head, size_t n0, const RowBlock& rb,
+                                    float* scores) {
+    const size_t Dp = g.dim_padded, tile_stride = (Dp / 2) * kTileN;
+    const uint16_t* q = rb.query;
+    for (size_t nc = 0; nc < kBlockN; nc += 2 * kTileN) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (size_t ks = 0; ks < Dp; ks += kTileK) {
+            const uint32_t* b = head.keys + ((n0 + nc) / kTileN) * tile_stride + (ks / 2) * kTileN;
+            _tile_loadd(4, q + ks, Dp * 2);
+            _tile_loadd(5, q + 16 * Dp + ks, Dp * 2);
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + tile_stride, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, scores + nc, kBlockN * 4);
+        _tile_stored(1, scores + nc + kTileN, kBlockN * 4);
+        _tile_stored(2, scores + 16 * kBlockN + nc, kBlockN * 4);
+        _tile_stored(3, scores + 16 * kBlockN + nc + kTileN, kBlockN * 4);
+    }
+    NUMAOV_MEMORY_BARRIER();
+}
+
+// Online softmax over this block's `valid` keys: updates each row's running
+// max and sum, rescales its output row, and writes the bf16 probabilities.
+NUMAOV_TARGET_AMX void block_softmax(const Geometry& g, size_t valid, const float* scores, RowBlock& rb,
+                                     uint16_t* probs) {
+    const size_t Dp = g.dim_padded;
+    const __m512 c = _mm512_set1_ps(g.log2_scale);
+    const __mmask16 tail = valid % 16 ? __mmask16((1u << (valid % 16)) - 1) : __mmask16(0xFFFF);
+    const size_t vectors = (valid + 15) / 16;
+    for (size_t r = 0; r < kBlockM; ++r) {
+        const float* row = scores + r * kBlockN;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (size_t j = 0; j < vectors; ++j) {
+            const __mmask16 m = j + 1 == vectors ? tail : __mmask16(0xFFFF);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_loadu_ps(row + 16 * j));
+        }
+        // scale > 0, so max(s) * scale = max(s * scale)
+        const float block_max = _mm512_reduce_max_ps(vmax) * g.log2_scale;
+        const float old_max = rb.max[r];
+        const float new_max = block_max > old_max ? block_max : old_max;
+        const __m512 shift = _mm512_set1_ps(new_max);
+        __m512 vsum = _mm512_loadu_ps(rb.sum[r]);
+        if (new_max != old_max) {
+            const float alpha = std::exp2(old_max - new_max);
+            const __m512 a = _mm512_set1_ps(alpha);
+            vsum = _mm512_mul_ps(vsum, a);
+            float* acc = rb.acc + r * Dp;
+            for (size_t d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(a, _mm512_loadu_ps(acc + d)));
+            rb.max[r] = new_max;
+        }
+        uint16_t* prob_row = probs + r * kBlockN;
+        for (size_t j = 0; j < kBlockN / 16; ++j) {
+            __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(row + 16 * j), c, shift));
+            if (j + 1 >= vectors) {
+                p = _mm512_maskz_mov_ps(j + 1 == vectors ? tail : __mmask16(0), p);
+            }
+            vsum = _mm512_add_ps(vsum, p);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(prob_row + 16 * j), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        _mm512_storeu_ps(rb.sum[r], vsum);
+    }
+    NUMAOV_MEMORY_BARRIER();
+}
+
+// acc[32][Dp] += probs (32 x kBlockN) . V[n0 : n0 + kBlockN]
+NUMAOV_TARGET_AMX void block_values(const Geometry& g, const PackedHead& head, size_t n0, const uint16_t* p,
+                                    RowBlock& rb) {
+    const size_t Dp = g.dim_padded, tile_stride = (g.kv_padded / 2) * kTileN;
+    float* acc = rb.acc;
+    for (size_t dc = 0; dc < Dp; dc += 2 * kTileN) {
+        _tile_loadd(0, acc + dc, Dp * 4);
+        _tile_loadd(1, acc + dc + kTileN, Dp * 4);
+        _tile_loadd(2, acc + 16 * Dp + dc, Dp * 4);
+        _tile_loadd(3, acc + 16 * Dp + dc + kTileN, Dp * 4);
+        for (size_t kn = 0; kn < kBlockN; kn += kTileK) {
+            const uint32_t* b = head.values + (dc / kTileN) * tile_stride + ((n0 + kn) / 2) * kTileN;
+            _tile_loadd(4, p + kn, kBlockN * 2);
+            _tile_loadd(5, p + 16 * kBlockN + kn, kBlockN * 2);
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + tile_stride, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, acc + dc, Dp * 4);
+        _tile_stored(1, acc + dc + kTileN, Dp * 4);
+        _tile_stored(2, acc + 16 * Dp + dc, Dp * 4);
+        _tile_stored(3, acc + 16 * Dp + dc + kTileN, Dp * 4);
+    }
+    NUMAOV_MEMORY_BARRIER();
+}
+
+// Output rows q0 .. q0 + 32 * kGroupBlocks - 1 (fewer at the end) of one
+// (batch, head). Every block of keys is used by all the row blocks before the
+// next is read, so a head's keys and values stream from memory once per group
+// rather than once per 32 rows (a 5,120-token head's are 2.6 MiB, over L2).
+NUMAOV_TARGET_AMX void attend_group(const Geometry& g, const PackedHead& head, const float* q, size_t q_row,
+                                    float* out, size_t out_row, size_t q0, Scratch& s) {
+    const size_t D = g.shape.head_dim, Dp = g.dim_padded, Sk = g.shape.kv_len;
+    const size_t rows = std::min(kGroupBlocks * kBlockM, g.shape.q_len - q0);
+    const size_t blocks = (rows + kBlockM - 1) / kBlockM;
+    for (size_t b = 0; b < blocks; ++b) {
+        RowBlock& rb = s.blocks[b];
+        for (size_t r = 0; r < kBlockM; ++r) {
+            const size_t row = b * kBlockM + r;
+            to_bf16_row(q + (q0 + row) * q_row, row < rows ? D : 0, rb.query + r * Dp, Dp);
+            rb.max[r] = -INFINITY;
+            std::fill(rb.sum[r], rb.sum[r] + 16, 0.0f);
+        }
+        std::fill(rb.acc, rb.acc + kBlockM * Dp, 0.0f);
+    }
+    NUMAOV_MEMORY_BARRIER();
+    for (size_t n0 = 0; n0 < Sk; n0 += kBlockN) {
+        const size_t valid = std::min(kBlockN, Sk - n0);
+        for (size_t b = 0; b < blocks; ++b) {
+            block_scores(g, head, n0, s.blocks[b], s.scores.data());
+            block_softmax(g, valid, s.scores.data(), s.blocks[b], s.probs.data());
+            block_values(g, head, n0, s.probs.data(), s.blocks[b]);
+        }
+    }
+    for (size_t row = 0; row < rows; ++row) {
+        const RowBlock& rb = s.blocks[row / kBlockM];
+        const float* acc = rb.acc + (row % kBlockM) * Dp;
+        float* dst = out + (q0 + row) * out_row;
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(rb.sum[row % kBlockM])));
+        for (size_t d = 0; d < D; d += 16) {
+            const __mmask16 m = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+            _mm512_mask_storeu_ps(dst + d, m, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + d)));
+        }
+    }
+}
+
+NUMAOV_TARGET_AMX void release_tiles() { _tile_release(); }
+
+}  // namespace
+
+bool amx_usable() { return amx_state().usable; }
+
+std::string amx_unavailable_reason() { return amx_state().reason; }
+
+Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim) {
+    if (layout == Layout::bshd) return {length * heads * head_dim, head_dim, heads * head_dim};
+    return {heads * length * head_dim, length * head_dim, head_dim};
+}
+
+void flash_attention_f32(const Tensors& t, const Shape& shape, float scale) {
+    if (!amx_usable()) throw std::runtime_error("numaov flash attention needs AMX: " + amx_unavailable_reason());
+    if (shape.q_len == 0 || shape.kv_len == 0 || shape.head_dim == 0) {
+        throw std::runtime_error("numaov flash attention: query length, key length and head size must be >= 1");
+    }
+    Geometry g{shape, round_up(shape.head_dim, kTileK), round_up(shape.kv_len, kBlockN),
+               float(scale * 1.4426950408889634)};
+    const size_t heads = shape.batch * shape.heads;
+    // Offset of (batch, head) number h = b * H + h' in a tensor with strides `s`.
+    auto offset = [&](const Strides& s, size_t h) { return (h / shape.heads) * s.batch + (h % shape.heads) * s.head; };
+    // uint32 bf16 pairs per head, for the keys and for the values
+    const size_t packed = g.kv_padded * g.dim_padded / 2;
+    std::vector<uint32_t> keys(heads * packed), values(heads * packed);
+
+    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
+        size_t begin = 0, end = 0;
+        ov::splitter(heads, nthr, ithr, begin, end);
+        std::vector<uint16_t> row_a(g.dim_padded), row_b(g.dim_padded);
+        for (size_t h = begin; h < end; ++h) {
+            pack_head(t.k + offset(t.k_strides, h), t.k_strides.row, t.v + offset(t.v_strides, h), t.v_strides.row, g,
+                      keys.data() + h * packed, values.data() + h * packed, row_a.data(), row_b.data());
+        }
+    });
+
+    const size_t group_rows = kGroupBlocks * kBlockM;
+    const size_t groups = (shape.q_len + group_rows - 1) / group_rows;
+    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
+        size_t begin = 0, end = 0;
+        ov::splitter(heads * groups, nthr, ithr, begin, end);
+        if (begin >= end) return;
+        Scratch scratch(g);
+        load_tile_config();
+        for (size_t item = begin; item < end; ++item) {
+            const size_t h = item / groups, q0 = (item % groups) * group_rows;
+            const PackedHead head{keys.data() + h * packed, values.data() + h * packed};
+            attend_group(g, head, t.q + offset(t.q_strides, h), t.q_strides.row, t.out + offset(t.out_strides, h),
+                         t.out_strides.row, q0, scratch);
+        }
+        release_tiles();
+    });
+}
+
+}  // namespace numaov::attention

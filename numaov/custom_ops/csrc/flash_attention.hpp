@@ -1,0 +1,62 @@
+// Flash attention on AMX tiles: softmax(Q K^T * scale) V without materialising
+// the [Sq, Sk] score matrix, for the long self-attention of video DiTs.
+//
+// Why our own kernel: OpenVINO 2026.4 runs a non-causal ScaledDotProductAttention
+// outside stateful LLM graphs as its generic MHA snippet, about 2x slower on
+// AMX than PyTorch's CPU flash attention at 5,120 tokens (benchmarks/RESULTS.md).
+// This kernel keeps a 32-row block of queries in tiles, streams 128 keys at a
+// time through an online (running max / running sum) softmax, and accumulates
+// P V back into the same fp32 rows.
+//
+// Numerics: Q, K, V and the probabilities are rounded to bf16 for the tile
+// products (as OpenVINO's bf16 inference precision and PyTorch's bf16 SDPA do);
+// scores, the softmax and the output accumulate in fp32.
+//
+// AMX (Sapphire Rapids and later) is required: the tile products are what make
+// it fast, and without them OpenVINO's own attention is the better choice, so
+// callers check amx_usable() first and keep OpenVINO's op otherwise.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace numaov::attention {
+
+// True when the CPU has AMX-BF16 and AMX-TILE and the kernel granted this
+// process the tile state (requested here once, via arch_prctl).
+bool amx_usable();
+
+// Why amx_usable() is false ("" when it is true), for error messages and doctor.
+std::string amx_unavailable_reason();
+
+struct Shape {
+    size_t batch, heads, q_len, kv_len, head_dim;
+};
+
+// Where element (b, h, s, d) of a tensor lives, in elements: b * batch + h * head
+// + s * row + d. Rows are dense along d. Attention reads [B, H, S, D] ("bhsd"),
+// but a DiT holds its heads as [B, S, H, D] ("bshd") around the attention; reading
+// that directly saves two transposes on the way in and one on the way out.
+struct Strides {
+    size_t batch, head, row;
+};
+
+enum class Layout { bhsd, bshd };
+
+Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim);
+
+struct Tensors {
+    const float* q;
+    const float* k;
+    const float* v;
+    float* out;
+    Strides q_strides, k_strides, v_strides, out_strides;
+};
+
+// q and out hold Sq rows per (batch, head), k and v Sk rows, each of D f32.
+// Any Sq, Sk >= 1 and D >= 1 (D is zero-padded to a multiple of 32 inside).
+// Runs on the calling thread's OpenVINO/TBB arena. Throws std::runtime_error
+// when AMX is not usable or a length is zero.
+void flash_attention_f32(const Tensors& tensors, const Shape& shape, float scale);
+
+}  // namespace numaov::attention

@@ -1,0 +1,250 @@
+"""numaov's AMX flash attention, swapped in for OpenVINO's own attention at compile time.
+
+OpenVINO 2026.4 runs a non-causal ``ScaledDotProductAttention`` outside stateful LLM graphs
+as its generic MHA snippet, about 2x slower than PyTorch's CPU flash attention at 5,120
+video tokens. numaov's ``FlashAttention`` extension op (``csrc/flash_attention.cpp``) runs
+it on AMX tiles with an online softmax instead.
+
+The exporter never writes the op: an IR stays plain OpenVINO and runs anywhere. The runtime
+calls `swap_attention` on the model it is about to compile, which replaces each plain
+attention node (non-causal, no mask, f32, rank 4) with the extension op when the setting
+says so:
+
+``NUMAOV_ATTENTION``
+    ``auto`` (default): numaov's kernel when the CPU has usable AMX, OpenVINO's otherwise;
+    ``numaov``: numaov's kernel, and an error naming the reason when AMX is not usable;
+    ``openvino``: always OpenVINO's own attention.
+
+What AMX changes: the tile products of Q K^T and P V are what make the kernel fast; on
+AVX512-BF16 alone, OpenVINO's attention is the better choice, so ``auto`` keeps it there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from numaov import NumaovError
+from numaov.custom_ops.native import library_path, native_module
+
+ATTENTION_ENV = "NUMAOV_ATTENTION"
+ATTENTION_SETTINGS = ("auto", "numaov", "openvino")
+
+
+class AttentionSettingError(NumaovError):
+    """NUMAOV_ATTENTION is not a known setting, or asks for a kernel this CPU cannot run."""
+
+
+def amx_unavailable_reason() -> str:
+    """Why numaov's kernel cannot run here; ``""`` when the CPU and kernel allow AMX."""
+    return native_module().amx_unavailable_reason()
+
+
+def attention_setting(setting: str | None = None) -> str:
+    """``setting`` or ``NUMAOV_ATTENTION`` (default ``auto``), checked."""
+    value = (setting if setting is not None else os.environ.get(ATTENTION_ENV, "auto")).strip()
+    if value not in ATTENTION_SETTINGS:
+        raise AttentionSettingError(
+            f"{ATTENTION_ENV}={value!r} is not a known setting; expected one of "
+            f"{', '.join(ATTENTION_SETTINGS)}"
+        )
+    return value
+
+
+def use_numaov_attention(setting: str | None = None) -> bool:
+    """Whether models are compiled with numaov's attention kernel under ``setting``."""
+    value = attention_setting(setting)
+    if value == "openvino":
+        return False
+    reason = amx_unavailable_reason()
+    if value == "numaov" and reason:
+        raise AttentionSettingError(
+            f"{ATTENTION_ENV}=numaov asks for numaov's flash attention, which needs AMX: "
+            f"{reason}; expected {ATTENTION_ENV}=auto or openvino on this CPU"
+        )
+    return not reason
+
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+def _as_bhsd(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    return (shape[0], shape[2], shape[1], shape[3]) if layout == "bshd" else shape
+
+
+def flash_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float | None = None,
+    layouts: tuple[str, str, str, str] = ("bhsd", "bhsd", "bhsd", "bhsd"),
+) -> np.ndarray:
+    """The extension op's kernel on numpy arrays: softmax(q k^T * scale) v.
+
+    ``layouts`` are those of q, k, v and the result: ``"bhsd"`` is [B, H, S, D], ``"bshd"``
+    [B, S, H, D]. ``scale`` defaults to 1/sqrt(D), as in
+    ``torch.nn.functional.scaled_dot_product_attention``. For tests and benchmarks; models
+    reach the kernel through `swap_attention`.
+    """
+    if len(layouts) != 4 or any(layout not in LAYOUTS for layout in layouts):
+        raise ValueError(f"layouts {layouts!r}; expected four of {', '.join(LAYOUTS)}")
+    q, k, v = (np.ascontiguousarray(x, dtype=np.float32) for x in (q, k, v))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; expected rank-4 tensors")
+    bq, bk, bv = (_as_bhsd(x.shape, layout) for x, layout in zip((q, k, v), layouts[:3], strict=True))
+    if bk != bv or bq[:2] + bq[3:] != bk[:2] + bk[3:]:
+        raise ValueError(
+            f"q {q.shape}, k {k.shape}, v {v.shape} in layouts {layouts[:3]}; expected "
+            "q [B, H, Sq, D] and k, v [B, H, Sk, D]"
+        )
+    if 0 in bq or 0 in bk:
+        raise ValueError(f"q {q.shape}, k {k.shape}: every dimension must be at least 1")
+    out = np.empty(_as_bhsd(bq, layouts[3]), dtype=np.float32)
+    batch, heads, q_len, head_dim = bq
+    native_module().flash_attention(
+        q.ctypes.data,
+        k.ctypes.data,
+        v.ctypes.data,
+        out.ctypes.data,
+        [batch, heads, q_len, bk[2], head_dim],
+        float(head_dim**-0.5 if scale is None else scale),
+        list(layouts),
+    )
+    return out
+
+
+@functools.cache
+def _node_factory() -> Any:
+    from openvino.utils.node_factory import NodeFactory
+
+    factory = NodeFactory()
+    factory.add_extension(str(library_path()))
+    return factory
+
+
+def _constant_values(output: Any) -> np.ndarray | None:
+    node = output.get_node()
+    return node.get_data() if node.get_type_name() == "Constant" else None
+
+
+def _plain_attention_scale(node: Any) -> float | None:
+    """The scale of a ScaledDotProductAttention the kernel computes exactly, or None.
+
+    Plain means: not causal, no mask (or an all-zero constant one), f32 q/k/v of rank 4 with
+    a static head size, and a constant scale (or none: 1/sqrt(D)).
+    """
+    if node.get_type_name() != "ScaledDotProductAttention":
+        return None
+    if node.get_attributes().get("causal", False):
+        return None
+    inputs = [node.input_value(i) for i in range(node.get_input_size())]
+    for value in inputs[:3]:
+        shape = value.get_partial_shape()
+        if value.get_element_type().get_type_name() != "f32" or shape.rank.get_length() != 4:
+            return None
+    head_dim = inputs[0].get_partial_shape()[3]
+    if not head_dim.is_static:
+        return None
+    if len(inputs) > 3:
+        mask = _constant_values(inputs[3])
+        if mask is None or np.any(mask):
+            return None
+    if len(inputs) > 4:
+        scale = _constant_values(inputs[4])
+        if scale is None or scale.size != 1 or not float(scale.reshape(())) > 0:
+            return None
+        return float(scale.reshape(()))
+    return head_dim.get_length() ** -0.5
+
+
+# A Transpose between [B, S, H, D] and [B, H, S, D] (the same permutation both ways).
+_HEADS_TO_FRONT = [0, 2, 1, 3]
+
+
+def _is_head_transpose(node: Any) -> bool:
+    if node.get_type_name() != "Transpose":
+        return False
+    order = _constant_values(node.input_value(1))
+    return order is not None and order.tolist() == _HEADS_TO_FRONT
+
+
+def _scalar_factor(output: Any) -> tuple[Any, float] | None:
+    """``output`` = x * c with a positive scalar constant c: (x, c); else None."""
+    node = output.get_node()
+    if node.get_type_name() != "Multiply":
+        return None
+    for constant, other in ((1, 0), (0, 1)):
+        values = _constant_values(node.input_value(constant))
+        x = node.input_value(other)
+        if (
+            values is not None
+            and values.size == 1
+            and float(values.reshape(())) > 0
+            and x.get_partial_shape() == output.get_partial_shape()
+        ):
+            return x, float(values.reshape(()))
+    return None
+
+
+def _source(output: Any) -> tuple[Any, str, float]:
+    """Where the kernel can read an attention input from: (tensor, layout, factor).
+
+    A positive scalar factor on the input moves into the scale, and a transpose from
+    [B, S, H, D] is read through (layout "bshd"), so neither runs as its own node.
+    """
+    factor = 1.0
+    scaled = _scalar_factor(output)
+    if scaled is not None:
+        output, factor = scaled
+    node = output.get_node()
+    if _is_head_transpose(node):
+        return node.input_value(0), "bshd", factor
+    return output, "bhsd", factor
+
+
+def swap_attention(model: Any) -> int:
+    """Replace each plain attention node of ``model`` with numaov's FlashAttention.
+
+    Returns how many were replaced. The op reads q, k and v through the [B, S, H, D] -> [B, H,
+    S, D] transposes and scalar factors that feed them, and writes [B, S, H, D] when all the
+    attention's users transpose back to it. The model then needs numaov's extension loaded in
+    the Core that compiles it (`numaov.custom_ops.add_extension`).
+    """
+    swapped = 0
+    for node in model.get_ordered_ops():
+        scale = _plain_attention_scale(node)
+        if scale is None:
+            continue
+        inputs, layouts = [], []
+        for index in range(3):
+            tensor, layout, factor = _source(node.input_value(index))
+            if index < 2:  # factors on q and k scale the scores; one on v does not
+                scale *= factor
+            elif factor != 1.0:
+                tensor, layout = node.input_value(index), "bhsd"
+            inputs.append(tensor)
+            layouts.append(layout)
+        users = [target.get_node() for target in node.output(0).get_target_inputs()]
+        out_bshd = bool(users) and all(_is_head_transpose(user) for user in users)
+        layouts.append("bshd" if out_bshd else "bhsd")
+        flash = _node_factory().create(
+            "FlashAttention",
+            inputs,
+            {
+                "scale": scale,
+                "q_layout": layouts[0],
+                "k_layout": layouts[1],
+                "v_layout": layouts[2],
+                "out_layout": layouts[3],
+            },
+        )
+        flash.set_friendly_name(node.get_friendly_name())
+        for replaced in users if out_bshd else [node]:
+            replaced.output(0).replace(flash.output(0))
+        swapped += 1
+    if swapped:
+        model.validate_nodes_and_infer_types()
+    return swapped
