@@ -99,6 +99,19 @@ def test_kernel_reads_and_writes_heads_second_layout() -> None:
 
 
 @needs_amx
+def test_kernel_bf16_tensors_in_and_out() -> None:
+    # The op's bf16 form (inside a bf16 model) computes exactly what the f32 form computes on
+    # the same bf16 values, rounded to bf16 once at the end.
+    q, k, v = (torch.from_numpy(x).to(torch.bfloat16) for x in _qkv((1, 3, 70, 48), 90))
+    got = flash_attention(q, k, v)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 3, 70, 48)
+    f32 = flash_attention(*(x.float().numpy() for x in (q, k, v)))
+    assert torch.equal(got, torch.from_numpy(f32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="expected k and v to be ones too"):
+        flash_attention(q, k.float().numpy(), v)
+
+
+@needs_amx
 def test_kernel_rejects_bad_shapes() -> None:
     q, k, v = _qkv((1, 2, 4, 32), 8)
     with pytest.raises(ValueError, match=r"expected q \[B, H, Sq, D\] and k, v \[B, H, Sk, D\]"):
@@ -168,8 +181,9 @@ def test_swap_reads_through_head_transposes_and_scalar_factors() -> None:
     back = ops.transpose(attention, order)
     model = ov.Model([back], params)
     assert swap_attention(model) == 1
-    assert [op.get_type_name() for op in model.get_ordered_ops()
-            if op.get_type_name() in ("Transpose", "Multiply")] == []
+    kinds = [op.get_type_name() for op in model.get_ordered_ops()]
+    assert "Transpose" not in kinds and "Multiply" not in kinds
+    assert kinds.count("Convert") == 4  # bf16 in, bf16 out: OpenVINO's bf16 tensors as they are
 
     core = ov.Core()
     add_extension(core)
@@ -183,7 +197,7 @@ def test_swap_reads_through_head_transposes_and_scalar_factors() -> None:
     attention = ops.scaled_dot_product_attention(
         *(ops.transpose(p, order) for p in params), causal=False)
     model = ov.Model([ops.transpose(attention, order), ops.relu(attention)], params)
-    assert swap_attention(model) == 1
+    assert swap_attention(model, "f32") == 1  # f32: the kernel's own f32 result, exactly
     kinds = [op.get_type_name() for op in model.get_ordered_ops()]
     assert kinds.count("Transpose") == 1  # the output's; the inputs' three are read through
     got = core.compile_model(model, "CPU").create_infer_request().infer(bshd)

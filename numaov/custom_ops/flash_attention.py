@@ -76,44 +76,63 @@ def _as_bhsd(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
 
 
 def flash_attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
+    q: Any,
+    k: Any,
+    v: Any,
     scale: float | None = None,
     layouts: tuple[str, str, str, str] = ("bhsd", "bhsd", "bhsd", "bhsd"),
-) -> np.ndarray:
-    """The extension op's kernel on numpy arrays: softmax(q k^T * scale) v.
+) -> Any:
+    """The extension op's kernel: softmax(q k^T * scale) v.
 
-    ``layouts`` are those of q, k, v and the result: ``"bhsd"`` is [B, H, S, D], ``"bshd"``
-    [B, S, H, D]. ``scale`` defaults to 1/sqrt(D), as in
-    ``torch.nn.functional.scaled_dot_product_attention``. For tests and benchmarks; models
-    reach the kernel through `swap_attention`.
+    q, k and v are float32 numpy arrays (the result is one too) or torch bfloat16 tensors (the
+    result is one too: the op's bf16 form, as it runs inside a bf16 model). ``layouts`` are
+    those of q, k, v and the result: ``"bhsd"`` is [B, H, S, D], ``"bshd"`` [B, S, H, D].
+    ``scale`` defaults to 1/sqrt(D), as in ``torch.nn.functional.scaled_dot_product_attention``.
+    For tests and benchmarks; models reach the kernel through `swap_attention`.
     """
     if len(layouts) != 4 or any(layout not in LAYOUTS for layout in layouts):
         raise ValueError(f"layouts {layouts!r}; expected four of {', '.join(LAYOUTS)}")
-    q, k, v = (np.ascontiguousarray(x, dtype=np.float32) for x in (q, k, v))
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}; expected rank-4 tensors")
-    bq, bk, bv = (_as_bhsd(x.shape, layout) for x, layout in zip((q, k, v), layouts[:3], strict=True))
+    bf16 = _is_bf16_tensor(q)
+    if bf16:
+        import torch
+
+        if not all(_is_bf16_tensor(x) for x in (k, v)):
+            raise ValueError("q is a torch bfloat16 tensor; expected k and v to be ones too")
+        q, k, v = (x.contiguous() for x in (q, k, v))
+    else:
+        q, k, v = (np.ascontiguousarray(x, dtype=np.float32) for x in (q, k, v))
+    shapes = [tuple(x.shape) for x in (q, k, v)]
+    if any(len(shape) != 4 for shape in shapes):
+        raise ValueError(f"q {shapes[0]}, k {shapes[1]}, v {shapes[2]}; expected rank-4 tensors")
+    bq, bk, bv = (_as_bhsd(shape, layout) for shape, layout in zip(shapes, layouts[:3], strict=True))
     if bk != bv or bq[:2] + bq[3:] != bk[:2] + bk[3:]:
         raise ValueError(
-            f"q {q.shape}, k {k.shape}, v {v.shape} in layouts {layouts[:3]}; expected "
+            f"q {shapes[0]}, k {shapes[1]}, v {shapes[2]} in layouts {layouts[:3]}; expected "
             "q [B, H, Sq, D] and k, v [B, H, Sk, D]"
         )
     if 0 in bq or 0 in bk:
-        raise ValueError(f"q {q.shape}, k {k.shape}: every dimension must be at least 1")
-    out = np.empty(_as_bhsd(bq, layouts[3]), dtype=np.float32)
+        raise ValueError(f"q {shapes[0]}, k {shapes[1]}: every dimension must be at least 1")
+    out_shape = _as_bhsd(bq, layouts[3])
+    if bf16:
+        out = torch.empty(out_shape, dtype=torch.bfloat16)
+        addresses = [x.data_ptr() for x in (q, k, v, out)]
+    else:
+        out = np.empty(out_shape, dtype=np.float32)
+        addresses = [x.ctypes.data for x in (q, k, v, out)]
     batch, heads, q_len, head_dim = bq
     native_module().flash_attention(
-        q.ctypes.data,
-        k.ctypes.data,
-        v.ctypes.data,
-        out.ctypes.data,
+        *addresses,
         [batch, heads, q_len, bk[2], head_dim],
         float(head_dim**-0.5 if scale is None else scale),
         list(layouts),
+        bf16,
     )
     return out
+
+
+def _is_bf16_tensor(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return str(dtype) == "torch.bfloat16"
 
 
 @functools.cache
@@ -205,14 +224,21 @@ def _source(output: Any) -> tuple[Any, str, float]:
     return output, "bhsd", factor
 
 
-def swap_attention(model: Any) -> int:
+def swap_attention(model: Any, element_type: str = "bf16") -> int:
     """Replace each plain attention node of ``model`` with numaov's FlashAttention.
 
     Returns how many were replaced. The op reads q, k and v through the [B, S, H, D] -> [B, H,
     S, D] transposes and scalar factors that feed them, and writes [B, S, H, D] when all the
-    attention's users transpose back to it. The model then needs numaov's extension loaded in
-    the Core that compiles it (`numaov.custom_ops.add_extension`).
+    attention's users transpose back to it. With ``element_type="bf16"`` (for models compiled
+    at bf16, where activations are bf16 anyway) the op is typed bf16 between Converts, so
+    OpenVINO hands it its bf16 tensors as they are instead of converting them to f32 and back;
+    ``"f32"`` keeps it f32. The model then needs numaov's extension loaded in the Core that
+    compiles it (`numaov.custom_ops.add_extension`).
     """
+    import openvino.opset13 as ops
+
+    if element_type not in ("bf16", "f32"):
+        raise ValueError(f"element_type {element_type!r}; expected 'bf16' or 'f32'")
     swapped = 0
     for node in model.get_ordered_ops():
         scale = _plain_attention_scale(node)
@@ -230,6 +256,8 @@ def swap_attention(model: Any) -> int:
         users = [target.get_node() for target in node.output(0).get_target_inputs()]
         out_bshd = bool(users) and all(_is_head_transpose(user) for user in users)
         layouts.append("bshd" if out_bshd else "bhsd")
+        if element_type == "bf16":
+            inputs = [ops.convert(x, "bf16").output(0) for x in inputs]
         flash = _node_factory().create(
             "FlashAttention",
             inputs,
@@ -242,8 +270,11 @@ def swap_attention(model: Any) -> int:
             },
         )
         flash.set_friendly_name(node.get_friendly_name())
+        result = flash.output(0)
+        if element_type == "bf16":
+            result = ops.convert(result, "f32").output(0)
         for replaced in users if out_bshd else [node]:
-            replaced.output(0).replace(flash.output(0))
+            replaced.output(0).replace(result)
         swapped += 1
     if swapped:
         model.validate_nodes_and_infer_types()

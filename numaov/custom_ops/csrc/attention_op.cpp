@@ -53,10 +53,15 @@ void FlashAttention::validate_and_infer_types() {
                               "_layout' is '", m_layouts[i], "'; expected 'bhsd' or 'bshd'");
     }
     ov::PartialShape shapes[3];
+    auto element_type = get_input_element_type(0);
     for (size_t i = 0; i < 3; ++i) {
         const auto& type = get_input_element_type(i);
-        NODE_VALIDATION_CHECK(this, type.is_dynamic() || type == ov::element::f32, "input ", kNames[i],
-                              " has element type ", type, "; expected f32");
+        NODE_VALIDATION_CHECK(this,
+                              type.is_dynamic() || type == ov::element::f32 || type == ov::element::bf16,
+                              "input ", kNames[i], " has element type ", type, "; expected f32 or bf16");
+        NODE_VALIDATION_CHECK(this, ov::element::Type::merge(element_type, element_type, type), "input ",
+                              kNames[i], " has element type ", type, " but q has ", get_input_element_type(0),
+                              "; expected one element type for q, k and v");
         const auto& rank = get_input_partial_shape(i).rank();
         NODE_VALIDATION_CHECK(this, rank.is_dynamic() || rank.get_length() == 4, "input ", kNames[i], " has rank ",
                               rank, "; expected 4");
@@ -70,7 +75,7 @@ void FlashAttention::validate_and_infer_types() {
         }
         NODE_VALIDATION_CHECK(this, k[2].compatible(v[2]), "k and v disagree in length: ", k, ", ", v);
     }
-    set_output_type(0, ov::element::f32, as_layout(q, m_layouts[3]));
+    set_output_type(0, element_type, as_layout(q, m_layouts[3]));
 }
 
 std::shared_ptr<ov::Node> FlashAttention::clone_with_new_inputs(const ov::OutputVector& new_args) const {
@@ -79,7 +84,8 @@ std::shared_ptr<ov::Node> FlashAttention::clone_with_new_inputs(const ov::Output
 }
 
 bool FlashAttention::has_evaluate() const {
-    return get_input_element_type(0) == ov::element::f32;
+    const auto& type = get_input_element_type(0);
+    return type == ov::element::f32 || type == ov::element::bf16;
 }
 
 bool FlashAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
@@ -103,15 +109,23 @@ bool FlashAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
         return attention::strides_of(is_bshd(m_layouts[i]) ? attention::Layout::bshd : attention::Layout::bhsd,
                                      shape.heads, length, shape.head_dim);
     };
-    const attention::Tensors tensors{inputs[0].data<const float>(),
-                                     inputs[1].data<const float>(),
-                                     inputs[2].data<const float>(),
-                                     outputs[0].data<float>(),
+    const auto type = inputs[0].get_element_type();
+    for (const auto& t : {inputs[1], inputs[2], outputs[0]}) {
+        OPENVINO_ASSERT(t.get_element_type() == type, "FlashAttention '", get_friendly_name(),
+                        "': q, k, v and the output must share one element type");
+    }
+    OPENVINO_ASSERT(type == ov::element::f32 || type == ov::element::bf16, "FlashAttention '",
+                    get_friendly_name(), "': element type ", type, "; expected f32 or bf16");
+    const attention::Tensors tensors{inputs[0].data(),
+                                     inputs[1].data(),
+                                     inputs[2].data(),
+                                     outputs[0].data(),
                                      strides(0, shape.q_len),
                                      strides(1, shape.kv_len),
                                      strides(2, shape.kv_len),
-                                     strides(3, shape.q_len)};
-    attention::flash_attention_f32(tensors, shape, m_scale);
+                                     strides(3, shape.q_len),
+                                     type == ov::element::bf16};
+    attention::flash_attention(tensors, shape, m_scale);
     return true;
 }
 

@@ -5,11 +5,12 @@
 // The runtime swaps OpenVINO's ScaledDotProductAttention for this op before
 // compiling when the CPU has AMX (numaov/custom_ops/flash_attention.py).
 //
-// Inputs q, k, v and the output are f32, each in its own layout (attributes
-// q_layout, k_layout, v_layout, out_layout): "bhsd" is [batch, heads, length,
-// head_dim], "bshd" is [batch, length, heads, head_dim]. The swap uses "bshd"
-// where the model transposes to and from it around the attention, so those
-// transposes go away. Attribute `scale`: the factor applied to Q K^T.
+// Inputs q, k, v and the output share one element type, f32 or bf16, and each
+// has its own layout (attributes q_layout, k_layout, v_layout, out_layout):
+// "bhsd" is [batch, heads, length, head_dim], "bshd" is [batch, length, heads,
+// head_dim]. The swap uses "bshd" where the model transposes to and from it
+// around the attention, so those transposes go away. Attribute `scale`: the
+// factor applied to Q K^T.
 #pragma once
 
 #include <array>

@@ -107,6 +107,19 @@ NUMAOV_TARGET_AMX void to_bf16_row(const float* src, size_t n, uint16_t* dst, si
     }
 }
 
+// `padded` bf16 values from row `offset` (in elements) of an f32 or bf16 tensor:
+// the first n read, the rest zero.
+NUMAOV_TARGET_AMX void read_row(const void* base, bool bf16, size_t offset, size_t n, uint16_t* dst,
+                                size_t padded) {
+    if (!bf16) return to_bf16_row(static_cast<const float*>(base) + offset, n, dst, padded);
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    for (size_t i = 0; i < padded; i += 16) {
+        const size_t left = i < n ? n - i : 0;
+        const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_maskz_loadu_epi16(mask, src + i));
+    }
+}
+
 // 2^x for x <= 0 (scores minus the running max); NaN stays NaN. The result is
 // rounded to bf16 for the P V product, so a degree-4 polynomial is enough.
 NUMAOV_TARGET_AMX inline __m512 exp2_ps(__m512 x) {
@@ -140,13 +153,15 @@ struct Geometry {
     float log2_scale;   // scale * log2(e): scores go through exp2
 };
 
-NUMAOV_TARGET_AMX void pack_head(const float* k, size_t k_row, const float* v, size_t v_row, const Geometry& g,
-                                 uint32_t* keys, uint32_t* values, uint16_t* row_a, uint16_t* row_b) {
+// `k` and `v` are the (batch, head)'s first rows, as element offsets into the tensors of `t`.
+NUMAOV_TARGET_AMX void pack_head(const Tensors& t, size_t k, size_t v, const Geometry& g, uint32_t* keys,
+                                 uint32_t* values, uint16_t* row_a, uint16_t* row_b) {
+    const size_t k_row = t.k_strides.row, v_row = t.v_strides.row;
     const size_t D = g.shape.head_dim, Dp = g.dim_padded, Sk = g.shape.kv_len, SkP = g.kv_padded;
     const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row_a);
     for (size_t n = 0; n < SkP; ++n) {
         if (n < Sk) {
-            to_bf16_row(k + n * k_row, D, row_a, Dp);
+            read_row(t.k, t.bf16, k + n * k_row, D, row_a, Dp);
         } else {
             std::memset(row_a, 0, Dp * sizeof(uint16_t));
         }
@@ -155,8 +170,8 @@ NUMAOV_TARGET_AMX void pack_head(const float* k, size_t k_row, const float* v, s
     }
     for (size_t r = 0; r < SkP / 2; ++r) {
         const size_t n0 = 2 * r, n1 = 2 * r + 1;
-        to_bf16_row(v + n0 * v_row, n0 < Sk ? D : 0, row_a, Dp);
-        to_bf16_row(v + n1 * v_row, n1 < Sk ? D : 0, row_b, Dp);
+        read_row(t.v, t.bf16, v + n0 * v_row, n0 < Sk ? D : 0, row_a, Dp);
+        read_row(t.v, t.bf16, v + n1 * v_row, n1 < Sk ? D : 0, row_b, Dp);
         for (size_t d = 0; d < Dp; d += kTileN) {
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_a + d)));
             const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_b + d)));
@@ -301,8 +316,10 @@ NUMAOV_TARGET_AMX void block_values(const Geometry& g, const PackedHead& head, s
 // (batch, head). Every block of keys is used by all the row blocks before the
 // next is read, so a head's keys and values stream from memory once per group
 // rather than once per 32 rows (a 5,120-token head's are 2.6 MiB, over L2).
-NUMAOV_TARGET_AMX void attend_group(const Geometry& g, const PackedHead& head, const float* q, size_t q_row,
-                                    float* out, size_t out_row, size_t q0, Scratch& s) {
+// `q` and `out` are the (batch, head)'s first rows, as element offsets into the tensors of `t`.
+NUMAOV_TARGET_AMX void attend_group(const Tensors& t, const Geometry& g, const PackedHead& head, size_t q,
+                                    size_t out, size_t q0, Scratch& s) {
+    const size_t q_row = t.q_strides.row, out_row = t.out_strides.row;
     const size_t D = g.shape.head_dim, Dp = g.dim_padded, Sk = g.shape.kv_len;
     const size_t rows = std::min(kGroupBlocks * kBlockM, g.shape.q_len - q0);
     const size_t blocks = (rows + kBlockM - 1) / kBlockM;
@@ -310,7 +327,7 @@ NUMAOV_TARGET_AMX void attend_group(const Geometry& g, const PackedHead& head, c
         RowBlock& rb = s.blocks[b];
         for (size_t r = 0; r < kBlockM; ++r) {
             const size_t row = b * kBlockM + r;
-            to_bf16_row(q + (q0 + row) * q_row, row < rows ? D : 0, rb.query + r * Dp, Dp);
+            read_row(t.q, t.bf16, q + (q0 + row) * q_row, row < rows ? D : 0, rb.query + r * Dp, Dp);
             rb.max[r] = -INFINITY;
             std::fill(rb.sum[r], rb.sum[r] + 16, 0.0f);
         }
@@ -328,11 +345,16 @@ NUMAOV_TARGET_AMX void attend_group(const Geometry& g, const PackedHead& head, c
     for (size_t row = 0; row < rows; ++row) {
         const RowBlock& rb = s.blocks[row / kBlockM];
         const float* acc = rb.acc + (row % kBlockM) * Dp;
-        float* dst = out + (q0 + row) * out_row;
+        const size_t dst = out + (q0 + row) * out_row;
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(rb.sum[row % kBlockM])));
         for (size_t d = 0; d < D; d += 16) {
             const __mmask16 m = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
-            _mm512_mask_storeu_ps(dst + d, m, _mm512_mul_ps(inv, _mm512_loadu_ps(acc + d)));
+            const __m512 y = _mm512_mul_ps(inv, _mm512_loadu_ps(acc + d));
+            if (t.bf16) {
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(t.out) + dst + d, m, (__m256i)_mm512_cvtneps_pbh(y));
+            } else {
+                _mm512_mask_storeu_ps(static_cast<float*>(t.out) + dst + d, m, y);
+            }
         }
     }
 }
@@ -350,7 +372,7 @@ Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim) 
     return {heads * length * head_dim, length * head_dim, head_dim};
 }
 
-void flash_attention_f32(const Tensors& t, const Shape& shape, float scale) {
+void flash_attention(const Tensors& t, const Shape& shape, float scale) {
     if (!amx_usable()) throw std::runtime_error("numaov flash attention needs AMX: " + amx_unavailable_reason());
     if (shape.q_len == 0 || shape.kv_len == 0 || shape.head_dim == 0) {
         throw std::runtime_error("numaov flash attention: query length, key length and head size must be >= 1");
@@ -369,8 +391,8 @@ void flash_attention_f32(const Tensors& t, const Shape& shape, float scale) {
         ov::splitter(heads, nthr, ithr, begin, end);
         std::vector<uint16_t> row_a(g.dim_padded), row_b(g.dim_padded);
         for (size_t h = begin; h < end; ++h) {
-            pack_head(t.k + offset(t.k_strides, h), t.k_strides.row, t.v + offset(t.v_strides, h), t.v_strides.row, g,
-                      keys.data() + h * packed, values.data() + h * packed, row_a.data(), row_b.data());
+            pack_head(t, offset(t.k_strides, h), offset(t.v_strides, h), g, keys.data() + h * packed,
+                      values.data() + h * packed, row_a.data(), row_b.data());
         }
     });
 
@@ -385,8 +407,7 @@ void flash_attention_f32(const Tensors& t, const Shape& shape, float scale) {
         for (size_t item = begin; item < end; ++item) {
             const size_t h = item / groups, q0 = (item % groups) * group_rows;
             const PackedHead head{keys.data() + h * packed, values.data() + h * packed};
-            attend_group(g, head, t.q + offset(t.q_strides, h), t.q_strides.row, t.out + offset(t.out_strides, h),
-                         t.out_strides.row, q0, scratch);
+            attend_group(t, g, head, offset(t.q_strides, h), offset(t.out_strides, h), q0, scratch);
         }
         release_tiles();
     });

@@ -45,18 +45,21 @@ enum class Layout { bhsd, bshd };
 
 Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim);
 
+// q, k, v and out share one element type: f32, or bf16 (what OpenVINO's bf16
+// inference holds activations in, so no conversion runs around the op).
 struct Tensors {
-    const float* q;
-    const float* k;
-    const float* v;
-    float* out;
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
     Strides q_strides, k_strides, v_strides, out_strides;
+    bool bf16 = false;
 };
 
-// q and out hold Sq rows per (batch, head), k and v Sk rows, each of D f32.
+// q and out hold Sq rows per (batch, head), k and v Sk rows, each of D values.
 // Any Sq, Sk >= 1 and D >= 1 (D is zero-padded to a multiple of 32 inside).
 // Runs on the calling thread's OpenVINO/TBB arena. Throws std::runtime_error
 // when AMX is not usable or a length is zero.
-void flash_attention_f32(const Tensors& tensors, const Shape& shape, float scale);
+void flash_attention(const Tensors& tensors, const Shape& shape, float scale);
 
 }  // namespace numaov::attention

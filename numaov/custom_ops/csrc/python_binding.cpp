@@ -171,7 +171,7 @@ PYBIND11_MODULE(_native, m) {
     m.def(
         "flash_attention",
         [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, const std::vector<uint64_t>& shape,
-           float scale, const std::vector<std::string>& layouts) {
+           float scale, const std::vector<std::string>& layouts, bool bf16) {
             namespace at = numaov::attention;
             if (shape.size() != 5) throw std::invalid_argument("shape is (batch, heads, q_len, kv_len, head_dim)");
             if (layouts.size() != 4) throw std::invalid_argument("layouts are those of q, k, v and out");
@@ -183,13 +183,14 @@ PYBIND11_MODULE(_native, m) {
                 const auto layout = layouts[i] == "bshd" ? at::Layout::bshd : at::Layout::bhsd;
                 return at::strides_of(layout, s.heads, length, s.head_dim);
             };
-            const at::Tensors tensors{address<const float>(q), address<const float>(k), address<const float>(v),
-                                      address<float>(out),     strides(0, s.q_len),    strides(1, s.kv_len),
-                                      strides(2, s.kv_len),    strides(3, s.q_len)};
+            const at::Tensors tensors{address<const void>(q), address<const void>(k), address<const void>(v),
+                                      address<void>(out),     strides(0, s.q_len),   strides(1, s.kv_len),
+                                      strides(2, s.kv_len),   strides(3, s.q_len),   bf16};
             py::gil_scoped_release release;
-            at::flash_attention_f32(tensors, s, scale);
+            at::flash_attention(tensors, s, scale);
         },
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("shape"), py::arg("scale"),
-        py::arg("layouts"),
-        "The FlashAttention op's kernel on dense f32 buffers; layouts of q, k, v, out: 'bhsd' or 'bshd'.");
+        py::arg("layouts"), py::arg("bf16") = false,
+        "The FlashAttention op's kernel on dense f32 (or, with bf16=True, bf16) buffers; layouts of q, k, v, "
+        "out: 'bhsd' or 'bshd'.");
 }
