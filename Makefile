@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fallback_ops.py
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/dit.py
+	$(BIN)/python benchmarks/dit_pairs.py
 	$(BIN)/python benchmarks/moe.py
 
 clean:

@@ -6,14 +6,18 @@ One forward of a Wan-1.3B-width transformer (hidden 1536, 12 heads, FFN 8960, te
 - numaov's model in PyTorch eager, fp32 and bf16 (bf16 also with the FFN in the column blocks
   the export writes; and diffusers' eager bf16 for context);
 - numaov's ONNX export in ONNX Runtime (fp32);
-- numaov's IR in OpenVINO, f32 and bf16 inference precision;
+- numaov's IR in OpenVINO, f32 and bf16 inference precision (bf16 as the runtime compiles it:
+  with numaov's AMX flash attention where AMX is usable; and with OpenVINO's own attention);
 - the naive path: diffusers' own ``WanTransformer3DModel`` (same weights) exported with
   ``torch.onnx.export(dynamo=True)`` and run by OpenVINO, f32 and bf16.
 
-Competitors are timed round-robin (one forward each per round, best of the rounds), so load
-from other processes hits them alike. Also printed: the compiled models' executed layer types
-(how many RMS / MVN / RoPE / attention / Reorder / Transpose nodes), and per-block time and
-memory, measured against a 0-block model, extrapolated to Wan 2.1 T2V 1.3B (30 blocks).
+Competitors are timed round-robin (one forward each per round), each target's pair back to
+back, so load from other processes and the machine's speed drift hit them alike; every ratio is
+printed as the median of its per-round ratios, with the ratio of best times beside it. Also
+printed: the compiled models' executed layer types (how many RMS / MVN / RoPE / attention /
+Reorder / Transpose nodes), one self-attention alone (PyTorch's, OpenVINO's and numaov's
+kernels), and per-block time and memory, measured against a 0-block model, extrapolated to
+Wan 2.1 T2V 1.3B (30 blocks).
 
     python benchmarks/dit.py [--quick] [--rounds 3]
 
@@ -69,6 +73,33 @@ WIDTH_1_3B = WanTransformerConfig(
     cross_attn_norm=True,
     eps=1e-6,
 )
+# Round order: each target's two runners back to back (see run()).
+RUN_ORDER = (
+    "torch eager bf16",
+    "openvino bf16 numaov",
+    "openvino bf16 numaov ov-attention",
+    "openvino bf16 naive",
+    "torch eager bf16 ffn blocks",
+    "diffusers eager bf16",
+    "torch eager fp32",
+    "openvino f32 numaov",
+    "openvino f32 naive",
+    "onnxruntime fp32",
+    "openvino bf16 numaov 0-block",
+)
+# name: (the runners to beat (the fastest of them counts), the runner that should be faster)
+RATIOS = {
+    "openvino bf16 / eager bf16 speedup": (
+        ("torch eager bf16", "torch eager bf16 ffn blocks"), "openvino bf16 numaov"),
+    "openvino bf16 numaov / naive speedup": (("openvino bf16 naive",), "openvino bf16 numaov"),
+    "numaov attention / openvino attention speedup (bf16 forward)": (
+        ("openvino bf16 numaov ov-attention",), "openvino bf16 numaov"),
+    "openvino bf16 / diffusers eager bf16 speedup": (
+        ("diffusers eager bf16",), "openvino bf16 numaov"),
+    "openvino f32 numaov / naive speedup": (("openvino f32 naive",), "openvino f32 numaov"),
+    "openvino f32 / eager fp32 speedup": (("torch eager fp32",), "openvino f32 numaov"),
+    "openvino f32 / onnxruntime fp32 speedup": (("onnxruntime fp32",), "openvino f32 numaov"),
+}
 # Layer types of interest in OpenVINO's executed graph (rt_info "layerType").
 INVENTORY = {
     "RMS": ("RMS",),
@@ -374,7 +405,26 @@ def attention_alone(core, tokens: int, heads: int, head_dim: int, rounds: int) -
     return result
 
 
-def time_round_robin(runners: list[Runner], inputs: dict[str, np.ndarray], rounds: int) -> dict:
+def paired_ratio(results: dict, slower: tuple[str, ...], faster: str) -> dict:
+    """How many times faster ``faster`` is than the fastest of ``slower``: per round (the
+    runners ran back to back), its median over the rounds, and the ratio of best times."""
+    rounds = len(results[faster]["times_s"])
+    per_round = [
+        min(results[name]["times_s"][i] for name in slower) / results[faster]["times_s"][i]
+        for i in range(rounds)
+    ]
+    best = min(results[name]["best_s"] for name in slower) / results[faster]["best_s"]
+    return {"median_of_rounds": float(np.median(per_round)), "best_of": best, "per_round": per_round}
+
+
+def time_round_robin(
+    runners: list[Runner],
+    inputs: dict[str, np.ndarray],
+    rounds: int,
+    reference: str = "torch eager fp32",
+) -> dict:
+    """Warm up, then ``rounds`` rounds of one forward per runner; outputs are compared with
+    the ``reference`` runner's."""
     results = {}
     outputs = {}
     for runner in runners:  # warm-up (OpenVINO shape inference, allocator, caches)
@@ -386,11 +436,12 @@ def time_round_robin(runners: list[Runner], inputs: dict[str, np.ndarray], round
             start = time.perf_counter()
             runner.run(inputs)
             results[runner.name]["times_s"].append(time.perf_counter() - start)
-    reference = outputs["torch eager fp32"]
-    scale = float(np.abs(reference).max())
+    expected = outputs[reference]
+    scale = float(np.abs(expected).max())
     for name, result in results.items():
         result["best_s"] = min(result["times_s"])
-        result["max_abs_diff_vs_eager_fp32"] = float(np.abs(outputs[name] - reference).max())
+        result["reference"] = reference
+        result["max_abs_diff_vs_reference"] = float(np.abs(outputs[name] - expected).max())
         result["output_scale"] = scale
     return results
 
@@ -398,7 +449,7 @@ def time_round_robin(runners: list[Runner], inputs: dict[str, np.ndarray], round
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1,280 tokens only")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (best is kept)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     # The exports take ~3 GB; they are removed when the run ends.
@@ -480,9 +531,13 @@ def run(args: argparse.Namespace, work: Path) -> int:
             f"openvino {precision} {label}", core, path, precision, attn
         )
         runners.append(runner)
+    # The pairs the targets compare run next to each other in every round, so that this VM's
+    # speed drift (up to 2x over minutes) moves both alike; the ratios are taken per round.
+    by_name = {runner.name: runner for runner in runners}
+    runners = [by_name[name] for name in RUN_ORDER if name in by_name]
 
     for tokens in token_counts:
-        log(f"\n== {tokens} video tokens, {TEXT_LEN} text tokens, best of {args.rounds} ==")
+        log(f"\n== {tokens} video tokens, {TEXT_LEN} text tokens, {args.rounds} rounds ==")
         inputs = make_inputs(tokens)
         results = time_round_robin(runners, inputs, args.rounds)
         for name, result in results.items():
@@ -491,31 +546,19 @@ def run(args: argparse.Namespace, work: Path) -> int:
                 continue
             log(
                 f"  {name:28s} {result['best_s']:7.3f} s   max|diff| vs eager fp32 "
-                f"{result['max_abs_diff_vs_eager_fp32']:.2e} (scale {result['output_scale']:.2f})"
+                f"{result['max_abs_diff_vs_reference']:.2e} (scale {result['output_scale']:.2f})"
             )
         best = {name: r["best_s"] for name, r in results.items()}
         ratios = {
-            "openvino bf16 / diffusers eager bf16 speedup": best["diffusers eager bf16"]
-            / best["openvino bf16 numaov"],
-            "openvino bf16 / eager bf16 speedup": min(
-                best["torch eager bf16"], best["torch eager bf16 ffn blocks"]
-            )
-            / best["openvino bf16 numaov"],
-            "openvino bf16 numaov / naive speedup": best["openvino bf16 naive"]
-            / best["openvino bf16 numaov"],
-            "openvino f32 numaov / naive speedup": best["openvino f32 naive"]
-            / best["openvino f32 numaov"],
-            "openvino f32 / eager fp32 speedup": best["torch eager fp32"]
-            / best["openvino f32 numaov"],
-            "openvino f32 / onnxruntime fp32 speedup": best["onnxruntime fp32"]
-            / best["openvino f32 numaov"],
+            name: paired_ratio(results, slower, faster) for name, (slower, faster) in RATIOS.items()
+            if all(runner in results for runner in (*slower, faster))
         }
-        if "openvino bf16 numaov ov-attention" in best:
-            ratios["numaov attention / openvino attention speedup (bf16 forward)"] = (
-                best["openvino bf16 numaov ov-attention"] / best["openvino bf16 numaov"]
+        for name, ratio in ratios.items():
+            rounds = ratio["per_round"]
+            log(
+                f"  {name:58s} {ratio['median_of_rounds']:5.2f}x  (best-of {ratio['best_of']:.2f}x, "
+                f"rounds {min(rounds):.2f}-{max(rounds):.2f}x)"
             )
-        for name, value in ratios.items():
-            log(f"  {name:42s} {value:5.2f}x")
         per_block = (best["openvino bf16 numaov"] - best["openvino bf16 numaov 0-block"]) / 2
         report["results"][str(tokens)] = {
             "shape": SHAPES[tokens],
