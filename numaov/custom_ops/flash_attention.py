@@ -1,14 +1,13 @@
 """numaov's AMX flash attention, swapped in for OpenVINO's own attention at compile time.
 
 OpenVINO 2026.4 runs a non-causal ``ScaledDotProductAttention`` outside stateful LLM graphs
-as its generic MHA snippet, about 2x slower than PyTorch's CPU flash attention at 5,120
-video tokens. numaov's ``FlashAttention`` extension op (``csrc/flash_attention.cpp``) runs
-it on AMX tiles with an online softmax instead.
+as its generic MHA snippet, 1.7-2x slower than this kernel and PyTorch's CPU flash attention
+at 1,280-5,120 video tokens on AMX (benchmarks/RESULTS.md). numaov's ``FlashAttention``
+extension op (``csrc/flash_attention.cpp``) runs it on AMX tiles with an online softmax.
 
 The exporter never writes the op: an IR stays plain OpenVINO and runs anywhere. The runtime
 calls `swap_attention` on the model it is about to compile, which replaces each plain
-attention node (non-causal, no mask, f32, rank 4) with the extension op when the setting
-says so:
+attention node (see `_plain_attention_scale`) with the extension op when the setting says so:
 
 ``NUMAOV_ATTENTION``
     ``auto`` (default): numaov's kernel when the CPU has usable AMX, OpenVINO's otherwise;
@@ -112,6 +111,8 @@ def flash_attention(
         )
     if 0 in bq or 0 in bk:
         raise ValueError(f"q {shapes[0]}, k {shapes[1]}: every dimension must be at least 1")
+    if scale is not None and not 0 < scale < np.inf:
+        raise ValueError(f"scale {scale!r}; expected a finite positive number")
     out_shape = _as_bhsd(bq, layouts[3])
     if bf16:
         out = torch.empty(out_shape, dtype=torch.bfloat16)
@@ -149,34 +150,54 @@ def _constant_values(output: Any) -> np.ndarray | None:
     return node.get_data() if node.get_type_name() == "Constant" else None
 
 
+def _is_no_mask(values: np.ndarray | None) -> bool:
+    """A constant mask that changes nothing: one element, float 0 or boolean True (a larger
+    one could broadcast the output to more rows than q has)."""
+    if values is None or values.size != 1:
+        return False
+    value = values.reshape(())
+    return bool(value) if values.dtype == np.bool_ else float(value) == 0.0
+
+
 def _plain_attention_scale(node: Any) -> float | None:
     """The scale of a ScaledDotProductAttention the kernel computes exactly, or None.
 
-    Plain means: not causal, no mask (or an all-zero constant one), f32 q/k/v of rank 4 with
-    a static head size, and a constant scale (or none: 1/sqrt(D)).
+    Plain means: not causal, no mask (or a constant one-element zero / True one), no sink,
+    f32 q/k/v of static rank 4 whose heads and head size are static and the same in all three
+    (no shared-head keys, no value size of its own), and a constant scale (or none:
+    1/sqrt(D)).
     """
     if node.get_type_name() != "ScaledDotProductAttention":
         return None
     if node.get_attributes().get("causal", False):
         return None
     inputs = [node.input_value(i) for i in range(node.get_input_size())]
+    if len(inputs) > 5:  # a sink input changes the softmax
+        return None
+    shapes = []
     for value in inputs[:3]:
         shape = value.get_partial_shape()
-        if value.get_element_type().get_type_name() != "f32" or shape.rank.get_length() != 4:
+        if value.get_element_type().get_type_name() != "f32" or not shape.rank.is_static:
             return None
-    head_dim = inputs[0].get_partial_shape()[3]
-    if not head_dim.is_static:
+        if shape.rank.get_length() != 4:
+            return None
+        shapes.append(shape)
+    for axis in (1, 3):  # heads and head size: static, and equal in q, k and v
+        dims = {d.get_length() if d.is_static else None for d in (s[axis] for s in shapes)}
+        if None in dims or len(dims) != 1:
+            return None
+    if not shapes[1][2].compatible(shapes[2][2]) or not all(
+        shapes[0][0].compatible(s[0]) for s in shapes[1:]
+    ):
         return None
-    if len(inputs) > 3:
-        mask = _constant_values(inputs[3])
-        if mask is None or np.any(mask):
-            return None
+    if len(inputs) > 3 and not _is_no_mask(_constant_values(inputs[3])):
+        return None
     if len(inputs) > 4:
         scale = _constant_values(inputs[4])
-        if scale is None or scale.size != 1 or not float(scale.reshape(())) > 0:
+        if scale is None or scale.size != 1 or not 0 < float(scale.reshape(())) < np.inf:
             return None
         return float(scale.reshape(()))
-    return head_dim.get_length() ** -0.5
+    return shapes[0][3].get_length() ** -0.5
 
 
 # A Transpose between [B, S, H, D] and [B, H, S, D] (the same permutation both ways).

@@ -24,6 +24,12 @@ SUPPORTED_FORMAT_VERSION = 1
 _PRECISIONS = ("f32", "bf16")
 
 
+
+def _is_bf16(precision: Any) -> bool:
+    """An INFERENCE_PRECISION_HINT value, as a string ("bf16") or an ``openvino.Type``."""
+    name = getattr(precision, "get_type_name", None)
+    return (name() if callable(name) else str(precision)) == "bf16"
+
 class ModelDirError(NumaovError):
     """A model directory that is missing, incomplete, or not what the command expects."""
 
@@ -89,7 +95,7 @@ class ModelManifest:
         add_extension(core)
         properties = {"INFERENCE_PRECISION_HINT": self.inference_precision, **(config or {})}
         model = core.read_model(str(self.rank(rank).ir_xml))
-        if str(properties["INFERENCE_PRECISION_HINT"]) == "bf16" and use_numaov_attention():
+        if _is_bf16(properties["INFERENCE_PRECISION_HINT"]) and use_numaov_attention():
             swap_attention(model)
         return core.compile_model(model, "CPU", properties)
 

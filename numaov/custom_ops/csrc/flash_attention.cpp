@@ -158,7 +158,9 @@ NUMAOV_TARGET_AMX void pack_head(const Tensors& t, size_t k, size_t v, const Geo
                                  uint32_t* values, uint16_t* row_a, uint16_t* row_b) {
     const size_t k_row = t.k_strides.row, v_row = t.v_strides.row;
     const size_t D = g.shape.head_dim, Dp = g.dim_padded, Sk = g.shape.kv_len, SkP = g.kv_padded;
-    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row_a);
+    // The row's bf16 values read as (even, odd) pairs; may_alias: row_a is uint16_t storage.
+    typedef uint32_t __attribute__((may_alias)) pair_t;
+    const pair_t* pairs = reinterpret_cast<const pair_t*>(row_a);
     for (size_t n = 0; n < SkP; ++n) {
         if (n < Sk) {
             read_row(t.k, t.bf16, k + n * k_row, D, row_a, Dp);
@@ -179,6 +181,7 @@ NUMAOV_TARGET_AMX void pack_head(const Tensors& t, size_t k, size_t v, const Geo
                                 _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
+    NUMAOV_MEMORY_BARRIER();  // the tile loads that read keys/values come next
 }
 
 // One 32-row block of queries in flight: its bf16 queries, fp32 output rows,
@@ -191,11 +194,13 @@ struct RowBlock {
     float sum[kBlockM][16];
 };
 
-// What one thread keeps: up to kGroupBlocks row blocks that share each pass
-// over the keys, and the scores / probabilities of the block being worked on.
+// What one thread keeps: the packed keys and values of the (batch, head) it is
+// working on, up to kGroupBlocks row blocks that share each pass over those
+// keys, and the scores / probabilities of the block being worked on.
 struct Scratch {
     explicit Scratch(const Geometry& g)
-        : query(kGroupBlocks * kBlockM * g.dim_padded), acc(kGroupBlocks * kBlockM * g.dim_padded),
+        : keys(g.kv_padded * g.dim_padded / 2), values(g.kv_padded * g.dim_padded / 2),
+          query(kGroupBlocks * kBlockM * g.dim_padded), acc(kGroupBlocks * kBlockM * g.dim_padded),
           scores(kBlockM * kBlockN), probs(kBlockM * kBlockN), row_a(g.dim_padded), row_b(g.dim_padded),
           blocks(kGroupBlocks) {
         for (size_t b = 0; b < kGroupBlocks; ++b) {
@@ -203,6 +208,7 @@ struct Scratch {
             blocks[b].acc = acc.data() + b * kBlockM * g.dim_padded;
         }
     }
+    std::vector<uint32_t> keys, values;  // PackedHead's layout, one (batch, head)
     std::vector<uint16_t> query;
     std::vector<float> acc;
     std::vector<float> scores;
@@ -377,42 +383,37 @@ void flash_attention(const Tensors& t, const Shape& shape, float scale) {
     if (shape.q_len == 0 || shape.kv_len == 0 || shape.head_dim == 0) {
         throw std::runtime_error("numaov flash attention: query length, key length and head size must be >= 1");
     }
+    // The running max relies on scale > 0 (max(s) * scale = max(s * scale)).
+    if (!(scale > 0.0f) || !std::isfinite(scale)) {
+        throw std::runtime_error("numaov flash attention: scale " + std::to_string(scale) +
+                                 "; expected a finite positive number");
+    }
     Geometry g{shape, round_up(shape.head_dim, kTileK), round_up(shape.kv_len, kBlockN),
                float(scale * 1.4426950408889634)};
     const size_t heads = shape.batch * shape.heads;
     // Offset of (batch, head) number h = b * H + h' in a tensor with strides `s`.
     auto offset = [&](const Strides& s, size_t h) { return (h / shape.heads) * s.batch + (h % shape.heads) * s.head; };
-    // uint32 bf16 pairs per head, for the keys and for the values. The buffer is
-    // kept per calling thread (an inference request runs on one) and only grows:
-    // allocating 2 x 31 MiB afresh per call (5,120 tokens, 12 heads) cost page
-    // faults every time. pack_head writes every element, padding included.
-    const size_t packed = g.kv_padded * g.dim_padded / 2;
-    static thread_local std::vector<uint32_t> packed_buffer;
-    if (packed_buffer.size() < 2 * heads * packed) packed_buffer.resize(2 * heads * packed);
-    uint32_t* const keys = packed_buffer.data();
-    uint32_t* const values = keys + heads * packed;
-
-    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
-        size_t begin = 0, end = 0;
-        ov::splitter(heads, nthr, ithr, begin, end);
-        std::vector<uint16_t> row_a(g.dim_padded), row_b(g.dim_padded);
-        for (size_t h = begin; h < end; ++h) {
-            pack_head(t, offset(t.k_strides, h), offset(t.v_strides, h), g, keys + h * packed, values + h * packed,
-                      row_a.data(), row_b.data());
-        }
-    });
-
     const size_t group_rows = kGroupBlocks * kBlockM;
     const size_t groups = (shape.q_len + group_rows - 1) / group_rows;
+    // Work items are (head, group of query rows), head-major, split into one
+    // contiguous range per thread: a thread packs a head's keys and values once
+    // and uses them for all its groups of that head (a head on the boundary
+    // between two threads is packed by both).
     ov::parallel_nt(0, [&](const int ithr, const int nthr) {
         size_t begin = 0, end = 0;
         ov::splitter(heads * groups, nthr, ithr, begin, end);
         if (begin >= end) return;
         Scratch scratch(g);
+        const PackedHead head{scratch.keys.data(), scratch.values.data()};
+        size_t packed_head = heads;  // none yet
         load_tile_config();
         for (size_t item = begin; item < end; ++item) {
             const size_t h = item / groups, q0 = (item % groups) * group_rows;
-            const PackedHead head{keys + h * packed, values + h * packed};
+            if (h != packed_head) {
+                pack_head(t, offset(t.k_strides, h), offset(t.v_strides, h), g, scratch.keys.data(),
+                          scratch.values.data(), scratch.row_a.data(), scratch.row_b.data());
+                packed_head = h;
+            }
             attend_group(t, g, head, offset(t.q_strides, h), offset(t.out_strides, h), q0, scratch);
         }
         release_tiles();

@@ -2,8 +2,8 @@
 // the [Sq, Sk] score matrix, for the long self-attention of video DiTs.
 //
 // Why our own kernel: OpenVINO 2026.4 runs a non-causal ScaledDotProductAttention
-// outside stateful LLM graphs as its generic MHA snippet, about 2x slower on
-// AMX than PyTorch's CPU flash attention at 5,120 tokens (benchmarks/RESULTS.md).
+// outside stateful LLM graphs as its generic MHA snippet, 1.7-2x slower on AMX
+// than PyTorch's CPU flash attention and this kernel (benchmarks/RESULTS.md).
 // This kernel keeps a 32-row block of queries in tiles, streams 128 keys at a
 // time through an online (running max / running sum) softmax, and accumulates
 // P V back into the same fp32 rows.
@@ -59,7 +59,7 @@ struct Tensors {
 // q and out hold Sq rows per (batch, head), k and v Sk rows, each of D values.
 // Any Sq, Sk >= 1 and D >= 1 (D is zero-padded to a multiple of 32 inside).
 // Runs on the calling thread's OpenVINO/TBB arena. Throws std::runtime_error
-// when AMX is not usable or a length is zero.
+// when AMX is not usable, a length is zero or the scale is not finite and > 0.
 void flash_attention(const Tensors& tensors, const Shape& shape, float scale);
 
 }  // namespace numaov::attention
