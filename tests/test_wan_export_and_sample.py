@@ -531,6 +531,7 @@ def test_bench_wan_times_every_backend_and_compares_outputs(
             report["rows"][0]["best_s"] / row["best_s"])
     # f32 everywhere: the backends agree to float32 rounding (the export's f32 tolerance)
     assert all(r["max_rel_diff"] < 1e-4 for r in report["rows"][1:])
+    assert report["settings"]["openvino_attention"] == "openvino"  # an f32 export keeps its own
     assert "x 1.00 vs torch" in stdout
 
 
@@ -597,6 +598,8 @@ def test_bf16_compile_runs_numaov_flash_attention(
     errors = {}
     for setting, swapped in (("numaov", attentions), ("openvino", 0)):
         monkeypatch.setenv("NUMAOV_ATTENTION", setting)
+        assert manifest.attention_kernel({"INFERENCE_PRECISION_HINT": ov.Type.bf16}) == setting
+        assert manifest.attention_kernel() == "openvino"  # the f32 export itself
         compiled = manifest.compile_rank(0, {"INFERENCE_PRECISION_HINT": "bf16"})
         layer_types = [op.get_rt_info()["layerType"].astype(str)
                        for op in compiled.get_runtime_model().get_ordered_ops()]

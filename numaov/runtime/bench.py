@@ -151,6 +151,8 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     settings = {"frames": frames, "height": height, "width": width, "batch": batch,
                 "text_length": text_length, "rounds": rounds, "latents": list(shape),
                 "video_tokens_per_sample": tokens, "precision": manifest.precision}
+    if "openvino" in chosen:
+        settings["openvino_attention"] = manifest.attention_kernel()
     return BenchReport(what, [rows[b] for b in chosen], settings=settings)
 
 

@@ -89,15 +89,23 @@ class ModelManifest:
         import openvino as ov
 
         from numaov.custom_ops import add_extension
-        from numaov.custom_ops.flash_attention import swap_attention, use_numaov_attention
+        from numaov.custom_ops.flash_attention import swap_attention
 
         core = ov.Core()
         add_extension(core)
         properties = {"INFERENCE_PRECISION_HINT": self.inference_precision, **(config or {})}
         model = core.read_model(str(self.rank(rank).ir_xml))
-        if _is_bf16(properties["INFERENCE_PRECISION_HINT"]) and use_numaov_attention():
+        if self.attention_kernel(config) == "numaov":
             swap_attention(model)
         return core.compile_model(model, "CPU", properties)
+
+    def attention_kernel(self, config: Mapping[str, Any] | None = None) -> str:
+        """Which kernel `compile_rank` gives plain attention under ``config``: ``"numaov"``
+        (bf16 and NUMAOV_ATTENTION allows it) or ``"openvino"``."""
+        from numaov.custom_ops.flash_attention import use_numaov_attention
+
+        hint = (config or {}).get("INFERENCE_PRECISION_HINT", self.inference_precision)
+        return "numaov" if _is_bf16(hint) and use_numaov_attention() else "openvino"
 
     def source_checkpoint_dir(self, other_backends: str) -> Path:
         """The checkpoint the model was exported from, for the PyTorch backend."""
