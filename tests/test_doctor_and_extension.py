@@ -34,7 +34,10 @@ def test_doctor_json_has_documented_keys() -> None:
     assert report["topology"]["physical_cores"] == len(topo.physical_cores)
     assert report["isa"]["flags"]["avx512_bf16"] == topo.isa.avx512_bf16
     assert report["isa"]["flags"]["amx_usable"] == topo.isa.amx_usable
-    assert report["extension"]["loads"] is True
+    assert report["extension"]["loads"] is True and report["extension"]["error"] is None
+    attention = report["extension"]["attention"]
+    assert attention["setting"] == "auto"
+    assert attention["kernel"] == ("numaov" if topo.isa.amx_usable else "openvino")
     assert report["openvino"]["version"].startswith(ov.get_version().split("-")[0])
     assert report["binding_plan"]["ranks"]
 

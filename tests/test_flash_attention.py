@@ -107,8 +107,12 @@ def test_kernel_bf16_tensors_in_and_out() -> None:
     assert got.dtype == torch.bfloat16 and got.shape == (1, 3, 70, 48)
     f32 = flash_attention(*(x.float().numpy() for x in (q, k, v)))
     assert torch.equal(got, torch.from_numpy(f32).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="expected k and v to be ones too"):
-        flash_attention(q, k.float().numpy(), v)
+    for mixed in ((q, k.float().numpy(), v), (q.float().numpy(), k, v), (q, k, v.half())):
+        with pytest.raises(ValueError, match="expected all float32 numpy arrays or all "
+                                             "torch.bfloat16 tensors"):
+            flash_attention(*mixed)
+    q.requires_grad_(True)  # a tensor that needs grad is read as it is, not refused
+    assert torch.equal(flash_attention(q, k, v), got)
 
 
 @needs_amx
@@ -124,7 +128,11 @@ def test_kernel_rejects_bad_shapes() -> None:
         flash_attention(q, k, v, None, ("bhsd", "bhsd", "bhsd", "hbsd"))
     with pytest.raises(ValueError, match="expected q"):  # [B, S, H, D] read as [B, H, S, D]
         flash_attention(q, k, v, None, ("bshd", "bhsd", "bhsd", "bhsd"))
-    for scale in (-0.5, 0.0, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match=r"disagree in head size \(32, 32, 16\)"):
+        flash_attention(q, k, v[..., :16])
+    with pytest.raises(ValueError, match="k has 8 keys but v has 7 values"):
+        flash_attention(q, k, v[:, :, :7])
+    for scale in (-0.5, 0.0, float("inf"), float("nan"), "0.25", True):
         with pytest.raises(ValueError, match="expected a finite positive number"):
             flash_attention(q, k, v, scale)
 
@@ -266,6 +274,10 @@ def test_attention_setting(monkeypatch) -> None:
         use_numaov_attention()
     monkeypatch.setenv("NUMAOV_ATTENTION", "openvino")
     assert attention_setting() == "openvino" and use_numaov_attention() is False
+    monkeypatch.setenv("NUMAOV_ATTENTION", " OpenVINO ")
+    assert attention_setting() == "openvino"
+    monkeypatch.setenv("NUMAOV_ATTENTION", "")
+    assert attention_setting() == "auto"
     monkeypatch.delenv("NUMAOV_ATTENTION")
     assert attention_setting() == "auto"
     assert use_numaov_attention() is (not AMX_MISSING)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from numaov.custom_ops import add_extension
-from numaov.custom_ops.flash_attention import amx_unavailable_reason
+from numaov.custom_ops.flash_attention import AttentionSettingError, amx_unavailable_reason
 from numaov.exporter.onnx_export import ExportError
 from numaov.exporter.openvino_convert import ConversionError
 from numaov.exporter.parity import TOLERANCES
@@ -609,3 +609,16 @@ def test_bf16_compile_runs_numaov_flash_attention(
     assert errors["numaov"] < TOLERANCES["bf16"].max_rel_error
     if frames > 1:  # OpenVINO's own is wrong on one video token (see the test above)
         assert errors["numaov"] < 1.5 * errors["openvino"] + 5e-3
+
+
+def test_attention_setting_is_checked_for_every_compile(wan: dict, monkeypatch) -> None:
+    # An f32 model keeps OpenVINO's attention whatever the setting, but a typo in it is still
+    # an error at once rather than on the first bf16 model.
+    manifest = read_manifest(wan["model_dir"], expected_kind="wan")
+    monkeypatch.setenv("NUMAOV_ATTENTION", "flash")
+    with pytest.raises(AttentionSettingError, match="NUMAOV_ATTENTION='flash' is not a known"):
+        manifest.compile_rank(0)
+    code, _, err = _cli_in_process(
+        "bench", "wan", "--model-dir", str(wan["model_dir"]), "--frames", "5", "--height", "32",
+        "--width", "48", "--backends", "torch,openvino", "--rounds", "1", "--quiet")
+    assert code != 0 and "NUMAOV_ATTENTION='flash'" in err and "Traceback" not in err

@@ -43,11 +43,13 @@ def amx_unavailable_reason() -> str:
 
 
 def attention_setting(setting: str | None = None) -> str:
-    """``setting`` or ``NUMAOV_ATTENTION`` (default ``auto``), checked."""
-    value = (setting if setting is not None else os.environ.get(ATTENTION_ENV, "auto")).strip()
+    """``setting`` or ``NUMAOV_ATTENTION``, checked; unset or empty means ``auto``, and case
+    does not matter."""
+    raw = setting if setting is not None else os.environ.get(ATTENTION_ENV, "")
+    value = raw.strip().lower() or "auto"
     if value not in ATTENTION_SETTINGS:
         raise AttentionSettingError(
-            f"{ATTENTION_ENV}={value!r} is not a known setting; expected one of "
+            f"{ATTENTION_ENV}={raw!r} is not a known setting; expected one of "
             f"{', '.join(ATTENTION_SETTINGS)}"
         )
     return value
@@ -91,27 +93,39 @@ def flash_attention(
     """
     if len(layouts) != 4 or any(layout not in LAYOUTS for layout in layouts):
         raise ValueError(f"layouts {layouts!r}; expected four of {', '.join(LAYOUTS)}")
-    bf16 = _is_bf16_tensor(q)
+    kinds = ["bf16" if _is_bf16_tensor(x) else "numpy" if isinstance(x, np.ndarray) else None
+             for x in (q, k, v)]
+    if None in kinds or len(set(kinds)) != 1:
+        got = ", ".join(f"{n} {type(x).__name__} {getattr(x, 'dtype', '')}".rstrip()
+                        for n, x in zip("qkv", (q, k, v), strict=True))
+        raise ValueError(
+            f"q, k, v are {got}; expected all float32 numpy arrays or all torch.bfloat16 tensors"
+        )
+    bf16 = kinds[0] == "bf16"
     if bf16:
         import torch
 
-        if not all(_is_bf16_tensor(x) for x in (k, v)):
-            raise ValueError("q is a torch bfloat16 tensor; expected k and v to be ones too")
-        q, k, v = (x.contiguous() for x in (q, k, v))
+        q, k, v = (x.detach().contiguous() for x in (q, k, v))
     else:
         q, k, v = (np.ascontiguousarray(x, dtype=np.float32) for x in (q, k, v))
     shapes = [tuple(x.shape) for x in (q, k, v)]
     if any(len(shape) != 4 for shape in shapes):
         raise ValueError(f"q {shapes[0]}, k {shapes[1]}, v {shapes[2]}; expected rank-4 tensors")
     bq, bk, bv = (_as_bhsd(shape, layout) for shape, layout in zip(shapes, layouts[:3], strict=True))
-    if bk != bv or bq[:2] + bq[3:] != bk[:2] + bk[3:]:
-        raise ValueError(
-            f"q {shapes[0]}, k {shapes[1]}, v {shapes[2]} in layouts {layouts[:3]}; expected "
-            "q [B, H, Sq, D] and k, v [B, H, Sk, D]"
-        )
+    for axis, what in ((0, "batch"), (1, "heads"), (3, "head size")):
+        if not bq[axis] == bk[axis] == bv[axis]:
+            raise ValueError(
+                f"q, k, v disagree in {what} ({bq[axis]}, {bk[axis]}, {bv[axis]}): shapes "
+                f"{shapes[0]}, {shapes[1]}, {shapes[2]} read as [B, H, S, D] through layouts "
+                f"{layouts[:3]}; expected q [B, H, Sq, D] and k, v [B, H, Sk, D]"
+            )
+    if bk[2] != bv[2]:
+        raise ValueError(f"k has {bk[2]} keys but v has {bv[2]} values; expected the same")
     if 0 in bq or 0 in bk:
         raise ValueError(f"q {shapes[0]}, k {shapes[1]}: every dimension must be at least 1")
-    if scale is not None and not 0 < scale < np.inf:
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < np.inf
+    ):
         raise ValueError(f"scale {scale!r}; expected a finite positive number")
     out_shape = _as_bhsd(bq, layouts[3])
     if bf16:

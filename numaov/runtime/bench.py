@@ -113,6 +113,8 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     chosen = _check_backends(backends, BACKENDS)
     _check_positive(rounds=rounds, batch=batch, text_length=text_length)
     manifest = read_manifest(model_dir, expected_kind="wan")
+    # Checked before anything loads (NUMAOV_ATTENTION), and reported with the figures.
+    attention = manifest.attention_kernel() if "openvino" in chosen else None
     config = manifest.config
     shape = (batch, *latent_shape(config, frames, height, width)[1:])
     rng = np.random.default_rng(SEED)
@@ -123,7 +125,8 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     tokens = video_tokens(config, shape)
     what = (f"Wan forward, latents {list(shape)} ({tokens} video token"
             f"{'' if tokens == 1 else 's'} per sample), text "
-            f"{text_length} tokens, {manifest.precision} export, best of {rounds} round(s)")
+            f"{text_length} tokens, {manifest.precision} export, best of {rounds} round(s)"
+            + (f", OpenVINO attention: {attention}'s" if attention else ""))
     denoisers = {}
     try:
         for backend in chosen:
@@ -151,8 +154,8 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     settings = {"frames": frames, "height": height, "width": width, "batch": batch,
                 "text_length": text_length, "rounds": rounds, "latents": list(shape),
                 "video_tokens_per_sample": tokens, "precision": manifest.precision}
-    if "openvino" in chosen:
-        settings["openvino_attention"] = manifest.attention_kernel()
+    if attention:
+        settings["openvino_attention"] = attention
     return BenchReport(what, [rows[b] for b in chosen], settings=settings)
 
 

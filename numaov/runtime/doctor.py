@@ -74,13 +74,14 @@ def _extension_info() -> dict[str, Any]:
 
         path = library_path()
         add_extension(ov.Core())
-        return {"path": str(path), "loads": True, "attention": _attention_info()}
+        return {"path": str(path), "loads": True, "error": None, "attention": _attention_info()}
     except Exception as exc:  # doctor reports, never crashes
-        return {"path": None, "loads": False, "error": str(exc)}
+        return {"path": None, "loads": False, "error": str(exc), "attention": None}
 
 
-def _attention_info() -> str:
-    """Which kernel bf16 models' attention runs on, under NUMAOV_ATTENTION."""
+def _attention_info() -> dict[str, Any]:
+    """Which kernel bf16 models' attention runs on, under NUMAOV_ATTENTION: ``kernel`` is
+    "numaov", "openvino" or None (the setting is wrong: ``reason`` says why)."""
     from numaov.custom_ops.flash_attention import (
         amx_unavailable_reason,
         attention_setting,
@@ -90,11 +91,11 @@ def _attention_info() -> str:
     try:
         setting = attention_setting()
         if use_numaov_attention(setting):
-            return f"numaov flash attention on AMX (NUMAOV_ATTENTION={setting})"
+            return {"kernel": "numaov", "setting": setting, "reason": "AMX is usable"}
     except NumaovError as exc:
-        return f"error: {exc}"
-    why = "as set" if setting == "openvino" else amx_unavailable_reason()
-    return f"OpenVINO's own (NUMAOV_ATTENTION={setting}: {why})"
+        return {"kernel": None, "setting": None, "reason": str(exc)}
+    reason = "as set" if setting == "openvino" else amx_unavailable_reason()
+    return {"kernel": "openvino", "setting": setting, "reason": reason}
 
 
 def _shm_needed(world_size: int) -> int | None:
@@ -133,8 +134,8 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
     extension = _extension_info()
     if not extension["loads"]:
         warnings.append(f"the numaov extension does not load: {extension['error']}")
-    elif extension["attention"].startswith("error: "):
-        warnings.append(extension["attention"][len("error: "):])
+    elif extension["attention"]["kernel"] is None:
+        warnings.append(extension["attention"]["reason"])
     openvino_info = _openvino_info()
     if "error" in openvino_info:
         warnings.append(openvino_info["error"])
@@ -199,8 +200,12 @@ def format_report(report: dict) -> str:
     ext = report["extension"]
     lines.append(f"  numaov extension: {'loads' if ext['loads'] else 'FAILS'} "
                  f"({ext['path'] or ext.get('error')})")
-    if ext["loads"]:
-        lines.append(f"  bf16 attention: {ext['attention']}")
+    attention = ext["attention"]
+    if attention and attention["kernel"]:
+        lines.append(f"  bf16 attention: {attention['kernel']}'s (NUMAOV_ATTENTION="
+                     f"{attention['setting']}: {attention['reason']})")
+    elif attention:
+        lines.append(f"  bf16 attention: unknown ({attention['reason']})")
     shm = report["shm"]
     lines += ["", f"Shared memory: {shm['path']} {_mib(shm['free_bytes'])} free of "
               f"{_mib(shm['total_bytes'])}"

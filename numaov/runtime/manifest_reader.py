@@ -102,10 +102,11 @@ class ModelManifest:
     def attention_kernel(self, config: Mapping[str, Any] | None = None) -> str:
         """Which kernel `compile_rank` gives plain attention under ``config``: ``"numaov"``
         (bf16 and NUMAOV_ATTENTION allows it) or ``"openvino"``."""
-        from numaov.custom_ops.flash_attention import use_numaov_attention
+        from numaov.custom_ops.flash_attention import attention_setting, use_numaov_attention
 
+        setting = attention_setting()  # checked for every model, so a typo never waits for bf16
         hint = (config or {}).get("INFERENCE_PRECISION_HINT", self.inference_precision)
-        return "numaov" if _is_bf16(hint) and use_numaov_attention() else "openvino"
+        return "numaov" if _is_bf16(hint) and use_numaov_attention(setting) else "openvino"
 
     def source_checkpoint_dir(self, other_backends: str) -> Path:
         """The checkpoint the model was exported from, for the PyTorch backend."""

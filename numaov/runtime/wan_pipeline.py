@@ -273,11 +273,15 @@ class OpenVINODenoiser(Denoiser):
 
     def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
         self._manifest, self._config = manifest, dict(config or {})
+        # numaov's attention leaves no MHA snippet behind, so it needs no second compilation.
+        self.attention = manifest.attention_kernel(config)
         self._compiled = manifest.compile_rank(0, config)
         self._request = self._compiled.create_infer_request()
         self._single_token_request = None
 
     def _request_for(self, hidden_states: np.ndarray) -> Any:
+        if self.attention == "numaov":
+            return self._request
         if video_tokens(self._manifest.config, hidden_states.shape) != 1:
             return self._request
         if self._single_token_request is None:
@@ -634,7 +638,12 @@ def run_wan(
     if workers == 1:
         start = time.perf_counter()
         denoiser = open_denoiser(manifest, backend)
-        report(f"loaded the model on {backend} in {time.perf_counter() - start:.1f} s")
+        attention = getattr(denoiser, "attention", None)
+        report(
+            f"loaded the model on {backend}"
+            + (f" (attention: {attention}'s)" if attention else "")
+            + f" in {time.perf_counter() - start:.1f} s"
+        )
         try:
             latents, seconds = sample(
                 BatchedGuidance(denoiser, text, negative), shape, request, progress, layout
