@@ -217,6 +217,28 @@ struct Scratch {
     std::vector<RowBlock> blocks;
 };
 
+// The one step both products are made of: the 32x32 fp32 block in tmm0-3 +=
+// a 32 x 32 bf16 block of A (rows of `row` elements, from `a`) times a 32 x 32
+// bf16 block of B (two 1 KiB tiles of pairs, at `b` and `b + b_next`).
+NUMAOV_TARGET_AMX inline void tile_product(const uint16_t* a, size_t row, const uint32_t* b, size_t b_next) {
+    _tile_loadd(4, a, row * 2);
+    _tile_loadd(5, a + 16 * row, row * 2);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + b_next, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
+// tmm0-3, a 32x32 fp32 block, to `c` in rows of `row` floats.
+NUMAOV_TARGET_AMX inline void store_result(float* c, size_t row) {
+    _tile_stored(0, c, row * 4);
+    _tile_stored(1, c + kTileN, row * 4);
+    _tile_stored(2, c + 16 * row, row * 4);
+    _tile_stored(3, c + 16 * row + kTileN, row * 4);
+}
+
 // scores[32][kBlockN] = Q_block (32 x Dp) . K[n0 : n0 + kBlockN]^T
 NUMAOV_TARGET_AMX void block_scores(const Geometry& g, const PackedHead& head, size_t n0, const RowBlock& rb,
                                     float* scores) {
@@ -229,19 +251,9 @@ NUMAOV_TARGET_AMX void block_scores(const Geometry& g, const PackedHead& head, s
         _tile_zero(3);
         for (size_t ks = 0; ks < Dp; ks += kTileK) {
             const uint32_t* b = head.keys + ((n0 + nc) / kTileN) * tile_stride + (ks / 2) * kTileN;
-            _tile_loadd(4, q + ks, Dp * 2);
-            _tile_loadd(5, q + 16 * Dp + ks, Dp * 2);
-            _tile_loadd(6, b, 64);
-            _tile_loadd(7, b + tile_stride, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            tile_product(q + ks, Dp, b, tile_stride);
         }
-        _tile_stored(0, scores + nc, kBlockN * 4);
-        _tile_stored(1, scores + nc + kTileN, kBlockN * 4);
-        _tile_stored(2, scores + 16 * kBlockN + nc, kBlockN * 4);
-        _tile_stored(3, scores + 16 * kBlockN + nc + kTileN, kBlockN * 4);
+        store_result(scores + nc, kBlockN);
     }
     NUMAOV_MEMORY_BARRIER();
 }
@@ -301,19 +313,9 @@ NUMAOV_TARGET_AMX void block_values(const Geometry& g, const PackedHead& head, s
         _tile_loadd(3, acc + 16 * Dp + dc + kTileN, Dp * 4);
         for (size_t kn = 0; kn < kBlockN; kn += kTileK) {
             const uint32_t* b = head.values + (dc / kTileN) * tile_stride + ((n0 + kn) / 2) * kTileN;
-            _tile_loadd(4, p + kn, kBlockN * 2);
-            _tile_loadd(5, p + 16 * kBlockN + kn, kBlockN * 2);
-            _tile_loadd(6, b, 64);
-            _tile_loadd(7, b + tile_stride, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            tile_product(p + kn, kBlockN, b, tile_stride);
         }
-        _tile_stored(0, acc + dc, Dp * 4);
-        _tile_stored(1, acc + dc + kTileN, Dp * 4);
-        _tile_stored(2, acc + 16 * Dp + dc, Dp * 4);
-        _tile_stored(3, acc + 16 * Dp + dc + kTileN, Dp * 4);
+        store_result(acc + dc, Dp);
     }
     NUMAOV_MEMORY_BARRIER();
 }
