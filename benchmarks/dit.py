@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from numaov.custom_ops import add_extension
-from numaov.custom_ops.flash_attention import flash_attention, swap_attention, use_numaov_attention
+from numaov.custom_ops.flash_attention import attention_kernel, flash_attention, swap_attention
 from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import compile_config, convert_to_ir
 from numaov.exporter.wan_export import FFN_COLUMN_BLOCK
@@ -267,13 +267,15 @@ def torch_runner(name: str, model: torch.nn.Module, dtype: torch.dtype) -> Runne
     return Runner(name, run, 0)
 
 
-def compile_ir(core, xml: Path | str, precision: str, attention: str = "openvino"):
-    """Compile an IR; ``attention="numaov"`` first swaps in numaov's AMX flash attention, as
-    the runtime does for bf16 models (``NUMAOV_ATTENTION``)."""
+def compile_ir(
+    core, xml: Path | str, precision: str, attention: str = "openvino", extra: dict | None = None
+):
+    """Compile an IR (plus ``extra`` properties); ``attention="numaov"`` first swaps in
+    numaov's AMX flash attention, as the runtime does for bf16 models (``NUMAOV_ATTENTION``)."""
     model = core.read_model(str(xml))
     if attention == "numaov":
         swap_attention(model)
-    return core.compile_model(model, "CPU", compile_config(precision))
+    return core.compile_model(model, "CPU", {**compile_config(precision), **(extra or {})})
 
 
 def openvino_runner(
@@ -322,10 +324,7 @@ def _memory_probe(
     base = _status_bytes("VmRSS")
     core = ov.Core()
     add_extension(core)
-    model = core.read_model(xml)
-    if attention == "numaov":
-        swap_attention(model)
-    compiled = core.compile_model(model, "CPU", {**compile_config(precision), "PERF_COUNT": "YES"})
+    compiled = compile_ir(core, xml, precision, attention, {"PERF_COUNT": "YES"})
     request = compiled.create_infer_request()
     result: dict[str, float] = {"compiled": _status_bytes("VmRSS") - base}
     for tokens in sorted(token_counts):  # VmHWM only grows: smallest size first
@@ -375,7 +374,7 @@ def attention_alone(core, tokens: int, heads: int, head_dim: int, rounds: int) -
         Runner("torch sdpa bf16", torch_sdpa, 0),
         Runner("openvino sdpa bf16", lambda _: request.infer([q, k, v])[0].copy(), 0),
     ]
-    if use_numaov_attention():
+    if attention_kernel("bf16") == "numaov":
         runners.append(Runner("numaov flash attention", lambda _: flash_attention(q, k, v), 0))
     reference = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(x) for x in (q, k, v))
@@ -513,7 +512,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     # either inference precision, as a user of openvino.convert_model would.
     # numaov's bf16 IR runs as the runtime runs it: with numaov's AMX flash attention where
     # the CPU has AMX (and NUMAOV_ATTENTION allows), and also with OpenVINO's own attention.
-    attention = "numaov" if use_numaov_attention() else "openvino"
+    attention = attention_kernel("bf16")
     log(f"numaov bf16 attention: {attention}'s")
     add_extension(core)
     compiled = {}

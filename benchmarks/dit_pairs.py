@@ -40,7 +40,7 @@ from dit import (
 )
 
 from numaov.custom_ops import add_extension
-from numaov.custom_ops.flash_attention import use_numaov_attention
+from numaov.custom_ops.flash_attention import attention_kernel
 from numaov.models.wan import WanTransformer
 
 OUT = Path(__file__).resolve().parent / "out" / "dit_pairs.json"
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(SEED)
     torch.set_num_threads(os.cpu_count() or 1)
-    attention = "numaov" if use_numaov_attention() else "openvino"
+    attention = attention_kernel("bf16")
     with tempfile.TemporaryDirectory(prefix="numaov-dit-pairs-") as work:
         checkpoint = build_checkpoint(Path(work) / "ckpt", WIDTH_1_3B)
         _, irs, _ = export_numaov(checkpoint, Path(work) / "numaov")

@@ -84,18 +84,19 @@ def _attention_info() -> dict[str, Any]:
     "numaov", "openvino" or None (the setting is wrong: ``reason`` says why)."""
     from numaov.custom_ops.flash_attention import (
         amx_unavailable_reason,
+        attention_kernel,
         attention_setting,
-        use_numaov_attention,
     )
 
     try:
-        setting = attention_setting()
-        if use_numaov_attention(setting):
-            return {"kernel": "numaov", "setting": setting, "reason": "AMX is usable"}
+        setting, kernel = attention_setting(), attention_kernel("bf16")
     except NumaovError as exc:
         return {"kernel": None, "setting": None, "reason": str(exc)}
-    reason = "as set" if setting == "openvino" else amx_unavailable_reason()
-    return {"kernel": "openvino", "setting": setting, "reason": reason}
+    if kernel == "numaov":
+        reason = "AMX is usable"
+    else:
+        reason = "as set" if setting == "openvino" else amx_unavailable_reason()
+    return {"kernel": kernel, "setting": setting, "reason": reason}
 
 
 def _shm_needed(world_size: int) -> int | None:

@@ -24,12 +24,6 @@ SUPPORTED_FORMAT_VERSION = 1
 _PRECISIONS = ("f32", "bf16")
 
 
-
-def _is_bf16(precision: Any) -> bool:
-    """An INFERENCE_PRECISION_HINT value, as a string ("bf16") or an ``openvino.Type``."""
-    name = getattr(precision, "get_type_name", None)
-    return (name() if callable(name) else str(precision)) == "bf16"
-
 class ModelDirError(NumaovError):
     """A model directory that is missing, incomplete, or not what the command expects."""
 
@@ -102,11 +96,11 @@ class ModelManifest:
     def attention_kernel(self, config: Mapping[str, Any] | None = None) -> str:
         """Which kernel `compile_rank` gives plain attention under ``config``: ``"numaov"``
         (bf16 and NUMAOV_ATTENTION allows it) or ``"openvino"``."""
-        from numaov.custom_ops.flash_attention import attention_setting, use_numaov_attention
+        from numaov.custom_ops.flash_attention import attention_kernel
 
-        setting = attention_setting()  # checked for every model, so a typo never waits for bf16
-        hint = (config or {}).get("INFERENCE_PRECISION_HINT", self.inference_precision)
-        return "numaov" if _is_bf16(hint) and use_numaov_attention(setting) else "openvino"
+        return attention_kernel(
+            (config or {}).get("INFERENCE_PRECISION_HINT", self.inference_precision)
+        )
 
     def source_checkpoint_dir(self, other_backends: str) -> Path:
         """The checkpoint the model was exported from, for the PyTorch backend."""
