@@ -67,6 +67,8 @@ def _assert_bf16_accurate(ours: np.ndarray, q, k, v, scale=None) -> None:
         ((1, 2, 1, 64), 16),  # one query row (a single video token)
         ((1, 1, 129, 80), 1),  # one key: every weight is 1
         ((1, 2, 600, 128), 300),  # a query group longer than one pass, uneven keys
+        ((1, 2, 20, 64), 300),  # one row block over several key blocks
+        ((1, 1, 270, 64), 400),  # a last group of one row block
     ],
 )
 def test_kernel_matches_torch_attention(shape, kv_len) -> None:
@@ -84,6 +86,20 @@ def test_kernel_scale_and_large_scores() -> None:
         assert np.isfinite(ours).all()
         _assert_bf16_accurate(ours, q, k, v, scale)
     assert np.abs(flash_attention(q, k, v, 0.3) - flash_attention(q, k, v)).max() > 0.1
+
+
+@needs_amx
+@pytest.mark.parametrize("q_len", [20, 100])  # one row block, several
+@pytest.mark.parametrize("growth", [0.5, 40.0])
+def test_kernel_running_max_that_rises_over_the_keys(q_len: int, growth: float) -> None:
+    # Key norms rising along the sequence move each row's running max in later key blocks:
+    # by less than the kernel's slack (probabilities above 1, no rescale) or by far more
+    # (output rows rescaled). Both must match fp32 attention as well as PyTorch's bf16 does.
+    q, k, v = _qkv((1, 2, q_len, 64), 640)
+    k *= np.linspace(1.0, 1.0 + growth, 640, dtype=np.float32)[:, None]
+    ours = flash_attention(q, k, v)
+    assert np.isfinite(ours).all()
+    _assert_bf16_accurate(ours, q, k, v)
 
 
 @needs_amx

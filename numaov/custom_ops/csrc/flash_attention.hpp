@@ -6,7 +6,9 @@
 // than PyTorch's CPU flash attention and this kernel (benchmarks/RESULTS.md).
 // This kernel keeps a 32-row block of queries in tiles, streams 128 keys at a
 // time through an online (running max / running sum) softmax, and accumulates
-// P V back into the same fp32 rows.
+// P V back into the same fp32 rows. The tile products of the neighbouring
+// blocks (the previous one's P V, the next one's Q K^T) are issued between the
+// rows of a block's softmax, so the tile unit and the vector units overlap.
 //
 // Numerics: Q, K, V and the probabilities are rounded to bf16 for the tile
 // products (as OpenVINO's bf16 inference precision and PyTorch's bf16 SDPA do);
