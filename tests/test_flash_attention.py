@@ -103,6 +103,19 @@ def test_kernel_running_max_that_rises_over_the_keys(q_len: int, growth: float) 
 
 
 @needs_amx
+def test_kernel_minus_infinity_scores_weigh_nothing() -> None:
+    # -inf scores (here a whole first key block, and some later keys) get weight 0 as in
+    # PyTorch, and do not poison the running max of their rows.
+    q, k, v = _qkv((1, 2, 40, 32), 300)
+    q[..., 0] = np.abs(q[..., 0]) + 0.5
+    k[:, :, :128, 0] = -np.inf
+    k[:, :, 200:210, 0] = -np.inf
+    ours = flash_attention(q, k, v)
+    assert np.isfinite(ours).all()
+    _assert_bf16_accurate(ours, q, k, v)
+
+
+@needs_amx
 def test_kernel_reads_and_writes_heads_second_layout() -> None:
     # [B, S, H, D] in and out is the same computation as [B, H, S, D]: bit for bit.
     q, k, v = _qkv((2, 3, 40, 64), 70)

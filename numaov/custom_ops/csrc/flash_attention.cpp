@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <new>
 #include <stdexcept>
 #include <vector>
@@ -121,7 +120,9 @@ NUMAOV_TARGET_AMX void read_row(const void* base, bool bf16, size_t offset, size
     }
 }
 
-// 2^x for x <= kMaxSlack (scores minus the running max); NaN stays NaN. The result is
+// 2^x for x up to about kMaxSlack (scores minus the running max); NaN stays NaN. Below
+// -126 the result stays 2^-126 (the smallest normal float): a weight of 1e-38 next to
+// the row max's 1, so a -inf score still weighs nothing measurable. The result is
 // rounded to bf16 for the P V product, so a degree-4 polynomial is enough.
 NUMAOV_TARGET_AMX inline __m512 exp2_ps(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);
@@ -173,8 +174,9 @@ NUMAOV_TARGET_AMX void pack_head(const Tensors& t, size_t k, size_t v, const Geo
     }
     for (size_t r = 0; r < SkP / 2; ++r) {
         const size_t n0 = 2 * r, n1 = 2 * r + 1;
-        read_row(t.v, t.bf16, v + n0 * v_row, n0 < Sk ? D : 0, row_a, Dp);
-        read_row(t.v, t.bf16, v + n1 * v_row, n1 < Sk ? D : 0, row_b, Dp);
+        // Rows past the keys read nothing (zero padding), from the first row's address.
+        read_row(t.v, t.bf16, v + (n0 < Sk ? n0 * v_row : 0), n0 < Sk ? D : 0, row_a, Dp);
+        read_row(t.v, t.bf16, v + (n1 < Sk ? n1 * v_row : 0), n1 < Sk ? D : 0, row_b, Dp);
         for (size_t d = 0; d < Dp; d += kTileN) {
             const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_a + d)));
             const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_b + d)));
@@ -360,14 +362,15 @@ NUMAOV_TARGET_AMX void block_softmax(const Geometry& g, size_t valid, const floa
         const float block_max = _mm512_reduce_max_ps(vmax) * g.log2_scale;
         const float old_max = rb.max[r];
         __m512 vsum = _mm512_load_ps(rb.sum[r]);
-        if (block_max > old_max + kMaxSlack || old_max == -INFINITY) {
+        // A row whose scores are all -inf so far keeps max -inf (its probabilities are 0).
+        if (block_max > old_max + kMaxSlack || (old_max == -INFINITY && block_max != -INFINITY)) {
             const __m512 a = exp2_ps(_mm512_set1_ps(old_max - block_max));
             vsum = _mm512_mul_ps(vsum, a);
             float* acc = rb.acc + r * Dp;
             for (size_t d = 0; d < Dp; d += 16) _mm512_store_ps(acc + d, _mm512_mul_ps(a, _mm512_load_ps(acc + d)));
             rb.max[r] = block_max;
         }
-        const __m512 shift = _mm512_set1_ps(rb.max[r]);
+        const __m512 shift = _mm512_set1_ps(rb.max[r] == -INFINITY ? 0.0f : rb.max[r]);
         uint16_t* prob_row = probs + r * kBlockN;
         for (size_t j = 0; j < kBlockN / 16; ++j) {
             __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(row + 16 * j), c, shift));
@@ -398,7 +401,8 @@ NUMAOV_TARGET_AMX void attend_group(const Tensors& t, const Geometry& g, const P
         RowBlock& rb = s.blocks[b];
         for (size_t r = 0; r < kBlockM; ++r) {
             const size_t row = b * kBlockM + r;
-            read_row(t.q, t.bf16, q + (q0 + row) * q_row, row < rows ? D : 0, rb.query + r * Dp, Dp);
+            read_row(t.q, t.bf16, q + (row < rows ? (q0 + row) * q_row : 0), row < rows ? D : 0, rb.query + r * Dp,
+                     Dp);
             rb.max[r] = -INFINITY;
             std::fill(rb.sum[r], rb.sum[r] + 16, 0.0f);
         }
@@ -447,6 +451,15 @@ NUMAOV_TARGET_AMX void attend_group(const Tensors& t, const Geometry& g, const P
 
 NUMAOV_TARGET_AMX void release_tiles() { _tile_release(); }
 
+// A thread's use of the tiles: configured on entry, released on exit, also when an
+// exception leaves the thread's work early.
+struct TileSession {
+    TileSession() { load_tile_config(); }
+    ~TileSession() { release_tiles(); }
+    TileSession(const TileSession&) = delete;
+    TileSession& operator=(const TileSession&) = delete;
+};
+
 }  // namespace
 
 bool amx_usable() { return amx_state().usable; }
@@ -486,7 +499,7 @@ void flash_attention(const Tensors& t, const Shape& shape, float scale) {
         Scratch scratch(g);
         const PackedHead head{scratch.keys.data(), scratch.values.data()};
         size_t packed_head = heads;  // none yet
-        load_tile_config();
+        const TileSession tiles;
         for (size_t item = begin; item < end; ++item) {
             const size_t h = item / groups, q0 = (item % groups) * group_rows;
             if (h != packed_head) {
@@ -496,7 +509,6 @@ void flash_attention(const Tensors& t, const Shape& shape, float scale) {
             }
             attend_group(t, g, head, offset(t.q_strides, h), offset(t.out_strides, h), q0, scratch);
         }
-        release_tiles();
     });
 }
 
