@@ -640,6 +640,25 @@ class WanTransformer(nn.Module):
                 f"[{batch}, text_length, {config.text_dim}]"
             )
 
+    def embed_patches(self, hidden_states: Tensor) -> Tensor:
+        """``[B, C_in, F, H, W]`` latents -> ``[B, L, C]`` tokens, frame-major.
+
+        The same function as ``patch_embedding`` (a Conv3d whose stride is its kernel)
+        followed by the tokens-first transpose, computed as one matrix product over
+        flattened patches: the transpose then moves the 16-channel latents rather than the
+        1,536-channel embeddings, and OpenVINO runs the product as a FullyConnected
+        instead of a convolution plus a Reorder and a Transpose of the embeddings.
+        """
+        batch, channels, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.config.patch_size
+        patches = hidden_states.reshape(
+            batch, channels, frames // p_t, p_t, height // p_h, p_h, width // p_w, p_w
+        )
+        # [B, F', H', W', C_in, p_t, p_h, p_w]: a patch's values in the conv weight's order
+        patches = patches.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4).flatten(1, 3)
+        conv = self.patch_embedding
+        return F.linear(patches, conv.weight.flatten(1), conv.bias)
+
     def forward(
         self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor
     ) -> Tensor:
@@ -664,8 +683,7 @@ class WanTransformer(nn.Module):
 
         # 1. Patch & position embedding
         rotary = self.rope(*grid, device=hidden_states.device)
-        hidden_states = self.patch_embedding(hidden_states)  # [B, C, F', H', W']
-        hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()  # [B, L, C]
+        hidden_states = self.embed_patches(hidden_states)  # [B, L, C]
 
         # 2. Condition embeddings
         # timestep [B] -> temb [B, C], modulation [B, 6, C];
