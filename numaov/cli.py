@@ -119,8 +119,9 @@ def _demo_deepseek(out_dir: Path, progress: Callable[[str], None] | None) -> lis
         f"  {len(prompts)} prompts x {new_tokens} greedy tokens: OpenVINO == torch tokens for "
         f"{same}/{len(prompts)} prompts; logits max rel error {error:.2g}",
         f"  decode: torch {torch_rate:.0f} tokens/s, OpenVINO {ov_rate:.0f} tokens/s "
-        f"({ov_rate / torch_rate:.2f}x); prefill torch {torch_run.prefill_seconds * 1e3:.1f} ms, "
-        f"OpenVINO {ov_run.prefill_seconds * 1e3:.1f} ms",
+        f"({ov_rate / torch_rate:.2f}x); first prefill (with each backend's one-time setup) "
+        f"torch {torch_run.prefill_seconds * 1e3:.1f} ms, OpenVINO "
+        f"{ov_run.prefill_seconds * 1e3:.1f} ms; `numaov bench deepseek` times warm rounds",
     ]
 
 
