@@ -413,13 +413,12 @@ NUMAOV_TARGET_AMX void attend_group(const Tensors& t, const Geometry& g, const P
     // the tile work of its neighbours: item i - 1's P V and item i + 1's scores.
     // Scores and probabilities are double-buffered by item parity.
     const size_t items = ((Sk + kBlockN - 1) / kBlockN) * blocks;
-    const size_t score_size = kBlockM * kBlockN;
-    auto scores_of = [&](size_t i) {
-        return ScoreSteps(g, head, (i / blocks) * kBlockN, s.blocks[i % blocks], s.scores.data() + (i % 2) * score_size);
-    };
-    auto values_of = [&](size_t i) {
-        return ValueSteps(g, head, (i / blocks) * kBlockN, s.probs.data() + (i % 2) * score_size, s.blocks[i % blocks]);
-    };
+    auto first_key = [&](size_t i) { return (i / blocks) * kBlockN; };
+    auto row_block = [&](size_t i) -> RowBlock& { return s.blocks[i % blocks]; };
+    auto score_buffer = [&](size_t i) { return s.scores.data() + (i % 2) * kBlockM * kBlockN; };
+    auto prob_buffer = [&](size_t i) { return s.probs.data() + (i % 2) * kBlockM * kBlockN; };
+    auto scores_of = [&](size_t i) { return ScoreSteps(g, head, first_key(i), row_block(i), score_buffer(i)); };
+    auto values_of = [&](size_t i) { return ValueSteps(g, head, first_key(i), prob_buffer(i), row_block(i)); };
     TileSteps{ValueSteps(), scores_of(0)}.run_all();
     for (size_t i = 0; i < items; ++i) {
         TileSteps work{i > 0 ? values_of(i - 1) : ValueSteps(), i + 1 < items ? scores_of(i + 1) : ScoreSteps()};
@@ -428,8 +427,7 @@ NUMAOV_TARGET_AMX void attend_group(const Tensors& t, const Geometry& g, const P
             TileSteps{work.values, ScoreSteps()}.run_all();
             work.values = ValueSteps();
         }
-        block_softmax(g, std::min(kBlockN, Sk - (i / blocks) * kBlockN), s.scores.data() + (i % 2) * score_size,
-                      s.blocks[i % blocks], s.probs.data() + (i % 2) * score_size, work);
+        block_softmax(g, std::min(kBlockN, Sk - first_key(i)), score_buffer(i), row_block(i), prob_buffer(i), work);
     }
     TileSteps{values_of(items - 1), ScoreSteps()}.run_all();
     for (size_t row = 0; row < rows; ++row) {
