@@ -106,8 +106,7 @@ bool FlashAttention::evaluate(ov::TensorVector& outputs, const ov::TensorVector&
     outputs[0].set_shape(as_layout(q, m_layouts[3]));
     const attention::Shape shape{q[0], q[1], q[2], k[2], q[3]};
     auto strides = [&](size_t i, size_t length) {
-        return attention::strides_of(is_bshd(m_layouts[i]) ? attention::Layout::bshd : attention::Layout::bhsd,
-                                     shape.heads, length, shape.head_dim);
+        return attention::strides_of(attention::layout_named(m_layouts[i]), shape.heads, length, shape.head_dim);
     };
     const auto type = inputs[0].get_element_type();
     for (const auto& t : {inputs[1], inputs[2], outputs[0]}) {

@@ -464,6 +464,12 @@ bool amx_usable() { return amx_state().usable; }
 
 std::string amx_unavailable_reason() { return amx_state().reason; }
 
+Layout layout_named(const std::string& name) {
+    if (name == "bhsd") return Layout::bhsd;
+    if (name == "bshd") return Layout::bshd;
+    throw std::invalid_argument("layout '" + name + "'; expected 'bhsd' or 'bshd'");
+}
+
 Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim) {
     if (layout == Layout::bshd) return {length * heads * head_dim, head_dim, heads * head_dim};
     return {heads * length * head_dim, length * head_dim, head_dim};

@@ -46,6 +46,9 @@ struct Strides {
 
 enum class Layout { bhsd, bshd };
 
+// "bhsd" or "bshd" as a Layout; any other name throws std::invalid_argument naming it.
+Layout layout_named(const std::string& name);
+
 Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim);
 
 // q, k, v and out share one element type: f32, or bf16 (what OpenVINO's bf16

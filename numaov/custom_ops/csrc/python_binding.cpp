@@ -177,11 +177,7 @@ PYBIND11_MODULE(_native, m) {
             if (layouts.size() != 4) throw std::invalid_argument("layouts are those of q, k, v and out");
             const at::Shape s{shape[0], shape[1], shape[2], shape[3], shape[4]};
             auto strides = [&](size_t i, size_t length) {
-                if (layouts[i] != "bhsd" && layouts[i] != "bshd") {
-                    throw std::invalid_argument("layout '" + layouts[i] + "'; expected 'bhsd' or 'bshd'");
-                }
-                const auto layout = layouts[i] == "bshd" ? at::Layout::bshd : at::Layout::bhsd;
-                return at::strides_of(layout, s.heads, length, s.head_dim);
+                return at::strides_of(at::layout_named(layouts[i]), s.heads, length, s.head_dim);
             };
             const at::Tensors tensors{address<const void>(q), address<const void>(k), address<const void>(v),
                                       address<void>(out),     strides(0, s.q_len),   strides(1, s.kv_len),
