@@ -47,9 +47,11 @@ def _torch_attention(q, k, v, scale=None, dtype=torch.float32) -> np.ndarray:
 
 
 def _assert_bf16_accurate(ours: np.ndarray, q, k, v, scale=None) -> None:
-    """``ours`` is as close to fp32 attention as PyTorch's bf16 SDPA is (see the docstring)."""
+    """``ours`` is finite and as close to fp32 attention as PyTorch's bf16 SDPA is (see the
+    docstring)."""
     reference = _torch_attention(q, k, v, scale)
     assert ours.shape == reference.shape and ours.dtype == np.float32
+    assert np.isfinite(ours).all()
     torch_bf16 = _torch_attention(q, k, v, scale, dtype=torch.bfloat16)
     error, torch_error = (float(np.abs(x - reference).max()) for x in (ours, torch_bf16))
     print(f"q {q.shape} k {k.shape} scale {scale}: numaov {error:.2e}, torch bf16 "
@@ -82,9 +84,7 @@ def test_kernel_scale_and_large_scores() -> None:
     # be used instead of 1/sqrt(D).
     q, k, v = _qkv((1, 2, 70, 64), 200, q_gain=30.0)
     for scale in (None, 0.3):
-        ours = flash_attention(q, k, v, scale)
-        assert np.isfinite(ours).all()
-        _assert_bf16_accurate(ours, q, k, v, scale)
+        _assert_bf16_accurate(flash_attention(q, k, v, scale), q, k, v, scale)
     assert np.abs(flash_attention(q, k, v, 0.3) - flash_attention(q, k, v)).max() > 0.1
 
 
@@ -97,9 +97,7 @@ def test_kernel_running_max_that_rises_over_the_keys(q_len: int, growth: float) 
     # (output rows rescaled). Both must match fp32 attention as well as PyTorch's bf16 does.
     q, k, v = _qkv((1, 2, q_len, 64), 640)
     k *= np.linspace(1.0, 1.0 + growth, 640, dtype=np.float32)[:, None]
-    ours = flash_attention(q, k, v)
-    assert np.isfinite(ours).all()
-    _assert_bf16_accurate(ours, q, k, v)
+    _assert_bf16_accurate(flash_attention(q, k, v), q, k, v)
 
 
 @needs_amx
@@ -110,9 +108,7 @@ def test_kernel_minus_infinity_scores_weigh_nothing() -> None:
     q[..., 0] = np.abs(q[..., 0]) + 0.5
     k[:, :, :128, 0] = -np.inf
     k[:, :, 200:210, 0] = -np.inf
-    ours = flash_attention(q, k, v)
-    assert np.isfinite(ours).all()
-    _assert_bf16_accurate(ours, q, k, v)
+    _assert_bf16_accurate(flash_attention(q, k, v), q, k, v)
 
 
 @needs_amx
