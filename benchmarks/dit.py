@@ -379,16 +379,9 @@ def attention_alone(core, tokens: int, heads: int, head_dim: int, rounds: int) -
     reference = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(x) for x in (q, k, v))
     ).numpy()
-    best = {r.name: float("inf") for r in runners}
-    errors = {}
-    for _ in range(rounds + 1):  # the first round warms up and is not counted
-        for runner in runners:
-            start = time.perf_counter()
-            out = runner.run({})
-            seconds = time.perf_counter() - start
-            if _:
-                best[runner.name] = min(best[runner.name], seconds)
-            errors[runner.name] = float(np.abs(out - reference).max())
+    results = time_round_robin(runners, {}, rounds, reference)
+    best = {name: result["best_s"] for name, result in results.items()}
+    errors = {name: result["max_abs_diff_vs_reference"] for name, result in results.items()}
     log(f"\n== attention alone: [1, {heads}, {tokens}, {head_dim}], best of {rounds} ==")
     for name, seconds in best.items():
         log(f"  {name:24s} {seconds * 1e3:8.1f} ms   max|diff| vs torch fp32 {errors[name]:.1e}")
@@ -420,10 +413,10 @@ def time_round_robin(
     runners: list[Runner],
     inputs: dict[str, np.ndarray],
     rounds: int,
-    reference: str = "torch eager fp32",
+    reference: str | np.ndarray = "torch eager fp32",
 ) -> dict:
     """Warm up, then ``rounds`` rounds of one forward per runner; outputs are compared with
-    the ``reference`` runner's."""
+    the ``reference`` runner's (or with ``reference`` itself, when it is an array)."""
     results = {}
     outputs = {}
     for runner in runners:  # warm-up (OpenVINO shape inference, allocator, caches)
@@ -435,11 +428,11 @@ def time_round_robin(
             start = time.perf_counter()
             runner.run(inputs)
             results[runner.name]["times_s"].append(time.perf_counter() - start)
-    expected = outputs[reference]
+    expected = outputs[reference] if isinstance(reference, str) else reference
     scale = float(np.abs(expected).max())
     for name, result in results.items():
         result["best_s"] = min(result["times_s"])
-        result["reference"] = reference
+        result["reference"] = reference if isinstance(reference, str) else "given"
         result["max_abs_diff_vs_reference"] = float(np.abs(outputs[name] - expected).max())
         result["output_scale"] = scale
     return results
