@@ -3,12 +3,14 @@
 One tiny DP-attention MoE step (own rows -> every rank's rows -> expert shard -> own rows) is
 exported once per dtype and used throughout: the ONNX nodes and their attributes, OpenVINO's
 ONNX reading and IR round trip, shape inference, and two spawned ranks that run the IR and the
-eager torch ops over shared memory against plain float64 math.
+eager torch ops over shared memory against plain float64 math. Last, two spawned ranks where one
+rank's OpenVINO op refuses its input: the other rank stops at once, not at the timeout.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import onnx
 import openvino as ov
 import pytest
 import torch
+from collectives_harness import run_ranks, shm_leftovers, unique_name
 from onnx import TensorProto, helper
 
 from numaov.custom_ops import (
@@ -330,6 +333,54 @@ def test_world_size_mismatch_and_unknown_group_are_named(exported, solo_group) -
         _module(torch.float32)(torch.from_numpy(xs[0]), torch.from_numpy(gates[0]))
 
 
+def _gloo_named_group(rank: int, world: int, args: dict) -> dict[str, str]:
+    """A GlooCommunicator under a group name, seen through every lookup of that name."""
+    import torch.distributed as dist
+
+    from numaov.custom_ops.collectives import (
+        CollectiveError,
+        GlooCommunicator,
+        ShmCommunicator,
+        destroy_communicator,
+        find_communicator,
+    )
+
+    dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank,
+                            world_size=world)
+    gloo = GlooCommunicator(args["group"], dist.group.WORLD)
+    seen = {"python": type(find_communicator(args["group"])).__name__}
+    # The eager op runs on it: the same registry entry.
+    seen["eager"] = str(all_reduce(torch.ones(2), args["group"], 1).tolist())
+    compiled = _core().compile_model(args["model"], "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    try:
+        compiled(np.ones((2, 3), np.float32))
+    except RuntimeError as exc:
+        seen["openvino"] = str(exc)
+    try:
+        ShmCommunicator(args["group"], 0, 1, job_id=args["group"], timeout_s=10)
+    except CollectiveError as exc:
+        seen["shm"] = str(exc)
+    destroy_communicator(args["group"])
+    try:
+        gloo.barrier()
+    except CollectiveError as exc:
+        seen["after"] = str(exc)
+    dist.destroy_process_group()
+    return seen
+
+
+def test_a_gloo_group_name_is_one_entry_that_openvino_refuses_by_name(tmp_path: Path) -> None:
+    group = unique_name("gloo-named")
+    model = _single_node_onnx(tmp_path / "m.onnx", "AllReduce", ["n", 3], 1, group=group)
+    seen = run_ranks(1, _gloo_named_group,
+                     {"store": str(tmp_path / "store"), "group": group, "model": str(model)})[0]
+    assert seen["python"] == "GlooCommunicator" and seen["eager"] == "[1.0, 1.0]", seen
+    assert ("AllReduce 'y'" in seen["openvino"] and f"collective group '{group}' is a "
+            "GlooCommunicator" in seen["openvino"] and "cannot run" in seen["openvino"]), seen
+    assert "already has a communicator in this process (a GlooCommunicator)" in seen["shm"], seen
+    assert "destroyed" in seen["after"], seen
+
+
 # ---------------------------------------------------------------------------------------------
 # (b) two spawned ranks over shared memory: OpenVINO IR == eager torch ops == plain math
 # ---------------------------------------------------------------------------------------------
@@ -388,3 +439,88 @@ def test_two_ranks_openvino_matches_eager_and_plain_math(exported, two_cpus) -> 
                                            err_msg=f"{dtype} case {case} rank {rank} eager")
                 np.testing.assert_allclose(openvino, eager, **tol,
                                            err_msg=f"{dtype} case {case} rank {rank} OV/eager")
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) an OpenVINO op error on one rank fails the peers well before the timeout
+# ---------------------------------------------------------------------------------------------
+
+# The communicators' timeout in these scenarios: the peers must stop far sooner than this.
+FAIL_TIMEOUT_S = 30.0
+# The faulty rank starts this late, so its peer is already waiting inside the collective.
+LATE_S = 0.5
+# Each scenario: (op, rows fed by rank 0 and rank 1, world_size each rank's model was exported
+# for, whether rank 1's model names a group this process does not have). Rank 1 is the faulty one.
+FAILURES = {
+    "shape": ("ReduceScatterTensor", (4, 5), (2, 2), False),   # 5 rows do not split over 2 ranks
+    "world-size": ("AllReduce", (4, 4), (2, 3), False),        # rank 1's model is for 3 ranks
+    "unknown-group": ("AllGatherIntoTensor", (4, 4), (2, 2), True),
+}
+
+
+def _failing_rank(rank: int, world: int, args: dict) -> dict[str, tuple[str, float]]:
+    """Per scenario: this rank's error text and how long its inference took to raise."""
+    from numaov.custom_ops.collectives import ShmCommunicator
+
+    core = _core()
+    control = ShmCommunicator(args["prefix"] + "-control", rank, world, job_id=args["prefix"],
+                              timeout_s=120)
+    outcomes = {}
+    for name, paths in args["models"].items():
+        comm = ShmCommunicator(f"{args['prefix']}-{name}", rank, world, job_id=args["prefix"],
+                               timeout_s=FAIL_TIMEOUT_S)
+        compiled = core.compile_model(paths[rank], "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        x = np.ones((FAILURES[name][1][rank], 3), np.float32)
+        control.barrier()  # compiled on both ranks: only the inference is timed
+        if rank == 1:
+            time.sleep(LATE_S)
+        start = time.monotonic()
+        try:
+            compiled(x)
+            error = ""
+        except RuntimeError as exc:
+            error = str(exc)
+        elapsed = time.monotonic() - start
+        # As a worker does on an error: its communicators close (a peer still waiting sees it).
+        comm.close()
+        outcomes[name] = (error, elapsed)
+    control.close()
+    return outcomes
+
+
+def test_an_openvino_op_error_on_one_rank_fails_the_peers_at_once(tmp_path: Path) -> None:
+    prefix = unique_name("ov-fail")
+    models = {}
+    for name, (op_type, _, world_sizes, unknown) in FAILURES.items():
+        models[name] = [
+            str(_single_node_onnx(tmp_path / f"{name}-{rank}.onnx", op_type, ["n", 3],
+                                  world_sizes[rank],
+                                  group=f"{prefix}-{'nowhere' if unknown and rank else name}"))
+            for rank in range(2)
+        ]
+    results = run_ranks(2, _failing_rank, {"prefix": prefix, "models": models})
+    for name in FAILURES:
+        print(f"{name}: rank 0 raised after {results[0][name][1]:.3f} s, rank 1 after "
+              f"{results[1][name][1]:.3f} s (timeout {FAIL_TIMEOUT_S:.0f} s)")
+    faulty = {name: results[1][name][0] for name in FAILURES}
+    peer = {name: results[0][name][0] for name in FAILURES}
+
+    # The faulty rank names its op and what was wrong, at once.
+    assert "ReduceScatterTensor 'y': input dim 0 is 5; expected a multiple of world_size 2" in (
+        faulty["shape"]), faulty["shape"]
+    assert "exported for world_size 3 but communicator group" in faulty["world-size"], faulty
+    assert "AllGatherIntoTensor 'y'" in faulty["unknown-group"], faulty["unknown-group"]
+    assert f"collective group '{prefix}-nowhere' not found" in faulty["unknown-group"]
+    assert f"'{prefix}-unknown-group'" in faulty["unknown-group"]  # the groups it does have
+    for name in FAILURES:
+        assert results[1][name][1] < 2.0, (name, results[1][name])
+    # A known group is failed before the error is thrown: the waiting peer quotes it.
+    assert "group failed" in peer["shape"] and "input dim 0 is 5" in peer["shape"], peer
+    assert "group failed" in peer["world-size"] and "world_size 3" in peer["world-size"], peer
+    # An unknown group has nothing to fail; the peer stops when the faulty rank closes its own.
+    assert "rank 1 closed its communicator" in peer["unknown-group"], peer["unknown-group"]
+    # Well under the timeout: the peer waited for the late start (LATE_S), then stopped.
+    for name in FAILURES:
+        assert "timed out" not in peer[name], (name, peer[name])
+        assert results[0][name][1] < LATE_S + 3.0 < FAIL_TIMEOUT_S / 5, (name, results[0][name])
+    assert shm_leftovers(prefix) == []

@@ -3,10 +3,11 @@
 
 The third face, the OpenVINO ops that run those nodes, is C++ (``csrc/collective_ops.cpp``,
 loaded with :func:`numaov.custom_ops.add_extension`). All three faces move data through the
-same shared-memory communicator, found by *group name* in a process-wide registry
-(:func:`numaov.custom_ops.collectives.find_communicator` in Python, ``numaov::find_communicator``
-in C++): the name is the only process-group state that crosses an op boundary, so a traced graph,
-an ONNX file and an IR hold no handle and run unchanged on every rank.
+same shared-memory communicator, found by *group name* in the one process-wide registry (the
+C++ one, which :func:`numaov.custom_ops.collectives.find_communicator` reads from Python and
+``numaov::find_communicator`` from C++): the name is the only process-group state that crosses an
+op boundary, so a traced graph, an ONNX file and an IR hold no handle and run unchanged on every
+rank.
 
 ``world_size`` is an explicit argument rather than something read from the communicator because
 the output shape depends on it and must be known where no communicator exists: in the fake
@@ -117,10 +118,10 @@ def _communicator(op: str, group: str, world_size: int) -> Communicator:
     shaped its tensors for (a mismatch would move the wrong number of rows)."""
     comm = find_communicator(group)
     if comm.world_size != world_size:
-        raise CollectiveOpError(
-            f"{op}: called with world_size {world_size} but communicator group {group!r} has "
-            f"{comm.world_size} ranks; expected the group's world size"
-        )
+        message = (f"{op}: called with world_size {world_size} but communicator group {group!r} "
+                   f"has {comm.world_size} ranks; expected the group's world size")
+        comm.fail(message)  # as OpenVINO's ops do: peers already waiting stop at once
+        raise CollectiveOpError(message)
     return comm
 
 

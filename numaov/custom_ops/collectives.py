@@ -5,16 +5,23 @@ backend:
 
 - :class:`ShmCommunicator`: numaov's C++ shared-memory communicator (``csrc/communicator.cpp``),
   for ranks on one host. Creating one joins the group (every rank must create it) and registers
-  it under its group name both here and in the C++ registry that OpenVINO's collective ops read.
+  it under its group name.
 - :class:`GlooCommunicator`: ``torch.distributed`` with an existing process group, the reference
   the shared-memory one is tested and benchmarked against.
+
+There is one group registry per process, the C++ one (``csrc/communicator.hpp``): the Python
+functions below read and write it, and OpenVINO's collective ops read it, so a name means the
+same communicator everywhere. A :class:`GlooCommunicator` takes its name there too, but
+OpenVINO's ops cannot run on ``torch.distributed``: their lookup of such a name is refused with
+a message naming the transport, never a silent "not found".
 
 Buffers are numpy arrays or CPU torch tensors, C-contiguous, of float32, bfloat16 or float16.
 Sums are computed in fp32 in rank order and rounded to nearest even, so every rank gets the same
 bits. Every wait is bounded by ``timeout_s`` (default ``$NUMAOV_COLL_TIMEOUT_S``, else 60 s).
 Any error inside a shared-memory collective — a mismatch between ranks, a timeout, a dead peer,
-a bad argument — is raised as :class:`CollectiveError` on every rank of the group, and the
-communicator refuses further calls: create a new one.
+a bad argument, a bad input to one of OpenVINO's collective ops — is raised as
+:class:`CollectiveError` on every rank of the group, and the communicator refuses further calls:
+create a new one.
 
 Segment names are built from the user id, the host, a job id and the group name. The job id is
 the ``job_id`` argument, else ``$NUMAOV_JOB_ID``, else the session id of the process, which
@@ -27,7 +34,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
 from abc import ABC, abstractmethod
 from types import ModuleType
 from typing import Any, NoReturn
@@ -128,6 +134,9 @@ class Communicator(ABC):
     group: str
     rank: int
     world_size: int
+    #: The C++ communicator numaov's C++ collectives (OpenVINO's ops) run on, or None for a
+    #: transport they cannot run.
+    _native_comm: Any = None
 
     @abstractmethod
     def all_reduce(self, t: Any) -> None:
@@ -152,6 +161,12 @@ class Communicator(ABC):
     @abstractmethod
     def close(self) -> None:
         """Releases the transport; the group name then reads as destroyed."""
+
+    @abstractmethod
+    def fail(self, reason: str) -> None:
+        """For an error found before this rank's collective call: the group is failed, so peers
+        already waiting stop instead of waiting out the timeout, and this communicator refuses
+        further calls."""
 
     def all_gather(self, t: Any, dim: int = 0) -> Any:
         """A new array/tensor: every rank's `t` concatenated along `dim` in rank order."""
@@ -188,13 +203,14 @@ class ShmCommunicator(Communicator):
             raise CollectiveError(f"group is {group!r}; expected a non-empty string")
         if timeout_s is not None and not timeout_s > 0:
             raise CollectiveError(f"timeout_s is {timeout_s!r}; expected a positive number")
-        self._comm = _native().create_communicator(
-            group, int(rank), int(world_size), job_id or "",
-            float(timeout_s) if timeout_s is not None else -1.0,
-        )
         self.group = group
-        self.rank = self._comm.rank
-        self.world_size = self._comm.world_size
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        # Joins, then registers this object as the group's communicator.
+        self._comm = _native().create_communicator(
+            group, self.rank, self.world_size, job_id or "",
+            float(timeout_s) if timeout_s is not None else -1.0, frontend=self,
+        )
         for note in self._comm.notes:
             logger.warning("collective group %r: %s", group, note)
         if self._comm.isa != "avx512":
@@ -202,11 +218,10 @@ class ShmCommunicator(Communicator):
                         "(F, BW, VL)", group, self._comm.isa)
         logger.debug("collective group %r: rank %d/%d on %s (%s kernels)", group, self.rank,
                      self.world_size, self._comm.segment_name, self._comm.isa)
-        try:
-            register_communicator(self)
-        except CollectiveError:
-            self._comm.close()  # another transport holds the name: do not leave this one mapped
-            raise
+
+    @property
+    def _native_comm(self) -> Any:
+        return self._comm
 
     @property
     def job_id(self) -> str:
@@ -244,12 +259,15 @@ class ShmCommunicator(Communicator):
             return _buffer(t, what, writable)
         except CollectiveError as exc:
             # The other ranks are already waiting for this call: tell them to stop.
-            self._comm.fail(str(exc))
+            self.fail(str(exc))
             raise
 
     def _refuse(self, message: str) -> NoReturn:
-        self._comm.fail(message)
+        self.fail(message)
         raise CollectiveError(message)
+
+    def fail(self, reason: str) -> None:
+        self._comm.fail(reason)
 
     def all_reduce(self, t: Any) -> None:
         address, count, code = self._buffer(t, "all_reduce tensor", writable=True)
@@ -281,9 +299,8 @@ class ShmCommunicator(Communicator):
         self._comm.barrier()
 
     def close(self) -> None:
-        """Local: unmaps the segment and marks the group destroyed in both registries."""
+        """Local: unmaps the segment and marks the group name destroyed."""
         self._comm.close()
-        _forget(self)
 
 
 class GlooCommunicator(Communicator):
@@ -298,12 +315,20 @@ class GlooCommunicator(Communicator):
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self._closed = False
+        self._failure = ""
         register_communicator(self)
 
-    def _tensor(self, t: Any, what: str, writable: bool) -> Any:
+    def _check_live(self) -> None:
         if self._closed:
             raise CollectiveError(f"the communicator of group {self.group!r} was destroyed "
                                   "(closed); expected a live communicator")
+        if self._failure:
+            raise CollectiveError(f"the communicator of group {self.group!r} failed earlier "
+                                  f"({self._failure}); expected a new communicator after a "
+                                  "failure")
+
+    def _tensor(self, t: Any, what: str, writable: bool) -> Any:
+        self._check_live()
         _buffer(t, what, writable)  # same checks and messages as the shared-memory transport
         if isinstance(t, np.ndarray):
             import torch
@@ -330,12 +355,19 @@ class GlooCommunicator(Communicator):
                              group=self._pg)
 
     def barrier(self) -> None:
+        self._check_live()
         self._dist.barrier(group=self._pg)
 
     def close(self) -> None:
         """Forgets the group; the process group itself belongs to its creator."""
         self._closed = True
-        _forget(self)
+        _native().forget_communicator(self.group, self)
+
+    def fail(self, reason: str) -> None:
+        """Local only: torch.distributed has no way to stop peers already inside a collective,
+        so they raise at gloo's own timeout; this communicator refuses further calls."""
+        if not self._failure:
+            self._failure = f"rank {self.rank} of group {self.group!r} failed: {reason}"
 
 
 def shm_bytes_needed(world_size: int) -> int | None:
@@ -350,62 +382,24 @@ def shm_bytes_needed(world_size: int) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry: group name -> communicator, for ops that only carry a group name.
+# Registry: group name -> communicator, for ops that only carry a group name. It is the C++
+# registry (csrc/communicator.hpp), shared with OpenVINO's collective ops; nothing is kept here.
 # ---------------------------------------------------------------------------------------------
-
-_registry_lock = threading.Lock()
-_registry: dict[str, Communicator] = {}
-_destroyed: set[str] = set()
 
 
 def register_communicator(comm: Communicator) -> None:
-    """Make `comm` the communicator of its group (creating one already does this)."""
-    with _registry_lock:
-        existing = _registry.get(comm.group)
-        if existing is comm:
-            return
-        if existing is not None:
-            raise CollectiveError(
-                f"collective group {comm.group!r} already has a {type(existing).__name__}; "
-                f"expected one communicator per group: destroy_communicator({comm.group!r}) "
-                "first"
-            )
-        _registry[comm.group] = comm
-        _destroyed.discard(comm.group)
+    """Make `comm` the communicator of its group (creating one already does this); registering
+    the same one again is a no-op, another one under a taken name is refused."""
+    _native().register_communicator(comm.group, comm, type(comm).__name__, comm._native_comm)
 
 
 def find_communicator(group: str) -> Communicator:
     """The communicator of `group`; CollectiveError says "not found" or "destroyed"."""
-    with _registry_lock:
-        comm = _registry.get(group)
-        if comm is not None:
-            return comm
-        if group in _destroyed:
-            raise CollectiveError(
-                f"the communicator of collective group {group!r} was destroyed; expected a "
-                "live communicator for that group"
-            )
-        known = ", ".join(repr(g) for g in sorted(_registry)) or "none"
-    raise CollectiveError(
-        f"collective group {group!r} not found (registered: {known}); expected a communicator "
-        "created for it (ShmCommunicator) or registered (register_communicator) first"
-    )
+    return _native().find_frontend(group)
 
 
 def destroy_communicator(group: str) -> None:
     """Close the communicator of `group`; its name then reads as destroyed. Idempotent."""
-    with _registry_lock:
-        comm = _registry.pop(group, None)
-        if comm is None:
-            if group in _destroyed:
-                return
-            raise CollectiveError(f"cannot destroy collective group {group!r}: not found")
-        _destroyed.add(group)
-    comm.close()
-
-
-def _forget(comm: Communicator) -> None:
-    with _registry_lock:
-        if _registry.get(comm.group) is comm:
-            del _registry[comm.group]
-            _destroyed.add(comm.group)
+    comm = _native().destroy_communicator(group)
+    if comm is not None:
+        comm.close()

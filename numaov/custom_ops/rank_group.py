@@ -48,17 +48,13 @@ class RankInfo:
 def _rank_main(rank: int, world_size: int, group: str | None, job_id: str,
                setup: RankSetup | None, target: Callable[[Any, Any], Any], arg: Any,
                results) -> None:
-    from numaov.custom_ops.collectives import (
-        ShmCommunicator,
-        destroy_communicator,
-        register_communicator,
-    )
+    from numaov.custom_ops.collectives import ShmCommunicator, destroy_communicator
 
     joined = False
     try:
         context = (setup or RankInfo)(rank, world_size, group)
         if group is not None:
-            register_communicator(ShmCommunicator(group, rank, world_size, job_id=job_id))
+            ShmCommunicator(group, rank, world_size, job_id=job_id)  # registers itself
             joined = True
         results.put((rank, "ok", target(context, arg)))
     except NumaovError as exc:

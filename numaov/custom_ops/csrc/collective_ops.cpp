@@ -5,6 +5,8 @@
 #include <sstream>
 #include <utility>
 
+#include <openvino/op/constant.hpp>
+
 namespace numaov {
 
 namespace {
@@ -63,24 +65,42 @@ ov::PartialShape CollectiveOp::validate_common(bool splits_dim0) {
     return shape;
 }
 
+void CollectiveOp::Call::refuse(const std::string& text) const {
+    comm->fail(text);
+    throw CollectiveError(text);
+}
+
 CollectiveOp::Call CollectiveOp::begin_call(const ov::Tensor& input) const {
+    // The group first: every later error is then reported to the peers too.
+    // A missing group has nobody to tell (collective_ops.hpp), so it is only
+    // named, at once, with the op that looked for it.
+    std::shared_ptr<Communicator> comm;
+    try {
+        comm = find_communicator(m_group);
+    } catch (const CollectiveError& e) {
+        throw CollectiveError(describe(*this) + ": " + e.what());
+    }
+    Call call{std::move(comm), DType::f32};
+    // A model exported for 4 ranks running in a group of 2 would move the
+    // wrong number of rows.
+    if (call.comm->world_size() != m_world_size) {
+        std::ostringstream msg;
+        msg << describe(*this) << ": the model was exported for world_size " << m_world_size
+            << " but communicator group '" << m_group << "' has " << call.comm->world_size()
+            << " ranks; expected the same world size (export the model for this group)";
+        call.refuse(msg.str());
+    }
     // The communicator works on dense memory; the CPU plugin's reference path
     // hands dense tensors, but a strided view would be read wrong silently.
     if (!input.is_continuous()) {
-        throw CollectiveError(describe(*this) + ": the input tensor is not contiguous; expected a dense tensor");
+        call.refuse(describe(*this) + ": the input tensor is not contiguous; expected a dense tensor");
     }
-    const DType dtype = to_dtype(input.get_element_type());
-    auto comm = find_communicator(m_group);
-    // A model exported for 4 ranks running in a group of 2 would move the
-    // wrong number of rows.
-    if (comm->world_size() != m_world_size) {
-        std::ostringstream msg;
-        msg << describe(*this) << ": the model was exported for world_size " << m_world_size
-            << " but communicator group '" << m_group << "' has " << comm->world_size()
-            << " ranks; expected the same world size (export the model for this group)";
-        throw CollectiveError(msg.str());
+    try {
+        call.dtype = to_dtype(input.get_element_type());
+    } catch (const CollectiveError& e) {
+        call.refuse(describe(*this) + ": " + e.what());
     }
-    return {std::move(comm), dtype};
+    return call;
 }
 
 // ---------------------------------------------------------------- AllReduce
@@ -151,11 +171,20 @@ void ReduceScatterTensor::validate_and_infer_types() {
     auto shape = validate_common(true);
     // [world_size * n, ...] -> [n, ...]; a dynamic dim 0 stays dynamic and
     // its divisibility is checked by evaluate().
+    //
+    // At run time the CPU plugin infers a dynamic extension op's shapes by
+    // calling this on a clone whose inputs are Constants holding the run-time
+    // tensors. A check failing there would throw before evaluate() can mark
+    // the group failed, leaving the peers to time out; so behind a Constant
+    // (run-time shapes, or a literal in the model) the check is evaluate()'s,
+    // and everywhere else (reading, reshaping, compiling) it is made here.
     if (shape.rank().is_static()) {
         auto& dim0 = shape[0];
-        NODE_VALIDATION_CHECK(this, dim0.is_dynamic() || dim0.get_length() % m_world_size == 0, "input dim 0 is ",
-                              dim0, "; expected a multiple of world_size ", m_world_size);
-        dim0 = dim0 / m_world_size;
+        const bool checked_by_evaluate = ov::is_type<ov::op::v0::Constant>(get_input_node_ptr(0));
+        NODE_VALIDATION_CHECK(this, checked_by_evaluate || dim0.is_dynamic() || dim0.get_length() % m_world_size == 0,
+                              "input dim 0 is ", dim0, "; expected a multiple of world_size ", m_world_size);
+        // A static dim 0 is divided exactly (rounded down when evaluate() is to refuse it).
+        dim0 = dim0.is_static() ? ov::Dimension(dim0.get_length() / m_world_size) : dim0 / m_world_size;
     }
     set_output_type(0, get_input_element_type(0), shape);
 }
@@ -167,15 +196,15 @@ std::shared_ptr<ov::Node> ReduceScatterTensor::clone_with_new_inputs(const ov::O
 bool ReduceScatterTensor::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
     const auto& in = inputs[0];
     auto& out = outputs[0];
+    const auto call = begin_call(in);
     ov::Shape shape = in.get_shape();
     const auto ranks = static_cast<size_t>(m_world_size);
     if (shape.at(0) % ranks != 0) {
         std::ostringstream msg;
         msg << describe(*this) << ": input dim 0 is " << shape[0] << "; expected a multiple of world_size "
             << m_world_size;
-        throw CollectiveError(msg.str());
+        call.refuse(msg.str());
     }
-    const auto call = begin_call(in);
     shape[0] /= ranks;
     out.set_shape(shape);
     call.comm->reduce_scatter_tensor(out.data(), in.data(), out.get_size(), call.dtype);

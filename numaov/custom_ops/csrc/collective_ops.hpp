@@ -9,6 +9,17 @@
 // was destroyed and re-created between inferences is picked up, and a missing
 // one fails with the registry's "not found" / "destroyed" message.
 //
+// Failing fast: the peers of a rank are already waiting inside the collective
+// when that rank's evaluate() finds something wrong with its own call (a dim 0
+// that world_size does not divide, a model exported for another world size, a
+// strided input). Such an error marks the group failed before it is thrown,
+// as the Python path does, so the peers raise at once, quoting it, instead of
+// waiting out NUMAOV_COLL_TIMEOUT_S. An unknown (or destroyed) group is the
+// one error that cannot: there is no group in this process to mark. It is
+// thrown at once on this rank, naming the op and the groups that do exist;
+// the peers, whose group is under the name they were given, stop when this
+// rank's process exits or closes its communicators, else at their timeout.
+//
 // The CPU plugin runs these through its reference path: evaluate() is called
 // once per inference on the stream's thread, with dense row-major tensors.
 #pragma once
@@ -55,12 +66,15 @@ protected:
         return std::make_shared<Concrete>(new_args.at(0), m_group, m_world_size);
     }
 
-    // What evaluate() needs before moving data: the input checked dense and
-    // of a supported type, and the group's communicator checked against the
-    // world size the model was exported for.
+    // What evaluate() needs before moving data: the group's communicator,
+    // checked against the world size the model was exported for, and the
+    // input checked dense and of a supported type.
     struct Call {
         std::shared_ptr<Communicator> comm;
         DType dtype;
+        // For a bad input found before the collective runs: marks the group
+        // failed (the peers stop at once), then throws CollectiveError(text).
+        [[noreturn]] void refuse(const std::string& text) const;
     };
     Call begin_call(const ov::Tensor& input) const;
 

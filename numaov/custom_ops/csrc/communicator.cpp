@@ -621,37 +621,62 @@ void ShmCommunicator::broadcast(void* data, uint64_t count, DType dtype, int roo
 
 // ---------------------------------------------------------------------------
 // Registry
+//
+// Entries leave the map under the lock but are dropped after it is released:
+// dropping a frontend runs the binding's deleter (which takes Python's GIL),
+// and closing a communicator waits for its collective lock.
 
 namespace {
 
 std::mutex g_registry_mutex;
-std::map<std::string, std::shared_ptr<ShmCommunicator>> g_registry;
+std::map<std::string, Registration> g_registry;
 std::set<std::string> g_destroyed;
+
+bool same_entry(const Registration& a, const Registration& b) {
+    return (a.comm != nullptr && a.comm == b.comm) ||
+           (a.frontend != nullptr && a.frontend == b.frontend);
+}
+
+CollectiveError name_taken(const std::string& name, const Registration& existing) {
+    return error("collective group '" + name +
+                 "' already has a communicator in this process (a " + existing.transport +
+                 "); expected a new name, or destroy the old communicator first");
+}
+
+// Throws name_taken() if `name` is registered to something other than `entry`;
+// returns whether `entry` itself is already there. Call under the lock.
+bool check_name_free(const std::string& name, const Registration& entry) {
+    const auto it = g_registry.find(name);
+    if (it == g_registry.end()) return false;
+    if (same_entry(it->second, entry)) return true;
+    throw name_taken(name, it->second);
+}
 
 }  // namespace
 
 std::shared_ptr<ShmCommunicator> create_shm_communicator(const std::string& name, int rank,
                                                          int world_size,
                                                          const std::string& job_id,
-                                                         double timeout_s) {
-    auto taken = [&] {
-        return error("collective group '" + name +
-                     "' already has a communicator in this process; expected a new name, or "
-                     "destroy the old communicator first");
-    };
+                                                         double timeout_s,
+                                                         std::shared_ptr<void> frontend) {
+    Registration entry{nullptr, std::move(frontend), "ShmCommunicator"};
     {
+        // Refused before joining, so the peers never count a rank that then gives up.
         std::lock_guard<std::mutex> lock(g_registry_mutex);
-        if (g_registry.count(name) != 0) throw taken();
+        check_name_free(name, {});
     }
     // Creation waits for the other ranks: not under the registry lock.
     auto comm = std::make_shared<ShmCommunicator>(name, rank, world_size, job_id, timeout_s);
-    std::lock_guard<std::mutex> lock(g_registry_mutex);
-    if (g_registry.count(name) != 0) {
-        comm->close();
-        throw taken();
+    entry.comm = comm;
+    try {
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        check_name_free(name, {});
+        g_registry[name] = std::move(entry);
+        g_destroyed.erase(name);
+    } catch (const CollectiveError&) {
+        comm->close();  // taken while this rank was joining
+        throw;
     }
-    g_registry[name] = comm;
-    g_destroyed.erase(name);
     return comm;
 }
 
@@ -661,8 +686,21 @@ std::shared_ptr<Communicator> create_communicator(const std::string& name, int r
     return create_shm_communicator(name, rank, world_size, job_id, timeout_s);
 }
 
-std::shared_ptr<Communicator> find_communicator(const std::string& name) {
+void register_communicator(const std::string& name, Registration entry) {
+    if (entry.comm == nullptr && entry.frontend == nullptr) {
+        throw error("cannot register collective group '" + name +
+                    "' without a communicator; expected a communicator object");
+    }
     std::lock_guard<std::mutex> lock(g_registry_mutex);
+    if (check_name_free(name, entry)) return;
+    g_registry.emplace(name, entry);  // a copy: `entry` itself is dropped after the lock
+    g_destroyed.erase(name);
+}
+
+namespace {
+
+// The entry under `name`, or the "destroyed" / "not found" error. Call under the lock.
+const Registration& lookup(const std::string& name) {
     const auto it = g_registry.find(name);
     if (it != g_registry.end()) return it->second;
     if (g_destroyed.count(name) != 0) {
@@ -670,38 +708,68 @@ std::shared_ptr<Communicator> find_communicator(const std::string& name) {
                     "' was destroyed; expected a live communicator for that group");
     }
     std::string known;
-    for (const auto& entry : g_registry) known += (known.empty() ? "'" : ", '") + entry.first + "'";
+    for (const auto& e : g_registry) known += (known.empty() ? "'" : ", '") + e.first + "'";
     throw error("collective group '" + name + "' not found in this process (known: " +
                 (known.empty() ? std::string("none") : known) +
                 "); expected its communicator created before the model runs");
 }
 
-void destroy_communicator(const std::string& name) {
-    std::shared_ptr<ShmCommunicator> comm;
+}  // namespace
+
+Registration find_registration(const std::string& name) {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    return lookup(name);
+}
+
+std::shared_ptr<Communicator> find_communicator(const std::string& name) {
+    // Only the communicator is copied out: a C++ caller (an inference thread)
+    // never ends up holding, and so dropping, a binding's frontend.
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    const Registration& entry = lookup(name);
+    if (entry.comm == nullptr) {
+        // Explicit rather than "not found": the name exists, for another transport.
+        throw error("collective group '" + name + "' is a " + entry.transport +
+                    ", registered from Python, which numaov's C++ collectives (the OpenVINO "
+                    "ops) cannot run; expected a ShmCommunicator for that group");
+    }
+    return entry.comm;
+}
+
+Registration destroy_communicator(const std::string& name) {
+    Registration entry;
     {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
         const auto it = g_registry.find(name);
         if (it == g_registry.end()) {
-            if (g_destroyed.count(name) != 0) return;
+            if (g_destroyed.count(name) != 0) return {};
             throw error("cannot destroy collective group '" + name +
                         "': not found in this process");
         }
-        comm = it->second;
+        entry = std::move(it->second);
         g_registry.erase(it);
         g_destroyed.insert(name);
     }
-    comm->close();
+    if (entry.comm != nullptr) entry.comm->close();
+    return entry;
+}
+
+void forget_communicator(const std::string& name, const Communicator* comm,
+                         const void* frontend) {
+    Registration entry;
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    const auto it = g_registry.find(name);
+    if (it == g_registry.end()) return;
+    const Registration& held = it->second;
+    if ((comm != nullptr && held.comm.get() == comm) ||
+        (frontend != nullptr && held.frontend.get() == frontend)) {
+        entry = std::move(it->second);  // declared before the lock: dropped after it
+        g_registry.erase(it);
+        g_destroyed.insert(name);
+    }
 }
 
 void close_communicator(const std::shared_ptr<ShmCommunicator>& comm) {
-    {
-        std::lock_guard<std::mutex> lock(g_registry_mutex);
-        const auto it = g_registry.find(comm->name());
-        if (it != g_registry.end() && it->second == comm) {
-            g_registry.erase(it);
-            g_destroyed.insert(comm->name());
-        }
-    }
+    forget_communicator(comm->name(), comm.get(), nullptr);
     comm->close();
 }
 

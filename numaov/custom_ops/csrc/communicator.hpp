@@ -48,13 +48,31 @@ public:
     // For an error found before this rank's collective call (a bad input):
     // marks the group failed so the other ranks, already waiting, raise at
     // once instead of at the timeout. Later calls on this communicator throw.
-    virtual void fail(const std::string& reason) { (void)reason; }
+    // Every transport must say what this means for it, so there is no default.
+    virtual void fail(const std::string& reason) = 0;
+    // Local: releases the transport; later calls throw "destroyed".
+    virtual void close() = 0;
 };
 
-// Process-wide registry, filled by the runtime before inference and read by
-// the OpenVINO ops' evaluate(): the group name is the only state that crosses
-// the op boundary.
+// The process-wide group registry: the one place that maps a group name to
+// its communicator, for C++ callers (the OpenVINO ops' evaluate(), where the
+// group name is the only state that crosses the op boundary) and for the
+// Python binding alike.
 //
+// An entry holds the communicator C++ callers use and, opaque here, the
+// object a language binding registered for its own callers (the Python
+// communicator object). A transport C++ cannot drive (torch.distributed's
+// gloo, registered from Python) has a frontend and no communicator: its name
+// is taken for everyone, and C++ lookups of it are refused, naming it.
+struct Registration {
+    std::shared_ptr<Communicator> comm;
+    // Owned by the binding that registered it (its deleter is the binding's);
+    // the registry never drops one while holding its lock.
+    std::shared_ptr<void> frontend;
+    // What registered the name ("ShmCommunicator", "GlooCommunicator"), for messages.
+    std::string transport;
+};
+
 // create_communicator joins the group (it blocks until all world_size ranks
 // have joined, bounded by the timeout) and registers the communicator under
 // `name`. An empty job_id means $NUMAOV_JOB_ID, else the session id;
@@ -62,8 +80,22 @@ public:
 std::shared_ptr<Communicator> create_communicator(const std::string& name, int rank,
                                                   int world_size, const std::string& job_id,
                                                   double timeout_s);
-// Throws CollectiveError saying "not found" or "destroyed".
+// Registers `entry` under `name`. Registering the entry already there (same
+// communicator or same frontend) is a no-op; any other is refused: one
+// communicator per group name.
+void register_communicator(const std::string& name, Registration entry);
+// The entry under `name`; throws CollectiveError saying "not found" or "destroyed".
+Registration find_registration(const std::string& name);
+// The communicator under `name`. Throws CollectiveError saying "not found",
+// "destroyed", or that the name belongs to a transport C++ cannot run.
 std::shared_ptr<Communicator> find_communicator(const std::string& name);
-void destroy_communicator(const std::string& name);
+// Removes the entry, marks the name destroyed, closes its communicator and
+// returns the entry (empty when the name was destroyed already, which is
+// fine: destroying is idempotent). Throws when the name was never registered.
+Registration destroy_communicator(const std::string& name);
+// For a communicator closing itself: if the entry under `name` holds `comm`
+// or `frontend`, removes it and marks the name destroyed.
+void forget_communicator(const std::string& name, const Communicator* comm,
+                         const void* frontend);
 
 }  // namespace numaov

@@ -40,6 +40,24 @@ T* address(uintptr_t a) {
     return reinterpret_cast<T*>(a);
 }
 
+// A Python object as a registry frontend (numaov::Registration): the pointer
+// is the PyObject itself, so two holds of one object compare equal. It may be
+// dropped on any thread, so the release takes the GIL; after the interpreter
+// is gone (static destruction at exit) there is nothing left to release.
+std::shared_ptr<void> hold(py::object object) {
+    if (object.is_none()) return {};
+    return std::shared_ptr<void>(object.release().ptr(), [](void* p) {
+        if (!Py_IsInitialized()) return;
+        py::gil_scoped_acquire gil;
+        Py_DECREF(static_cast<PyObject*>(p));
+    });
+}
+
+py::object held(const std::shared_ptr<void>& frontend) {
+    if (!frontend) return py::none();
+    return py::reinterpret_borrow<py::object>(static_cast<PyObject*>(frontend.get()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -119,18 +137,69 @@ PYBIND11_MODULE(_native, m) {
             [](const std::shared_ptr<ShmCommunicator>& c) { numaov::close_communicator(c); },
             Release());
 
-    m.def("create_communicator", &numaov::create_shm_communicator, py::arg("name"),
-          py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("timeout_s"),
-          Release(),
-          "Create the group's shared-memory communicator (blocks until every rank attached) "
-          "and register it under `name` in the process-wide registry.");
+    // The group registry is the C++ one (communicator.hpp); Python keeps no
+    // copy. Python communicator objects are its frontends.
+    m.def(
+        "create_communicator",
+        [](const std::string& name, int rank, int world_size, const std::string& job_id,
+           double timeout_s, py::object frontend) {
+            auto entry = hold(std::move(frontend));
+            py::gil_scoped_release release;
+            return numaov::create_shm_communicator(name, rank, world_size, job_id, timeout_s,
+                                                   std::move(entry));
+        },
+        py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("job_id"),
+        py::arg("timeout_s"), py::arg("frontend") = py::none(),
+        "Create the group's shared-memory communicator (blocks until every rank attached) "
+        "and register it under `name`, with `frontend` as the object Python lookups return.");
+    m.def(
+        "register_communicator",
+        [](const std::string& name, py::object frontend, const std::string& transport,
+           std::shared_ptr<ShmCommunicator> native) {
+            numaov::register_communicator(name, {native, hold(std::move(frontend)), transport});
+        },
+        py::arg("name"), py::arg("frontend"), py::arg("transport"), py::arg("native") = nullptr,
+        "Register a Python communicator under `name`; `native` is the C++ communicator the "
+        "OpenVINO ops use, None for a transport they cannot run (refused by name there).");
     m.def(
         "find_communicator",
         [](const std::string& name) {
             return std::dynamic_pointer_cast<ShmCommunicator>(numaov::find_communicator(name));
         },
-        py::arg("name"));
-    m.def("destroy_communicator", &numaov::destroy_communicator, py::arg("name"));
+        py::arg("name"), "The C++ communicator of `name`, as the OpenVINO ops see it.");
+    m.def(
+        "find_frontend",
+        [](const std::string& name) {
+            const numaov::Registration entry = numaov::find_registration(name);
+            if (!entry.frontend) {
+                throw numaov::CollectiveError(
+                    "numaov collectives: collective group '" + name +
+                    "' was created from C++ without a Python communicator; expected one "
+                    "created from Python (ShmCommunicator)");
+            }
+            return held(entry.frontend);
+        },
+        py::arg("name"), "The Python communicator registered under `name`.");
+    m.def(
+        "destroy_communicator",
+        [](const std::string& name) {
+            numaov::Registration entry;
+            {
+                py::gil_scoped_release release;  // closing waits for a running collective
+                entry = numaov::destroy_communicator(name);
+            }
+            return held(entry.frontend);
+        },
+        py::arg("name"),
+        "Unregister and close the communicator of `name`; returns its Python communicator "
+        "(None when the name was destroyed already).");
+    m.def(
+        "forget_communicator",
+        [](const std::string& name, py::object frontend) {
+            numaov::forget_communicator(name, nullptr, frontend.ptr());
+        },
+        py::arg("name"), py::arg("frontend"),
+        "Mark `name` destroyed if `frontend` is what is registered under it.");
     m.def(
         "segment_name",
         [](const std::string& group, const std::string& job_id) {

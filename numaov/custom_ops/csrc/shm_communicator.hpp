@@ -1,5 +1,5 @@
 // The shared-memory implementation of numaov::Communicator, declared for the
-// Python binding (which needs the extras: close, fail, seq, segment name).
+// Python binding (which needs the extras: seq, segment name, limits, notes).
 // Other code should use communicator.hpp only.
 #pragma once
 
@@ -54,7 +54,7 @@ public:
 
     // Local: unmaps the segment; later calls raise "destroyed". Peers waiting
     // on this rank see it closed and stop.
-    void close();
+    void close() override;
     bool closed() const;
     // Marks the group failed on every rank (for errors found before the call
     // reaches here, e.g. a bad argument in Python): peers stop instead of
@@ -128,11 +128,13 @@ private:
 // NUMAOV_COLL_BUFFER_BYTES (for `numaov doctor`).
 uint64_t shm_segment_bytes(int world_size);
 
-// create_communicator() with the concrete type, for the binding.
+// create_communicator() with the concrete type, for the binding, which
+// registers its own object for the group as `frontend` in the same step.
 std::shared_ptr<ShmCommunicator> create_shm_communicator(const std::string& name, int rank,
                                                          int world_size,
                                                          const std::string& job_id,
-                                                         double timeout_s);
+                                                         double timeout_s,
+                                                         std::shared_ptr<void> frontend = {});
 // Closes `comm` and, if the registry holds it under its name, marks the name
 // destroyed.
 void close_communicator(const std::shared_ptr<ShmCommunicator>& comm);
