@@ -6,13 +6,19 @@ A checkpoint directory holds ``config.json`` plus either one
 (what ``save_pretrained(max_shard_size=...)`` writes). Both the Wan DiT and
 the DeepSeek LM load through here, so a broken checkpoint gets the same
 kind of message whichever model it was meant for.
+
+Every tensor read is checked where it is read, with the file it came from:
+it must have a floating-point dtype the models compute in and hold finite
+values. An integer tensor would otherwise be cast to float without a word,
+and a NaN or Inf would only show up later, in the outputs. Casts to the
+model's dtypes happen in one place, :func:`load_into_module`, which logs them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,11 @@ logger = logging.getLogger(__name__)
 # Long name lists are cut in the message (the count is always stated in full) so that
 # pointing a model at the wrong checkpoint gives a readable error, not a page of names.
 _MAX_NAMES_SHOWN = 12
+
+# The dtypes a weight may have on disk: the ones the models compute in, and float64 (still a
+# float weight, only stored wider). float8 is refused along with the integers: float8
+# checkpoints carry per-block scales that a plain cast would drop.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class CheckpointError(NumaovError):
@@ -66,11 +77,38 @@ def read_config(
 
 def _load_file(path: Path, what: str) -> dict[str, torch.Tensor]:
     try:
-        return load_file(str(path), device="cpu")
+        tensors = load_file(str(path), device="cpu")
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(
             f"{what}: cannot read safetensors file {str(path)!r} ({exc})"
         ) from exc
+    for name, tensor in tensors.items():
+        _check_weight(path, name, tensor, what)
+    return tensors
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_weight(path: Path, name: str, tensor: torch.Tensor, what: str) -> None:
+    """Raise CheckpointError unless ``tensor`` has a WEIGHT_DTYPES dtype and finite values."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(
+            f"{what}: tensor {name!r} in {str(path)!r} has dtype {_dtype_name(tensor.dtype)}; "
+            f"expected a floating-point weight ({', '.join(map(_dtype_name, WEIGHT_DTYPES))})"
+        )
+    # One pass over the tensor; the NaN / Inf counts are computed only for the message.
+    if not bool(torch.isfinite(tensor).all()):
+        nan = int(torch.isnan(tensor).sum())
+        inf = int(torch.isinf(tensor).sum())
+        found = " and ".join(
+            f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "Inf")) if count
+        )
+        raise CheckpointError(
+            f"{what}: tensor {name!r} in {str(path)!r} holds {found} of {tensor.numel()} "
+            "values; expected finite values"
+        )
 
 
 def load_safetensors_state_dict(
@@ -176,20 +214,48 @@ def check_state_dict(
         )
 
 
+def _log_casts(
+    state_dict: Mapping[str, torch.Tensor], target: Mapping[str, torch.dtype], what: str
+) -> None:
+    """Log, once per pair of dtypes, the tensors whose values change dtype on the way in."""
+    casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    for name, tensor in state_dict.items():
+        if tensor.dtype != target[name]:
+            casts.setdefault((tensor.dtype, target[name]), []).append(name)
+    for (source, dest), names in casts.items():
+        logger.info(
+            "%s: %s cast from %s to %s: %s", what, _plural(len(names), "tensor"),
+            _dtype_name(source), _dtype_name(dest), _format_names(sorted(names)),
+        )
+
+
 def load_into_module(
     module: torch.nn.Module,
     state_dict: Mapping[str, torch.Tensor],
     what: str,
     assign: bool = False,
+    dtype_of: Callable[[str], torch.dtype] | None = None,
 ) -> None:
     """Load ``state_dict`` into ``module``'s parameters and persistent buffers.
 
     Every name must match exactly with the same shape (else CheckpointError).
     By default values are copied and cast to the dtype the module already has,
     so a bf16 checkpoint loads into an fp32 model and the other way round.
-    ``assign=True`` adopts the tensors themselves (dtype included): the way to
-    fill a module built on the meta device without allocating it twice.
+    ``assign=True`` adopts the tensors themselves: the way to fill a module
+    built on the meta device without allocating it twice; each is first cast
+    to ``dtype_of(name)`` when given, else keeps its own dtype. Every cast is
+    logged with the names of the tensors it applies to.
     """
-    expected = {name: tensor.shape for name, tensor in module.state_dict().items()}
-    check_state_dict(expected, state_dict, what)
+    current = module.state_dict()
+    check_state_dict({name: tensor.shape for name, tensor in current.items()}, state_dict, what)
+    if not assign:
+        target = {name: current[name].dtype for name in state_dict}
+    else:
+        target = {
+            name: dtype_of(name) if dtype_of is not None else tensor.dtype
+            for name, tensor in state_dict.items()
+        }
+    _log_casts(state_dict, target, what)
+    if assign:
+        state_dict = {name: tensor.to(target[name]) for name, tensor in state_dict.items()}
     module.load_state_dict(dict(state_dict), strict=True, assign=assign)

@@ -576,10 +576,9 @@ class WanTransformer(nn.Module):
         # spent on random initial weights that would be overwritten at once.
         with torch.device("meta"):
             model = cls(config)
-        state_dict = {
-            name: tensor.to(parameter_dtype(name, dtype)) for name, tensor in state_dict.items()
-        }
-        load_into_module(model, state_dict, what, assign=True)
+        load_into_module(
+            model, state_dict, what, assign=True, dtype_of=lambda name: parameter_dtype(name, dtype)
+        )
         return model.eval()
 
     def to_compute_dtype(self, dtype: torch.dtype) -> WanTransformer:

@@ -1,0 +1,199 @@
+"""The causal LM: loading, saving and the cached step the engines and the exporter run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from numaov.models.checkpoint import (
+    load_into_module,
+    load_safetensors_state_dict,
+    read_config,
+)
+from numaov.models.deepseek.checkpoint_layout import (
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    checkpoint_to_model_state_dict,
+    model_to_checkpoint_state_dict,
+)
+from numaov.models.deepseek.config import DeepseekConfigError, DeepseekV2Config
+from numaov.models.deepseek.decoder import DeepseekV2Model
+from numaov.models.deepseek.moe import DeepseekV2Router
+from numaov.models.deepseek.sharding import DataParallelGroup, ShardError, check_dp_divides
+
+
+class DeepseekV2(nn.Module):
+    """DeepSeek-V2 causal LM with Hugging Face parameter names.
+
+    ``forward(input_ids [B, T]) -> logits [B, T, V]`` for a whole sequence;
+    :meth:`step` is the cached form the engines and the exporter use. With ``dp`` the instance
+    is one rank of a DP group and holds that rank's MLP/expert shard (see the package docstring).
+    """
+
+    def __init__(self, config: DeepseekV2Config, dp: DataParallelGroup | None = None) -> None:
+        super().__init__()
+        if dp is not None:
+            check_dp_divides(config, dp.world_size)
+        self.config = config
+        self.dp = dp
+        self.model = DeepseekV2Model(config, dp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- loading -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        dtype: torch.dtype | str = torch.float32,
+        dp: DataParallelGroup | None = None,
+    ) -> DeepseekV2:
+        """Load a Hugging Face ``deepseek_v2`` checkpoint directory (single or sharded
+        safetensors).
+
+        ``dtype`` is a torch dtype or ``"auto"`` (the checkpoint's ``torch_dtype``, fp32 when
+        absent); the router stays fp32 either way. With ``dp`` only this rank's shard is kept:
+        the checkpoint is memory-mapped and only the rank's slices are copied out of it.
+        """
+        what = f"DeepSeek-V2 checkpoint {str(directory)!r}"
+        values = read_config(directory, what=what)
+        config = DeepseekV2Config.from_dict(values, what)
+        dtype = _resolve_dtype(dtype, values, what)
+        world = dp.world_size if dp is not None else 1
+        check_dp_divides(config, world)
+        state = load_safetensors_state_dict(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
+        shard = (dp.rank, world) if dp is not None else None
+        state = checkpoint_to_model_state_dict(state, config, what, shard)
+        model = cls.empty(config, dtype, dp)
+        load_into_module(model, state, what)
+        return model.eval()
+
+    @classmethod
+    def empty(
+        cls, config: DeepseekV2Config, dtype: torch.dtype = torch.float32,
+        dp: DataParallelGroup | None = None,
+    ) -> DeepseekV2:
+        """An uninitialised model (memory allocated, not filled): the target of a load.
+
+        Built on the meta device so a large model is not first filled with random numbers.
+        The router stays fp32.
+        """
+        with torch.device("meta"):
+            model = cls(config, dp)
+        model.to_empty(device="cpu")
+        _cast_keep_router(model, dtype)
+        return model
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` in DeepSeek's per-expert layout, the
+        layout transformers' ``DeepseekV2ForCausalLM.from_pretrained`` reads."""
+        if self.dp is not None and self.dp.world_size > 1:
+            raise ShardError(
+                f"this model holds rank {self.dp.rank}'s shard of a dp={self.dp.world_size} "
+                "group; expected an unsharded model (dp=None) to save a checkpoint"
+            )
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        config["torch_dtype"] = str(self.lm_head.weight.dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        tensors = model_to_checkpoint_state_dict(self.state_dict(), self.config)
+        save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+        return path
+
+    # -- running -----------------------------------------------------------------------------
+
+    def empty_cache(self, batch_size: int) -> Tensor:
+        """A zero-length KV cache ``[layers, B, 0, kv_lora_rank + qk_rope_head_dim]``."""
+        c = self.config
+        return torch.zeros(
+            c.num_hidden_layers, batch_size, 0, c.kv_cache_dim, dtype=self.lm_head.weight.dtype
+        )
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """``input_ids [B, T]`` (``attention_mask [B, T]``, 1 = real, for left padding) ->
+        ``logits [B, T, V]``."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        positions = _positions_from_mask(attention_mask)
+        logits, _ = self.step(input_ids, positions, attention_mask, self.empty_cache(len(input_ids)))
+        return logits
+
+    def step(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor,
+        past_key_values: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """One step with an explicit cache.
+
+        ``input_ids``, ``position_ids``: ``[B, T]`` int64; ``attention_mask``: ``[B, P+T]``
+        (1 = real token; covers the cached and the new tokens); ``past_key_values``:
+        ``[layers, B, P, kv_lora_rank + qk_rope_head_dim]``. Returns ``(logits [B, T, V],
+        present_key_values [layers, B, P+T, ...])``.
+        """
+        hidden, present = self.model(input_ids, position_ids, attention_mask, past_key_values)
+        return self.lm_head(hidden), present
+
+
+class DeepseekV2Step(nn.Module):
+    """:meth:`DeepseekV2.step` as a module's forward: what the exporter traces."""
+
+    def __init__(self, model: DeepseekV2) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
+        past_key_values: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        return self.model.step(input_ids, position_ids, attention_mask, past_key_values)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_dtype(dtype: torch.dtype | str, config: Mapping[str, Any], what: str) -> torch.dtype:
+    if dtype == "auto":
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise DeepseekConfigError(
+                f"{what}: dtype {dtype!r} is not supported; expected one of "
+                f"{', '.join(_DTYPES)} or 'auto'"
+            )
+        return _DTYPES[dtype.removeprefix("torch.")]
+    if dtype not in _DTYPES.values():
+        raise DeepseekConfigError(
+            f"{what}: dtype {dtype} is not supported; expected torch.float32, torch.bfloat16 "
+            "or torch.float16"
+        )
+    return dtype
+
+
+def _positions_from_mask(attention_mask: Tensor) -> Tensor:
+    """Left-padded rows count positions from their first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _cast_keep_router(model: nn.Module, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        if isinstance(module, DeepseekV2Router):
+            module.float()
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype != dtype:
+                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
