@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.numaov-installed
 NATIVE_INPUTS := pyproject.toml CMakeLists.txt $(wildcard numaov/custom_ops/csrc/*)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check numaov tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything but the tests marked slow (exports, rank processes, notebooks): under 2 minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m ruff check numaov tests benchmarks
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # Each benchmark prints ratios and writes benchmarks/out/<name>.json; run them on a quiet machine.
 bench: $(STAMP)

@@ -42,10 +42,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from numaov.custom_ops import add_extension
-from numaov.custom_ops.flash_attention import attention_kernel, flash_attention, swap_attention
+from numaov.custom_ops import compile_ir
+from numaov.custom_ops.flash_attention import attention_kernel, flash_attention
 from numaov.exporter.onnx_export import export_onnx
-from numaov.exporter.openvino_convert import compile_config, convert_to_ir
+from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.exporter.wan_export import FFN_COLUMN_BLOCK
 from numaov.models.builtin.wan_tiny import save_wan_checkpoint
 from numaov.models.wan import WanTransformer, WanTransformerConfig
@@ -267,22 +267,13 @@ def torch_runner(name: str, model: torch.nn.Module, dtype: torch.dtype) -> Runne
     return Runner(name, run, 0)
 
 
-def compile_ir(
-    core, xml: Path | str, precision: str, attention: str = "openvino", extra: dict | None = None
-):
-    """Compile an IR (plus ``extra`` properties); ``attention="numaov"`` first swaps in
-    numaov's AMX flash attention, as the runtime does for bf16 models (``NUMAOV_ATTENTION``)."""
-    model = core.read_model(str(xml))
-    if attention == "numaov":
-        swap_attention(model)
-    return core.compile_model(model, "CPU", {**compile_config(precision), **(extra or {})})
-
-
 def openvino_runner(
-    name: str, core, xml: Path, precision: str, attention: str = "openvino"
+    name: str, xml: Path, precision: str, attention: str = "openvino"
 ) -> tuple[Runner, object]:
+    """The IR compiled as the runtime compiles it (``compile_ir``), with ``attention``
+    ("numaov" / "openvino") in place of NUMAOV_ATTENTION so both kernels run in one process."""
     before = rss_bytes()
-    compiled = compile_ir(core, xml, precision, attention)
+    compiled = compile_ir(xml, precision, attention=attention).model
     request = compiled.create_infer_request()
 
     def run(inputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -319,12 +310,8 @@ def _memory_probe(
     """In a fresh process: RSS after compiling, peak RSS after a forward at each size, and
     the share of the forward spent in attention at the largest size (from OpenVINO's
     per-node counters), which the extrapolation scales quadratically."""
-    import openvino as ov
-
     base = _status_bytes("VmRSS")
-    core = ov.Core()
-    add_extension(core)
-    compiled = compile_ir(core, xml, precision, attention, {"PERF_COUNT": "YES"})
+    compiled = compile_ir(xml, precision, {"PERF_COUNT": "YES"}, attention=attention).model
     request = compiled.create_infer_request()
     result: dict[str, float] = {"compiled": _status_bytes("VmRSS") - base}
     for tokens in sorted(token_counts):  # VmHWM only grows: smallest size first
@@ -353,7 +340,7 @@ def memory_probe(
         return pool.apply(_memory_probe, (str(xml), precision, token_counts, attention))
 
 
-def attention_alone(core, tokens: int, heads: int, head_dim: int, rounds: int) -> dict:
+def attention_alone(tokens: int, heads: int, head_dim: int, rounds: int) -> dict:
     """Self-attention of one block alone, [1, heads, tokens, head_dim], round-robin: PyTorch's
     bf16 SDPA (its CPU flash attention), OpenVINO's ScaledDotProductAttention compiled at bf16
     (its MHA snippet), and numaov's FlashAttention kernel where AMX is usable."""
@@ -364,7 +351,7 @@ def attention_alone(core, tokens: int, heads: int, head_dim: int, rounds: int) -
     q, k, v = (rng.standard_normal((1, heads, tokens, head_dim), dtype=np.float32) for _ in "qkv")
     params = [ops.parameter([1, heads, -1, head_dim], np.float32, name=n) for n in "qkv"]
     sdpa = ov.Model([ops.scaled_dot_product_attention(*params, causal=False)], params)
-    request = core.compile_model(sdpa, "CPU", compile_config("bf16")).create_infer_request()
+    request = compile_ir(sdpa, "bf16", attention="openvino").create_infer_request()
     tq, tk, tv = (torch.from_numpy(x).to(torch.bfloat16) for x in (q, k, v))
 
     def torch_sdpa(_: dict) -> np.ndarray:
@@ -479,7 +466,6 @@ def run(args: argparse.Namespace, work: Path) -> int:
     log(f"  naive export + IR: {seconds:.1f} s")
     gc.collect()
 
-    core = ov.Core()
     eager32 = WanTransformer.from_pretrained(checkpoint)
     eager16 = WanTransformer.from_pretrained(checkpoint, dtype=torch.bfloat16)
     runners = [
@@ -507,7 +493,6 @@ def run(args: argparse.Namespace, work: Path) -> int:
     # the CPU has AMX (and NUMAOV_ATTENTION allows), and also with OpenVINO's own attention.
     attention = attention_kernel("bf16")
     log(f"numaov bf16 attention: {attention}'s")
-    add_extension(core)
     compiled = {}
     for label, precision, path, attn in (
         ("numaov", "f32", irs["f32"], "openvino"),
@@ -520,7 +505,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
         if label == "numaov ov-attention" and attention == "openvino":
             continue  # the same as "numaov bf16"
         runner, compiled[(label, precision)] = openvino_runner(
-            f"openvino {precision} {label}", core, path, precision, attn
+            f"openvino {precision} {label}", path, precision, attn
         )
         runners.append(runner)
     # The pairs the targets compare run next to each other in every round, so that this VM's
@@ -567,7 +552,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     report["attention_alone"] = {}
     for tokens in token_counts:
         report["attention_alone"][str(tokens)] = attention_alone(
-            core, tokens, WIDTH_1_3B.num_attention_heads, WIDTH_1_3B.attention_head_dim,
+            tokens, WIDTH_1_3B.num_attention_heads, WIDTH_1_3B.attention_head_dim,
             args.rounds,
         )
 

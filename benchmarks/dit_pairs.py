@@ -39,7 +39,6 @@ from dit import (
     torch_runner,
 )
 
-from numaov.custom_ops import add_extension
 from numaov.custom_ops.flash_attention import attention_kernel
 from numaov.models.wan import WanTransformer
 
@@ -54,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    import openvino as ov
 
     torch.manual_seed(SEED)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -62,13 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="numaov-dit-pairs-") as work:
         checkpoint = build_checkpoint(Path(work) / "ckpt", WIDTH_1_3B)
         _, irs, _ = export_numaov(checkpoint, Path(work) / "numaov")
-        core = ov.Core()
-        add_extension(core)
         runners = [
             torch_runner(EAGER, WanTransformer.from_pretrained(checkpoint, dtype=torch.bfloat16),
                          torch.bfloat16),
-            openvino_runner(NUMAOV, core, irs["bf16"], "bf16", attention)[0],
-            openvino_runner(OV_ATTENTION, core, irs["bf16"], "bf16", "openvino")[0],
+            openvino_runner(NUMAOV, irs["bf16"], "bf16", attention)[0],
+            openvino_runner(OV_ATTENTION, irs["bf16"], "bf16", "openvino")[0],
         ]
         results = time_round_robin(runners, make_inputs(args.tokens), args.rounds, EAGER)
     ratios = {

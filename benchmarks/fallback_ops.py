@@ -41,6 +41,7 @@ import openvino as ov
 import torch
 
 from numaov.custom_ops import (
+    compile_ir,
     fuse_scale_shift,
     norm_infer,
     onnx_opset_version,
@@ -184,9 +185,8 @@ def export_and_compile(case: Case, channels: int, dtype: torch.dtype, precision:
             opset_version=onnx_opset_version(),
         )
     program.save(str(path))
-    config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY",
-              "INFERENCE_NUM_THREADS": os.cpu_count() or 1}
-    return ov.Core().compile_model(str(path), "CPU", config)
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": os.cpu_count() or 1}
+    return compile_ir(path, precision, config).model
 
 
 def copy_bandwidth(rounds: int) -> float:

@@ -45,7 +45,7 @@ import torch
 
 from numaov.exporter.deepseek_export import export_deepseek
 from numaov.exporter.onnx_export import export_onnx
-from numaov.exporter.openvino_convert import compile_config, convert_to_ir
+from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.models.builtin.deepseek_tiny import init_tiny_weights
 from numaov.models.deepseek import DeepseekV2, DeepseekV2Config, DeepseekV2MoE
 from numaov.runtime.lm_engine import (
@@ -193,9 +193,8 @@ class _MoEOnly(torch.nn.Module):
 def moe_layer(experts: int, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """One MoE layer with ``experts`` routed experts: its facts, and a callable per
     (backend, rows) point."""
-    import openvino as ov
 
-    from numaov.custom_ops import add_extension
+    from numaov.custom_ops import compile_ir
 
     config = dataclasses.replace(BENCH_CONFIG, n_routed_experts=experts)
     torch.manual_seed(SEED)
@@ -211,11 +210,8 @@ def moe_layer(experts: int, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     graph = export_onnx(module, (example,), None, {"x": {0: torch.export.Dim.DYNAMIC}},
                         tmp / f"moe{experts}" / "moe.onnx")
     xml = convert_to_ir(graph.path, tmp / f"moe{experts}" / "moe.xml", "f32")
-    core = ov.Core()
-    add_extension(core)
     threads = len(os.sched_getaffinity(0))
-    compiled = core.compile_model(str(xml), "CPU", {**compile_config("f32"),
-                                                    "INFERENCE_NUM_THREADS": threads})
+    compiled = compile_ir(xml, "f32", {"INFERENCE_NUM_THREADS": threads})
     request = compiled.create_infer_request()
     facts = {"experts": experts, "top_k": config.num_experts_per_tok,
              "weights_mb": sum(p.numel() * 4 for p in moe.parameters()) / 1e6}

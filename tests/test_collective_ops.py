@@ -369,6 +369,7 @@ def _gloo_named_group(rank: int, world: int, args: dict) -> dict[str, str]:
     return seen
 
 
+@pytest.mark.slow
 def test_a_gloo_group_name_is_one_entry_that_openvino_refuses_by_name(tmp_path: Path) -> None:
     group = unique_name("gloo-named")
     model = _single_node_onnx(tmp_path / "m.onnx", "AllReduce", ["n", 3], 1, group=group)
@@ -404,6 +405,7 @@ def _run_rank(context, job: dict) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_two_ranks_openvino_matches_eager_and_plain_math(exported, two_cpus) -> None:
     from numaov.runtime.binding import BindingPlan
     from numaov.runtime.topology import read_topology
@@ -488,6 +490,7 @@ def _failing_rank(rank: int, world: int, args: dict) -> dict[str, tuple[str, flo
     return outcomes
 
 
+@pytest.mark.slow
 def test_an_openvino_op_error_on_one_rank_fails_the_peers_at_once(tmp_path: Path) -> None:
     prefix = unique_name("ov-fail")
     models = {}

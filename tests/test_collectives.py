@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from collectives_harness import SEED, RankGroup, run_ranks, shm_leftovers, unique_name
 
+pytestmark = pytest.mark.slow  # spawned rank processes
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 # One ulp of 1.0: the relative spacing of each dtype.

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from collectives_harness import RankGroup, run_ranks, shm_leftovers, unique_name
 
+pytestmark = pytest.mark.slow  # spawned rank processes
+
 # Long enough for a loaded 2-core machine to schedule every rank, short enough to keep the
 # file fast: a timeout scenario costs about twice this.
 TIMEOUT_S = 2.0

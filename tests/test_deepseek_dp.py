@@ -27,6 +27,8 @@ from numaov.models.deepseek import (
     shard_state_dict,
 )
 
+pytestmark = pytest.mark.slow  # rank processes with shared-memory collectives
+
 SEED = 0
 MAX_NEW_TOKENS = 6
 WORLD = 2

@@ -38,6 +38,8 @@ from numaov.runtime.lm_engine import (
 )
 from numaov.runtime.topology import read_topology
 
+pytestmark = pytest.mark.slow  # exports the tiny DeepSeek and runs rank workers
+
 # f32 on both sides (the IR is compiled with INFERENCE_PRECISION_HINT=f32). dp=2 sums each MLP
 # output from two half-width partial sums through the shared-memory reduce-scatter, and
 # OpenVINO reorders the f32 math (fused FullyConnected, other blockings): logits differ from

@@ -269,6 +269,7 @@ def test_config_round_trips_through_config_json(tiny_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
     tiny_dir: Path, tmp_path: Path
 ) -> None:

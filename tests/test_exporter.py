@@ -12,11 +12,14 @@ import openvino as ov
 import pytest
 import torch
 
-from numaov.exporter.manifest import ExportManifest, ManifestError, RankFiles, library_versions
+from numaov.custom_ops import CompileError, compile_ir
+from numaov.custom_ops.flash_attention import amx_unavailable_reason, attention_kernel
 from numaov.exporter.onnx_export import ExportError, export_onnx
 from numaov.exporter.openvino_convert import ConversionError, convert_to_ir
+from numaov.exporter.output_dir import library_versions
 from numaov.exporter.parity import TOLERANCES, ParityError, check_parity, measure, torch_reference
-from numaov.runtime.manifest_reader import ModelDirError, read_manifest
+from numaov.manifest import ExportManifest, ModelDirError, RankFiles, digest_files
+from numaov.runtime.manifest_reader import read_manifest
 
 SEED = 1234
 
@@ -141,6 +144,10 @@ def test_parity_figures_at_other_shapes(exported: dict) -> None:
     # bf16 tolerance (0.1 relative): bf16 weights and activations; it must really be bf16,
     # so the error is above f32 noise.
     assert all(f.passed and f.rel_error > 1e-5 for f in bf16)
+    # The bf16 parity compiles as the runtime does: numaov's attention kernel where AMX is.
+    expected = "numaov" if attention_kernel("bf16") == "numaov" else "openvino"
+    assert {f.attention for f in bf16} == {expected}
+    assert {f.attention for f in figures if f.backend == "openvino"} == {"openvino"}
 
 
 def test_parity_error_on_a_wrong_reference(exported: dict) -> None:
@@ -176,6 +183,7 @@ def _manifest(exported: dict) -> ExportManifest:
         ranks=[RankFiles(0, "model.onnx", "model.xml", "model.bin")],
         versions=library_versions(),
         parity=[f.as_dict() for f in figures],
+        files=digest_files(exported["dir"], ["model.onnx", "model.xml", "model.bin"]),
     )
 
 
@@ -222,7 +230,7 @@ def test_model_dir_errors(exported: dict, tmp_path: Path) -> None:
     manifest_path.write_text("{not json")
     with pytest.raises(ModelDirError, match="cannot read .* as JSON"):
         read_manifest(model_dir)
-    with pytest.raises(ManifestError, match="cannot read .* as JSON"):
+    with pytest.raises(ModelDirError, match="cannot read .* as JSON"):
         ExportManifest.read(model_dir)
 
     manifest_path.write_text(json.dumps(good))
@@ -297,3 +305,60 @@ def test_bf16_storage_reaches_weights_inside_if_branches(tmp_path) -> None:
     result = compiled({"x": np.ones((4, 2048), np.float32), "c": np.array(False)})[0]
     # Exact: 2048 * 2.0 in bf16 weights, summed in f32.
     np.testing.assert_array_equal(result, np.full((4, 8), 4096.0, np.float32))
+
+
+def _model_copy(exported: dict, tmp_path: Path) -> Path:
+    """A model directory of the f32 export with its manifest (sizes and digests recorded)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(exported["dir"], model_dir, ignore=shutil.ignore_patterns("bf16"))
+    _manifest(exported).write(model_dir)
+    return model_dir
+
+
+def test_truncated_ir_is_named_before_compiling(exported: dict, tmp_path: Path) -> None:
+    model_dir = _model_copy(exported, tmp_path)
+    bin_path = model_dir / "model.bin"
+    size = bin_path.stat().st_size
+    with bin_path.open("r+b") as handle:
+        handle.truncate(size - 100)
+    with pytest.raises(ModelDirError, match=rf"model.bin' is {size - 100:,} bytes; the export "
+                       rf"wrote {size:,} bytes \(truncated"):
+        read_manifest(model_dir)
+
+
+def test_corrupt_ir_is_named_before_compiling(exported: dict, tmp_path: Path) -> None:
+    model_dir = _model_copy(exported, tmp_path)
+    bin_path = model_dir / "model.bin"
+    data = bytearray(bin_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other content: only the digest tells
+    bin_path.write_bytes(bytes(data))
+    manifest = read_manifest(model_dir)  # sizes agree: reading is cheap and passes
+    with pytest.raises(ModelDirError, match=r"model.bin' does not hold what the export wrote"):
+        manifest.compile_rank(0)
+    # An intact copy compiles through the same path.
+    intact = read_manifest(_model_copy(exported, tmp_path / "intact"))
+    assert intact.compile_rank(0).attention == "openvino"  # f32: OpenVINO's own attention
+
+
+def test_compile_ir_errors_are_one_line_naming_the_file(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.xml"
+    broken.write_text("<net name='x'><layers><layer id='0'")  # cut off mid-element
+    with pytest.raises(CompileError, match=r"OpenVINO cannot read '.*broken.xml' \(corrupt") as info:
+        compile_ir(broken, "f32")
+    assert "\n" not in str(info.value)
+    with pytest.raises(CompileError, match=r"'.*absent.xml' does not exist"):
+        compile_ir(tmp_path / "absent.xml", "f32")
+    with pytest.raises(CompileError, match=r"inference precision 'f16'; expected one of f32, bf16"):
+        compile_ir(broken, "f16")
+
+
+@pytest.mark.skipif(bool(amx_unavailable_reason()), reason=f"needs AMX: {amx_unavailable_reason()}")
+def test_compile_ir_swaps_attention_at_bf16_only(exported: dict, monkeypatch) -> None:
+    monkeypatch.delenv("NUMAOV_ATTENTION", raising=False)
+    bf16 = compile_ir(exported["xml_bf16"], "bf16")
+    assert (bf16.attention, bf16.swapped) == ("numaov", 1)
+    # The precision hint among the properties wins over the precision argument.
+    assert compile_ir(exported["xml_bf16"], "bf16", {"INFERENCE_PRECISION_HINT": "f32"}
+                      ).attention == "openvino"
+    monkeypatch.setenv("NUMAOV_ATTENTION", "openvino")
+    assert compile_ir(exported["xml_bf16"], "bf16").attention == "openvino"

@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 
 from numaov.custom_ops import (
     FallbackOpError,
+    compile_ir,
     fuse_scale_shift,
     norm_infer,
     onnx_opset_version,
@@ -98,9 +99,9 @@ class Exported:
         return self._ort.run(None, dict(zip(self.names, (t.numpy() for t in inputs), strict=True)))
 
     def compiled(self, precision: str = "f32") -> ov.CompiledModel:
+        """Compiled as the product compiles (``compile_ir``), at ``precision``."""
         if precision not in self._ov:
-            config = {"INFERENCE_PRECISION_HINT": precision} if precision else {}
-            self._ov[precision] = ov.Core().compile_model(str(self.path), "CPU", config)
+            self._ov[precision] = compile_ir(self.path, precision).model
         return self._ov[precision]
 
     def openvino(self, *inputs: torch.Tensor) -> list[np.ndarray]:
@@ -418,8 +419,7 @@ def test_openvino_rotary_opset23_becomes_rope(exports):
 def test_openvino_per_frame_modulation_is_broadcast_not_materialised(exports):
     # A fresh compilation: the runtime model of one that has run reports the last inference's
     # static shapes (the drawn shapes above include one token per frame, which reads as [.., 1, C]).
-    compiled = ov.Core().compile_model(str(exports("modulation-f32").path), "CPU",
-                                       {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = compile_ir(exports("modulation-f32").path, "f32").model
     inventory = layers(compiled)
     kinds = {kind for kind, _ in inventory}
     # Nothing expands the per-frame rows to [B, L, C].

@@ -14,10 +14,11 @@ import openvino as ov
 import pytest
 import torch
 
-from numaov.custom_ops import add_extension
+from numaov.custom_ops import compile_ir
 from numaov.custom_ops.flash_attention import AttentionSettingError, amx_unavailable_reason
 from numaov.exporter.onnx_export import ExportError
 from numaov.exporter.openvino_convert import ConversionError
+from numaov.exporter.output_dir import OutputDirError
 from numaov.exporter.parity import TOLERANCES
 from numaov.exporter.wan_export import WanExportError, export_wan
 from numaov.models.builtin import build_tiny_wan
@@ -32,6 +33,8 @@ from numaov.runtime.wan_pipeline import (
     open_denoiser,
     run_wan,
 )
+
+pytestmark = pytest.mark.slow  # exports the tiny Wan and samples with it
 
 SEED = 7
 # The tiny model is 2 blocks of width 96; a clip of 5 frames at 32x48 pixels is 2 latent
@@ -145,13 +148,8 @@ def test_ir_runs_at_shapes_other_than_the_export(wan: dict) -> None:
         "timestep": np.array([999.0, 500.0, 3.0], dtype=np.float32),
         "encoder_hidden_states": rng.standard_normal((3, 30, 64), dtype=np.float32),
     }
-    core = ov.Core()
-    add_extension(core)
     # f32 explicitly: this CPU has AVX512-BF16 and OpenVINO would otherwise run bf16.
-    compiled = core.compile_model(
-        str(wan["model_dir"] / "model.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
-    )
-    got = compiled(feeds)[0]
+    got = compile_ir(wan["model_dir"] / "model.xml", "f32").model(feeds)[0]
     model = WanTransformer.from_pretrained(wan["checkpoint"])
     with torch.no_grad():
         expected = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).numpy()
@@ -306,7 +304,7 @@ def test_export_request_errors(wan: dict, tmp_path: Path) -> None:
         export_wan(tmp_path / "none", tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing is created for a request that cannot work
     (tmp_path / "file").write_text("x")
-    with pytest.raises(WanExportError, match="is a file; expected a directory"):
+    with pytest.raises(OutputDirError, match="is a file; expected a directory"):
         export_wan(wan["checkpoint"], tmp_path / "file")
     with pytest.raises(ConversionError, match="unknown precision 'f16'; expected one of f32, bf16"):
         export_wan(wan["checkpoint"], tmp_path / "out", "f16")
@@ -315,6 +313,47 @@ def test_export_request_errors(wan: dict, tmp_path: Path) -> None:
 
 
 # -- per-frame timesteps (Wan 2.2 TI2V) and first-frame conditioning ----------------------
+
+
+def _leftovers(parent: Path) -> list[str]:
+    """Staging or set-aside directories an export left beside its output."""
+    return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name)
+
+
+def test_export_is_all_or_nothing(wan: dict, tmp_path: Path, monkeypatch) -> None:
+    """A failed export leaves --out as it was, a good one replaces it whole; a directory that
+    is not an export is only replaced with force."""
+    from numaov.exporter import parity
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    with pytest.raises(OutputDirError, match=r"'.*out' is not empty and holds no numaov export"):
+        export_wan(wan["checkpoint"], out)
+    code, _, err = _cli_in_process("export", "wan", "--checkpoint", str(wan["checkpoint"]),
+                                   "--out", str(out), "--quiet")
+    assert code == 1 and "holds no numaov export" in err and "Traceback" not in err
+
+    # Parity that cannot pass (tolerance 0) fails the export late, after every file is written.
+    strict = {**parity.TOLERANCES, "f32": parity.Tolerance(0.0, "nothing passes")}
+    with monkeypatch.context() as patch:
+        patch.setattr(parity, "TOLERANCES", strict)
+        with pytest.raises(parity.ParityError):
+            export_wan(wan["checkpoint"], out, force=True)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and not _leftovers(tmp_path)
+
+    manifest = export_wan(wan["checkpoint"], out, force=True)
+    assert "notes.txt" not in {p.name for p in out.iterdir()} and not _leftovers(tmp_path)
+    assert read_manifest(out).record == manifest
+    assert set(manifest.files) == {"model.onnx", "model.onnx.data", "model.xml", "model.bin",
+                                   "reference_sample.npz"}
+
+    # A re-export that fails keeps the previous export intact and readable.
+    with monkeypatch.context() as patch:
+        patch.setattr(parity, "TOLERANCES", strict)
+        with pytest.raises(parity.ParityError):
+            export_wan(wan["checkpoint"], out)
+    assert read_manifest(out).record == manifest and not _leftovers(tmp_path)
 
 
 def _cli_in_process(*argv: str) -> tuple[int, str, str]:
@@ -499,9 +538,10 @@ def test_manifest_timestep_must_match_the_graph(wan: dict, ti2v: dict, tmp_path:
     with pytest.raises(ModelDirError, match=r"timestep is 'per-frame' but .* shape \['batch'\]"):
         read_manifest(tmp_path)
     # Exports from before the field existed read as scalar.
-    del manifest["timestep"]
+    del manifest["timestep"]  # a Wan manifest must say which form its graph takes
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    assert read_manifest(tmp_path).timestep == "scalar"
+    with pytest.raises(ModelDirError, match=r"timestep None is not one of \('scalar'"):
+        read_manifest(tmp_path)
     assert read_manifest(ti2v["model_dir"]).timestep == "per-frame"
 
 
@@ -601,10 +641,11 @@ def test_bf16_compile_runs_numaov_flash_attention(
         assert manifest.attention_kernel({"INFERENCE_PRECISION_HINT": ov.Type.bf16}) == setting
         assert manifest.attention_kernel() == "openvino"  # the f32 export itself
         compiled = manifest.compile_rank(0, {"INFERENCE_PRECISION_HINT": "bf16"})
+        assert (compiled.attention, compiled.swapped) == (setting, swapped)
         layer_types = [op.get_rt_info()["layerType"].astype(str)
-                       for op in compiled.get_runtime_model().get_ordered_ops()]
+                       for op in compiled.model.get_runtime_model().get_ordered_ops()]
         assert layer_types.count("Reference") == swapped
-        errors[setting] = _rel_error(compiled(feeds)[0], reference)
+        errors[setting] = _rel_error(compiled.model(feeds)[0], reference)
     print(f"bf16 vs ONNX Runtime f32: {errors}")
     assert errors["numaov"] < TOLERANCES["bf16"].max_rel_error
     if frames > 1:  # OpenVINO's own is wrong on one video token (see the test above)

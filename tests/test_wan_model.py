@@ -356,6 +356,7 @@ def test_state_dict_keeps_diffusers_layout(reference_dirs) -> None:
     assert torch.equal(internal["blocks.0.attn2.to_q.weight"], saved["blocks.0.attn2.to_q.weight"])
 
 
+@pytest.mark.slow
 def test_per_frame_export_runs_in_onnxruntime(reference_dirs, tmp_path: Path) -> None:
     """The [B, F] timestep graph exports with every axis dynamic and runs at new shapes."""
     import onnxruntime as ort

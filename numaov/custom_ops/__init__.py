@@ -20,14 +20,16 @@ from numaov.custom_ops.fallback_ops import (
     scale_residual_norm_scale_shift,
 )
 from numaov.custom_ops.native import add_extension, library_path
+from numaov.custom_ops.openvino_compile import CompiledIR, CompileError, compile_ir
+from numaov.manifest import LOWERINGS
 
 
 def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:
     """The ``custom_translation_table`` for ``torch.onnx.export(dynamo=True)``.
 
-    ``lowering`` is ``"decomposed"`` (standard ops, opset 18) or ``"opset23"`` (ONNX
-    RMSNormalization / RotaryEmbedding; export with ``opset_version=23``). Imported lazily:
-    onnxscript is only needed when exporting.
+    ``lowering`` is ``"decomposed"`` (standard ops) or ``"opset23"`` (ONNX RMSNormalization /
+    RotaryEmbedding); export with ``opset_version=onnx_opset_version(lowering)``. Imported
+    lazily: onnxscript is only needed when exporting.
     """
     from numaov.custom_ops.collective_ops import collective_translation_table
     from numaov.custom_ops.fallback_onnx import fallback_translation_table
@@ -38,20 +40,24 @@ def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:
 
 
 def onnx_opset_version(lowering: str = "decomposed") -> int:
-    """The ``opset_version`` ``torch.onnx.export`` needs for a lowering (18 or 23)."""
+    """The ``opset_version`` a lowering is exported at (``fallback_onnx.ONNX_OPSETS``)."""
     from numaov.custom_ops.fallback_onnx import onnx_opset_version as version
 
     return version(lowering)
 
 
 __all__ = [
+    "LOWERINGS",
     "CollectiveOpError",
+    "CompileError",
+    "CompiledIR",
     "FallbackOpError",
     "OnnxRuntimeUnsupportedError",
     "add_extension",
     "all_gather_into_tensor",
     "all_reduce",
     "check_onnxruntime_can_run",
+    "compile_ir",
     "fuse_scale_shift",
     "library_path",
     "norm_infer",

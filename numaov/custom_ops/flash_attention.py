@@ -69,12 +69,12 @@ def use_numaov_attention(setting: str | None = None) -> bool:
     return not reason
 
 
-def attention_kernel(precision: Any) -> str:
+def attention_kernel(precision: Any, setting: str | None = None) -> str:
     """The kernel plain attention gets in a model compiled at ``precision`` (an inference
-    precision hint, ``"bf16"`` or an ``openvino.Type``): ``"numaov"`` at bf16 when
-    NUMAOV_ATTENTION allows it, else ``"openvino"``. The setting is checked whatever the
-    precision, so a typo in it never waits for a bf16 model to show."""
-    setting = attention_setting()
+    precision hint, ``"bf16"`` or an ``openvino.Type``): ``"numaov"`` at bf16 when the
+    setting (``setting``, else NUMAOV_ATTENTION) allows it, else ``"openvino"``. The setting
+    is checked whatever the precision, so a typo in it never waits for a bf16 model to show."""
+    setting = attention_setting(setting)
     name = getattr(precision, "get_type_name", None)
     bf16 = (name() if callable(name) else str(precision)) == "bf16"
     return "numaov" if bf16 and use_numaov_attention(setting) else "openvino"

@@ -8,8 +8,11 @@
   holds rank r's MLP / expert shard, with the ``numaov.collective`` nodes (group
   ``COLLECTIVE_GROUP``) around every MLP and MoE block when ``dp > 1``;
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
-- ``manifest.json``, written last (a stale one is removed first), so a directory with a manifest
-  is a complete export.
+- ``manifest.json``, written last, with every other file's size and digest.
+
+The files are written into a staging directory that replaces ``out_dir`` only once parity
+passed (``output_dir.staged_output``): a failed export leaves nothing behind, a re-export
+no stale file.
 
 Graph inputs: ``input_ids``, ``position_ids`` ``[batch, new_tokens]`` (int64),
 ``attention_mask`` ``[batch, total_tokens]`` (int64, 1 = real token; cached and new tokens),
@@ -52,28 +55,24 @@ import numpy as np
 import torch
 
 from numaov import NumaovError
-from numaov.exporter.manifest import (
-    MANIFEST_NAME,
-    ExportManifest,
-    RankFiles,
-    TensorSpec,
-    library_versions,
-    write_reference_sample,
-)
 from numaov.exporter.onnx_export import export_onnx
-from numaov.exporter.openvino_convert import (
-    INFERENCE_PRECISION,
-    check_precision,
-    compile_config,
-    convert_to_ir,
+from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
+from numaov.exporter.output_dir import (
+    digest_export,
+    library_versions,
+    staged_output,
+    write_reference_sample,
 )
 from numaov.exporter.parity import (
     ParityError,
     ParityFigure,
     check_parity,
     measure,
+    openvino_runner,
+    parity_attention,
     torch_reference,
 )
+from numaov.manifest import ExportManifest, RankFiles, TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -178,18 +177,17 @@ def _named_axes(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
     return named
 
 
-def _check_request(checkpoint_dir: Path, out_dir: Path, dp: int, precision: str) -> None:
+def _check_request(checkpoint_dir: Path, dp: int, precision: str) -> None:
     """Fail before the (possibly long) model load, and before creating anything."""
     check_precision(precision)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise DeepseekExportError(f"--dp is {dp!r}; expected a positive integer")
+        raise DeepseekExportError(f"dp is {dp!r}; expected a positive integer", parameter="dp")
     if not checkpoint_dir.is_dir():
         raise DeepseekExportError(
             f"checkpoint {str(checkpoint_dir)!r} is not a directory; expected a Hugging Face "
-            "deepseek_v2 directory (config.json + model.safetensors or a sharded index)"
+            "deepseek_v2 directory (config.json + model.safetensors or a sharded index)",
+            parameter="checkpoint",
         )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DeepseekExportError(f"--out {str(out_dir)!r} is a file; expected a directory")
 
 
 @dataclass(frozen=True)
@@ -202,24 +200,13 @@ class _ParityJob:
     threads: int
 
 
-def _run_rank_graph(context: Any, job: _ParityJob) -> list[list[np.ndarray]]:
-    """Worker body: compile this rank's IR and run its share of every parity scenario."""
-    import openvino as ov
-
-    from numaov.custom_ops import add_extension
-
-    core = ov.Core()
-    add_extension(core)
-    properties = {**compile_config(job.inference_precision), "INFERENCE_NUM_THREADS": job.threads}
-    compiled = core.compile_model(job.xml, "CPU", properties)
-    request = compiled.create_infer_request()
-    outputs = []
-    for feeds in job.input_sets:
-        request.infer(feeds)
-        outputs.append(
-            [np.array(request.get_output_tensor(i).data) for i in range(len(compiled.outputs))]
-        )
-    return outputs
+def _run_rank_graph(context: Any, job: _ParityJob) -> tuple[list[list[np.ndarray]], str]:
+    """Worker body: compile this rank's IR as the runtime does and run its share of every
+    parity scenario; returns the outputs and the attention kernel they ran on."""
+    run, attention = openvino_runner(
+        job.xml, job.inference_precision, {"INFERENCE_NUM_THREADS": job.threads}
+    )
+    return [run(feeds) for feeds in job.input_sets], attention
 
 
 def _check_ranks_on_workers(
@@ -245,14 +232,14 @@ def _check_ranks_on_workers(
     results = run_rank_group(dp, _run_rank_graph, jobs, group=COLLECTIVE_GROUP,
                              timeout_s=PARITY_TIMEOUT_S)
     figures = []
-    for rank, (outputs, expected, inputs) in enumerate(
+    for rank, ((outputs, attention), expected, inputs) in enumerate(
         zip(results, references, rank_inputs, strict=True)
     ):
         for got, ref, feeds in zip(outputs, expected, inputs, strict=True):
             shapes = {name: list(array.shape) for name, array in feeds.items()}
             for name, r, g in zip(OUTPUT_NAMES, ref, got, strict=True):
                 figure = measure(r, g, "openvino", inference_precision, f"rank{rank}.{name}",
-                                 shapes)
+                                 shapes, attention=attention)
                 logger.info("parity: %s", figure.describe())
                 figures.append(figure)
     failed = [f for f in figures if not f.passed]
@@ -287,27 +274,38 @@ def export_deepseek(
     dp: int = 1,
     precision: str = "f32",
     progress: Callable[[str], None] | None = None,
+    force: bool = False,
 ) -> ExportManifest:
     """Export the DeepSeek-V2 checkpoint in ``checkpoint_dir`` for ``dp`` ranks; returns the
-    manifest written to ``out_dir``.
+    manifest written to ``out_dir``. ``force`` replaces an ``out_dir`` that holds something
+    other than a numaov export.
 
     Raises ``ShardError`` when ``dp`` does not divide the sharded dims, ``CheckpointError``
-    when the checkpoint does not fit its config, ``ParityError`` (nothing written as complete)
+    when the checkpoint does not fit its config, ``ParityError`` (``out_dir`` left as it was)
     when a backend differs from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
     """
-    from numaov.models.deepseek import (
-        DataParallelGroup,
-        DeepseekV2,
-        DeepseekV2Config,
-        DeepseekV2Step,
-        check_dp_divides,
-    )
+    from numaov.models.deepseek import DeepseekV2Config, check_dp_divides
 
     report = progress or (lambda _msg: None)
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    _check_request(checkpoint_dir, out_dir, dp, precision)
+    checkpoint_dir = Path(checkpoint_dir)
+    _check_request(checkpoint_dir, dp, precision)
     config = DeepseekV2Config.from_pretrained(checkpoint_dir)
     check_dp_divides(config, dp)
+    with staged_output(out_dir, force) as staging:
+        manifest = _export_into(checkpoint_dir, staging, config, dp, precision, report)
+    return manifest
+
+
+def _export_into(
+    checkpoint_dir: Path,
+    out_dir: Path,
+    config: Any,
+    dp: int,
+    precision: str,
+    report: Callable[[str], None],
+) -> ExportManifest:
+    from numaov.models.deepseek import DataParallelGroup, DeepseekV2, DeepseekV2Step
+
     inference_precision = INFERENCE_PRECISION[precision]
     timings: dict[str, float] = {}
     rank_inputs = _rank_inputs(config, dp)
@@ -325,8 +323,6 @@ def export_deepseek(
     gc.collect()
 
     # 2. per rank: the shard, its ONNX graph, its IR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
     example = {
         name: torch.from_numpy(array)
         for name, array in _step_inputs(config, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
@@ -342,13 +338,13 @@ def export_deepseek(
         rank_dir = out_dir / f"rank_{rank}"
         graph = export_onnx(
             DeepseekV2Step(shard), (), example, _dynamic_shapes(config, dp),
-            rank_dir / ONNX_NAME, LOWERING, progress, output_names=list(OUTPUT_NAMES),
+            rank_dir / ONNX_NAME, LOWERING, report, output_names=list(OUTPUT_NAMES),
         )
         timings["onnx_export"] = timings.get("onnx_export", 0.0) + time.perf_counter() - start
         del shard
         gc.collect()
         start = time.perf_counter()
-        xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, precision, progress)
+        xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, precision, report)
         timings["openvino_convert"] = (
             timings.get("openvino_convert", 0.0) + time.perf_counter() - start
         )
@@ -370,7 +366,7 @@ def export_deepseek(
     if dp == 1:
         figures = check_parity(
             rank_inputs[0], references[0], list(OUTPUT_NAMES), graphs[0].path, xml_paths[0],
-            openvino_precision=inference_precision, progress=progress,
+            openvino_precision=inference_precision, progress=report,
         )
         write_reference_sample(
             out_dir / REFERENCE_SAMPLE_NAME, rank_inputs[0][0],
@@ -406,6 +402,8 @@ def export_deepseek(
         collective_group=COLLECTIVE_GROUP if dp > 1 else None,
         notes=notes,
         world_size=dp,
+        parity_attention=parity_attention(figures),
+        files=digest_export(out_dir),
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

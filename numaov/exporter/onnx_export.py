@@ -26,17 +26,13 @@ from typing import Any
 import torch
 
 from numaov import NumaovError
-from numaov.exporter.manifest import TensorSpec
+from numaov.manifest import LOWERINGS, TensorSpec
 
 logger = logging.getLogger(__name__)
 
-LOWERINGS = ("decomposed", "opset23")
 # Tensors at or above this size are written to the external data file; smaller ones
 # (shape constants, scalars) stay inline, where ONNX tools expect to see them.
 EXTERNAL_DATA_THRESHOLD = 1024
-# The opset-23 lowering writes RMSNormalization and friends, which need opset 23;
-# the decomposed lowering uses the exporter's default opset.
-_OPSET = {"decomposed": None, "opset23": 23}
 # How much of a failing exporter's message goes into ours: enough for torch.export's
 # "suggested fixes" for a specialised dynamic axis, not a page of traceback.
 _MAX_CAUSE_CHARS = 2000
@@ -60,7 +56,8 @@ class OnnxGraph:
 def check_lowering(lowering: str) -> str:
     if lowering not in LOWERINGS:
         raise ExportError(
-            f"unknown ops lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}"
+            f"unknown ops lowering {lowering!r}; expected one of {', '.join(LOWERINGS)}",
+            parameter="lowering",
         )
     return lowering
 
@@ -183,7 +180,7 @@ def export_onnx(
     stay a multiple of a patch size). The example inputs should use sizes other than
     0 and 1 on dynamic axes, which ``torch.export`` would otherwise specialise.
     """
-    from numaov.custom_ops import onnx_translation_table  # the ops' ONNX face
+    from numaov.custom_ops import onnx_opset_version, onnx_translation_table  # ONNX face
 
     check_lowering(lowering)
     path = Path(path)
@@ -210,7 +207,7 @@ def export_onnx(
                     # Only names the symbolic axes after the Dims here; the program is fixed.
                     dynamic_shapes=dynamic_shapes,
                     custom_translation_table=onnx_translation_table(lowering),
-                    opset_version=_OPSET[lowering],
+                    opset_version=onnx_opset_version(lowering),
                     output_names=output_names,
                     optimize=True,
                     verbose=False,

@@ -6,9 +6,9 @@ the same either way.
 
 Precision (what ``"bf16"`` does, precisely):
 
-- ``"f32"``: weights stay f32 in the IR. The runtime compiles with
-  ``INFERENCE_PRECISION_HINT=f32``: without it OpenVINO picks bf16 on CPUs with
-  AVX512-BF16 or AMX, and the f32 export would silently run in bf16.
+- ``"f32"``: weights stay f32 in the IR. Everything compiles it with
+  ``INFERENCE_PRECISION_HINT=f32`` (``numaov.custom_ops.compile_ir``): without it OpenVINO
+  picks bf16 on CPUs with AVX512-BF16 or AMX, and the f32 export would silently run in bf16.
 - ``"bf16"``: every f32 weight constant of ``BF16_MIN_ELEMENTS`` elements or more is stored
   in the IR as bf16 followed by a Convert back to f32, which halves the ``.bin``. The CPU
   plugin folds that Convert when it compiles, so memory after compilation is that of the
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from numaov import NumaovError
+from numaov.manifest import PRECISIONS
 
 logger = logging.getLogger(__name__)
 
-PRECISIONS = ("f32", "bf16")
 # The OpenVINO inference precision each export precision is compiled with.
 INFERENCE_PRECISION = {"f32": "f32", "bf16": "bf16"}
 # Smaller constants are shape arithmetic, norm epsilons and the like: left in f32,
@@ -44,14 +44,10 @@ class ConversionError(NumaovError):
 def check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ConversionError(
-            f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}"
+            f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}",
+            parameter="precision",
         )
     return precision
-
-
-def compile_config(precision: str) -> dict[str, str]:
-    """The OpenVINO CPU properties an IR exported at ``precision`` is compiled with."""
-    return {"INFERENCE_PRECISION_HINT": INFERENCE_PRECISION[check_precision(precision)]}
 
 
 def _subgraphs(node) -> list:

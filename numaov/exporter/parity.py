@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.exporter.openvino_convert import check_precision, compile_config
+from numaov.exporter.openvino_convert import check_precision
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class ParityFigure:
     rel_error: float
     mean_abs_error: float
     tolerance: float
+    # OpenVINO's figures: the attention kernel the graph ran on ("numaov" / "openvino").
+    attention: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -100,6 +102,7 @@ def measure(
     output: str,
     shapes: Mapping[str, Sequence[int]],
     tolerance: float | None = None,
+    attention: str | None = None,
 ) -> ParityFigure:
     """Compare one output of a backend with the PyTorch reference."""
     reference = np.asarray(reference, dtype=np.float64)
@@ -127,10 +130,23 @@ def measure(
         rel_error=max_err / max(scale, 1e-12),
         mean_abs_error=mean_err,
         tolerance=TOLERANCES[precision].max_rel_error if tolerance is None else tolerance,
+        attention=attention,
     )
 
 
-def _onnxruntime_runner(onnx_path: Path) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
+def parity_attention(figures: Sequence[ParityFigure]) -> str | None:
+    """The attention kernel OpenVINO ran in the parity check (the manifest's
+    ``parity_attention``); None when OpenVINO was not checked."""
+    kernels = {f.attention for f in figures if f.attention is not None}
+    if len(kernels) > 1:  # ranks compiled alike cannot differ; say so if they ever do
+        raise ParityError(f"the parity check ran on several attention kernels: {sorted(kernels)}")
+    return kernels.pop() if kernels else None
+
+
+Runner = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+
+
+def _onnxruntime_runner(onnx_path: Path) -> tuple[Runner, None]:
     import onnxruntime as ort
 
     from numaov.custom_ops import check_onnxruntime_can_run
@@ -138,26 +154,24 @@ def _onnxruntime_runner(onnx_path: Path) -> Callable[[dict[str, np.ndarray]], li
     # A graph with numaov.collective nodes gets a clear refusal, not ORT's load error.
     check_onnxruntime_can_run(onnx_path)
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    return lambda feeds: list(session.run(None, feeds))
+    return (lambda feeds: list(session.run(None, feeds))), None
 
 
-def _openvino_runner(
-    xml_path: Path, precision: str
-) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
-    import openvino as ov
+def openvino_runner(
+    xml_path: str | Path, precision: str, properties: Mapping[str, Any] | None = None
+) -> tuple[Runner, str]:
+    """Compile ``xml_path`` as the runtime does (`numaov.custom_ops.compile_ir`); returns a
+    function running one input set, and the attention kernel it runs on."""
+    from numaov.custom_ops import compile_ir
 
-    from numaov.custom_ops import add_extension
-
-    core = ov.Core()
-    add_extension(core)
-    compiled = core.compile_model(str(xml_path), "CPU", compile_config(precision))
+    compiled = compile_ir(xml_path, precision, properties)
     request = compiled.create_infer_request()
 
     def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         request.infer(feeds)
         return [np.array(request.get_output_tensor(i).data) for i in range(len(compiled.outputs))]
 
-    return run
+    return run, compiled.attention
 
 
 def torch_reference(
@@ -194,7 +208,8 @@ def check_parity(
     ONNX Runtime runs the ONNX file in f32 (it has no bf16 kernels for these graphs) and is
     skipped when ``onnx_path`` is None (e.g. a graph with numaov collective nodes, which only
     OpenVINO with numaov's extension can run). OpenVINO compiles ``xml_path`` with
-    ``INFERENCE_PRECISION_HINT=openvino_precision``. One backend is loaded at a time.
+    ``INFERENCE_PRECISION_HINT=openvino_precision`` through the runtime's own compile path, so
+    at bf16 the figures measure the attention kernel that runs. One backend is loaded at a time.
     ``tolerances`` overrides the per-precision defaults (``{"f32": ..., "bf16": ...}``).
     Returns every figure; raises ``ParityError`` listing the ones outside tolerance.
     """
@@ -205,9 +220,7 @@ def check_parity(
             "expected one per input set"
         )
     report = progress or (lambda _msg: None)
-    backends: list[
-        tuple[str, str, Callable[[], Callable[[dict[str, np.ndarray]], list[np.ndarray]]]]
-    ] = []
+    backends: list[tuple[str, str, Callable[[], tuple[Runner, str | None]]]] = []
     if onnx_path is not None:
         backends.append(("onnxruntime", "f32", lambda: _onnxruntime_runner(Path(onnx_path))))
     if xml_path is not None:
@@ -215,7 +228,7 @@ def check_parity(
             (
                 "openvino",
                 openvino_precision,
-                lambda: _openvino_runner(Path(xml_path), openvino_precision),
+                lambda: openvino_runner(xml_path, openvino_precision),
             )
         )
     overrides = dict(tolerances or {})
@@ -223,7 +236,7 @@ def check_parity(
     figures: list[ParityFigure] = []
     for backend, precision, load in backends:
         report(f"parity check on {backend} ({precision}), {len(input_sets)} input sets")
-        run = load()
+        run, attention = load()
         for feeds, expected in zip(input_sets, reference_outputs, strict=True):
             shapes = {name: list(array.shape) for name, array in feeds.items()}
             got = run(feeds)
@@ -234,7 +247,7 @@ def check_parity(
                 )
             for name, ref, out in zip(output_names, expected, got, strict=True):
                 figure = measure(
-                    ref, out, backend, precision, name, shapes, overrides.get(precision)
+                    ref, out, backend, precision, name, shapes, overrides.get(precision), attention
                 )
                 logger.info("parity: %s", figure.describe())
                 figures.append(figure)

@@ -6,8 +6,11 @@
 - ``model.xml`` + ``model.bin``, the OpenVINO IR (bf16 weights for ``precision="bf16"``,
   see ``openvino_convert``);
 - ``reference_sample.npz``: one parity input set and PyTorch's output on it;
-- ``manifest.json``, written last, so a directory with a manifest is a complete export
-  (a stale manifest is removed first, so a failed re-export never looks complete).
+- ``manifest.json``, written last, with every other file's size and digest.
+
+The files are written into a staging directory that replaces ``out_dir`` only once parity
+passed (``output_dir.staged_output``): a failed export leaves nothing behind, a re-export
+no stale file.
 
 Batch, latent frames, height, width and text length stay dynamic. Frames, height and width
 are declared as multiples of the patch size (``2 * Dim("height_patches")``), which is the
@@ -33,16 +36,16 @@ import numpy as np
 import torch
 
 from numaov import NumaovError
-from numaov.exporter.manifest import (
-    MANIFEST_NAME,
-    ExportManifest,
-    RankFiles,
-    library_versions,
-    write_reference_sample,
-)
 from numaov.exporter.onnx_export import check_lowering, export_onnx
 from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
-from numaov.exporter.parity import check_parity, torch_reference
+from numaov.exporter.output_dir import (
+    digest_export,
+    library_versions,
+    staged_output,
+    write_reference_sample,
+)
+from numaov.exporter.parity import check_parity, parity_attention, torch_reference
+from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +64,6 @@ PARITY_SEED = 0
 _MAX_PATCHES = 1024
 _MAX_TEXT = 4096
 _MAX_BATCH = 256
-# How the graph takes its timestep (manifest field ``timestep``): see the module docstring.
-TIMESTEP_KINDS = ("scalar", "per-frame")
 # The exported FFN runs as narrower up/GELU/down blocks of at most this many inner columns
 # (WanFeedForward): Wan 1.3B's 8,960 becomes 5 x 1,792, 14B's 13,824 becomes 7 x 1,975.
 FFN_COLUMN_BLOCK = 2048
@@ -115,25 +116,10 @@ def check_timestep(timestep: str) -> str:
     if timestep not in TIMESTEP_KINDS:
         raise WanExportError(
             f"unknown timestep {timestep!r}; expected one of {', '.join(TIMESTEP_KINDS)} "
-            "(per-frame for Wan 2.2 TI2V)"
+            "(per-frame for Wan 2.2 TI2V)",
+            parameter="timestep",
         )
     return timestep
-
-
-def _check_paths(checkpoint_dir: Path, out_dir: Path) -> None:
-    """Fail before the (possibly long) model load, and before creating anything."""
-    if not checkpoint_dir.is_dir():
-        raise WanExportError(
-            f"checkpoint {str(checkpoint_dir)!r} is not a directory; expected a diffusers "
-            "WanTransformer3DModel directory (config.json + diffusion_pytorch_model*.safetensors)"
-        )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise WanExportError(f"--out {str(out_dir)!r} is a file; expected a directory")
-
-
-def _prepare_out_dir(out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
 
 
 def export_wan(
@@ -143,22 +129,43 @@ def export_wan(
     lowering: str = "decomposed",
     progress: Callable[[str], None] | None = None,
     timestep: str = "scalar",
+    force: bool = False,
 ) -> ExportManifest:
     """Export the Wan checkpoint in ``checkpoint_dir`` to ``out_dir``; returns the manifest.
 
     ``timestep`` is ``"scalar"`` (``[batch]``) or ``"per-frame"`` (``[batch, frame_patches]``).
+    ``force`` replaces an ``out_dir`` that holds something other than a numaov export.
 
-    Raises ``ParityError`` (nothing written as complete) when ONNX Runtime or OpenVINO
-    differ from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
+    Raises ``ParityError`` (``out_dir`` left as it was) when ONNX Runtime or OpenVINO differ
+    from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
     """
-    from numaov.models.wan import WanTransformer
-
     report = progress or (lambda _msg: None)
     check_precision(precision)
     check_lowering(lowering)
     check_timestep(timestep)
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    _check_paths(checkpoint_dir, out_dir)
+    # Fail before the (possibly long) model load, and before creating anything.
+    if not checkpoint_dir.is_dir():
+        raise WanExportError(
+            f"checkpoint {str(checkpoint_dir)!r} is not a directory; expected a diffusers "
+            "WanTransformer3DModel directory (config.json + diffusion_pytorch_model*.safetensors)",
+            parameter="checkpoint",
+        )
+    with staged_output(out_dir, force) as staging:
+        manifest = _export_into(checkpoint_dir, staging, precision, lowering, timestep, report)
+    return manifest
+
+
+def _export_into(
+    checkpoint_dir: Path,
+    out_dir: Path,
+    precision: str,
+    lowering: str,
+    timestep: str,
+    report: Callable[[str], None],
+) -> ExportManifest:
+    from numaov.models.wan import WanTransformer
+
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
@@ -167,7 +174,6 @@ def export_wan(
     model.split_ffn_columns(FFN_COLUMN_BLOCK)
     config = model.config
     timings["load"] = time.perf_counter() - start
-    _prepare_out_dir(out_dir)
 
     start = time.perf_counter()
     example = _inputs(config, EXAMPLE_SIZES, np.random.default_rng(PARITY_SEED + 1), timestep)
@@ -178,7 +184,7 @@ def export_wan(
         _dynamic_shapes(config, timestep),
         out_dir / ONNX_NAME,
         lowering,
-        progress,
+        report,
         output_names=[OUTPUT_NAME],
     )
     timings["onnx_export"] = time.perf_counter() - start
@@ -195,7 +201,7 @@ def export_wan(
     gc.collect()
 
     start = time.perf_counter()
-    xml_path = convert_to_ir(graph.path, out_dir / IR_NAME, precision, progress)
+    xml_path = convert_to_ir(graph.path, out_dir / IR_NAME, precision, report)
     timings["openvino_convert"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -206,7 +212,7 @@ def export_wan(
         graph.path,
         xml_path,
         openvino_precision=INFERENCE_PRECISION[precision],
-        progress=progress,
+        progress=report,
     )
     timings["parity"] = time.perf_counter() - start
 
@@ -232,6 +238,8 @@ def export_wan(
         source_checkpoint=str(checkpoint_dir.resolve()),
         export_seconds={k: round(v, 3) for k, v in timings.items()},
         reference_sample=REFERENCE_SAMPLE_NAME,
+        parity_attention=parity_attention(figures),
+        files=digest_export(out_dir),
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

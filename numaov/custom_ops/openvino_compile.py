@@ -1,0 +1,117 @@
+"""The one way numaov compiles an OpenVINO model on the CPU.
+
+Every compile goes through `compile_ir`: the runtime's workers, both exporters' parity
+checks and the benchmarks. So the graph an export's parity measures is the graph that runs,
+with the same three steps in the same order:
+
+1. read the IR with numaov's extension ops loaded (the collectives, FlashAttention);
+2. at bf16, swap plain attention for numaov's flash-attention kernel when
+   ``NUMAOV_ATTENTION`` allows it (`flash_attention.attention_kernel`);
+3. compile with ``INFERENCE_PRECISION_HINT`` set: an f32 model must say f32, or OpenVINO
+   runs it in bf16 on CPUs with AVX512-BF16 / AMX.
+
+OpenVINO's read and compile errors are many lines of C++ context; they become one
+`CompileError` naming the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from numaov import NumaovError
+from numaov.custom_ops.flash_attention import attention_kernel, swap_attention
+from numaov.custom_ops.native import add_extension
+
+INFERENCE_PRECISIONS = ("f32", "bf16")
+PRECISION_HINT = "INFERENCE_PRECISION_HINT"
+# How much of OpenVINO's message goes into ours: the reason, not the C++ call chain.
+_MAX_CAUSE_CHARS = 400
+
+
+class CompileError(NumaovError):
+    """OpenVINO could not read or compile a model."""
+
+
+@dataclass(frozen=True)
+class CompiledIR:
+    """A compiled model and the attention kernel its plain attention nodes run on."""
+
+    model: Any  # openvino.CompiledModel
+    # "numaov" when at least one attention node runs numaov's kernel, else "openvino".
+    attention: str
+    swapped: int
+
+    def create_infer_request(self) -> Any:
+        return self.model.create_infer_request()
+
+    @property
+    def outputs(self) -> Any:
+        return self.model.outputs
+
+
+def _cause(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= _MAX_CAUSE_CHARS else text[:_MAX_CAUSE_CHARS] + " ..."
+
+
+def _precision_name(precision: Any) -> str:
+    """``"bf16"`` from ``"bf16"`` or ``openvino.Type.bf16``; checked."""
+    name = getattr(precision, "get_type_name", None)
+    value = name() if callable(name) else str(precision)
+    if value not in INFERENCE_PRECISIONS:
+        raise CompileError(
+            f"inference precision {precision!r}; expected one of {', '.join(INFERENCE_PRECISIONS)}"
+        )
+    return value
+
+
+def effective_precision(precision: Any, properties: Mapping[str, Any] | None = None) -> str:
+    """The inference precision a compile runs at: ``INFERENCE_PRECISION_HINT`` among
+    ``properties`` wins over ``precision``."""
+    return _precision_name((properties or {}).get(PRECISION_HINT, precision))
+
+
+def compile_ir(
+    source: str | Path | Any,
+    precision: str,
+    properties: Mapping[str, Any] | None = None,
+    attention: str | None = None,
+) -> CompiledIR:
+    """Compile ``source`` (an ``.xml`` path, or an ``openvino.Model``, which is left as it
+    is) for the CPU at inference ``precision`` (``"f32"`` / ``"bf16"``).
+
+    ``properties`` are further OpenVINO CPU properties (threads, pinning, ...); an
+    ``INFERENCE_PRECISION_HINT`` among them wins over ``precision`` and decides the
+    attention kernel. ``attention`` overrides ``NUMAOV_ATTENTION`` (same values), so a
+    benchmark can compile both kernels in one process. Raises `CompileError` naming the file
+    on any OpenVINO failure, and ``AttentionSettingError`` for a bad attention setting.
+    """
+    import openvino as ov
+
+    effective = effective_precision(precision, properties)
+    config = {**(properties or {}), PRECISION_HINT: effective}
+    kernel = attention_kernel(effective, attention)  # checks NUMAOV_ATTENTION before any slow work
+    core = ov.Core()
+    add_extension(core)
+    if isinstance(source, (str, Path)):
+        name = repr(str(source))
+        if not Path(source).is_file():
+            raise CompileError(f"OpenVINO model {name} does not exist; expected an IR .xml file")
+        try:
+            model = core.read_model(str(source))
+        except Exception as exc:  # OpenVINO raises RuntimeError subclasses with long text
+            raise CompileError(
+                f"OpenVINO cannot read {name} (corrupt or truncated IR?): {_cause(exc)}"
+            ) from exc
+    else:
+        name = f"model {source.get_friendly_name()!r}"
+        model = source.clone() if kernel == "numaov" else source
+    swapped = swap_attention(model) if kernel == "numaov" else 0
+    try:
+        compiled = core.compile_model(model, "CPU", config)
+    except Exception as exc:
+        raise CompileError(f"OpenVINO cannot compile {name}: {_cause(exc)}") from exc
+    return CompiledIR(compiled, "numaov" if swapped else "openvino", swapped)

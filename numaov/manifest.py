@@ -1,0 +1,331 @@
+"""The export manifest: what an exported model directory holds and how it was made.
+
+``manifest.json`` is the contract between the exporter (which writes it) and the runtime
+(which reads it). Both import this module, so every field is named once, here; it is a
+leaf (it imports nothing of numaov's but the base error), see ``docs/architecture.md``.
+
+Fields:
+
+- ``format_version``: bumped when a field changes meaning; readers refuse other versions.
+- ``kind``: the model family (``"wan"``, ``"deepseek"``), which picks the runtime pipeline;
+  readers say which kind they expect.
+- ``config``: the model's configuration (diffusers / Hugging Face key names).
+- ``inputs`` / ``outputs``: name, dtype and shape of every graph tensor; a shape entry is an
+  int for a static axis or a string naming a dynamic axis (the ``torch.export.Dim`` name or
+  an expression of it such as ``"2*height_patches"``).
+- ``precision``: ``"f32"`` or ``"bf16"``; ``inference_precision`` is the OpenVINO
+  ``INFERENCE_PRECISION_HINT`` the runtime must compile the IR with.
+- ``lowering``: how the fallback ops were written into ONNX (``"decomposed"`` / ``"opset23"``).
+- ``timestep``: for a Wan model, ``"scalar"`` (input ``timestep [batch]``) or ``"per-frame"``
+  (``[batch, frame_patches]``, Wan 2.2 TI2V); the sampler feeds that form. Null for other kinds.
+- ``world_size`` and ``ranks``: one entry per rank with the ONNX and IR paths relative to the
+  model directory (a single-rank model has one entry, rank 0).
+- ``files``: size and xxh3-128 digest of every file the export wrote (paths relative to the
+  model directory); the runtime checks a graph's files against them before compiling it, so
+  a truncated or corrupt ``model.bin`` is named as such instead of failing inside OpenVINO.
+- ``versions``: torch / onnx / onnxruntime / openvino / numaov at export time.
+- ``parity``: the figures of the export-time parity check; ``parity_attention`` is the
+  attention kernel OpenVINO ran in it (``"numaov"`` or ``"openvino"``, see
+  ``numaov.custom_ops.compile_ir``), so a bf16 export's figures say which kernel they measured.
+- ``source_checkpoint``: absolute path of the checkpoint exported, for the PyTorch backend.
+- ``export_seconds``: how long each export stage took (load, ONNX export, conversion, parity).
+- ``reference_sample``: an ``.npz`` (relative path) with one parity input set (``input.<name>``)
+  and PyTorch's output on it (``output.<name>``): a model directory can re-check any backend
+  against the export, and the PyTorch backend checks that the source checkpoint is unchanged.
+- ``collective_group``: for a model exported for several ranks, the group name written into its
+  ``numaov.collective`` nodes; the runtime creates its communicators under that name.
+- ``notes``: what the export did not check and why (e.g. ONNX Runtime cannot run collectives).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from numaov import NumaovError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 2
+PRECISIONS = ("f32", "bf16")
+# How the fallback ops are written into ONNX (numaov.custom_ops.fallback_onnx).
+LOWERINGS = ("decomposed", "opset23")
+TIMESTEP_KINDS = ("scalar", "per-frame")
+ATTENTION_KERNELS = ("numaov", "openvino")
+# Files are hashed in pieces of this size, so a 30 GB IR never sits in memory twice.
+_HASH_CHUNK = 16 << 20
+
+
+class ModelDirError(NumaovError):
+    """A model directory (or its manifest) that is missing, incomplete, corrupt, or not what
+    the command expects."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output; ``shape`` holds ints (static) or axis names (dynamic)."""
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The files of one rank, relative to the model directory."""
+
+    rank: int
+    onnx: str
+    ir_xml: str
+    ir_bin: str
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """What a file held when the export wrote it."""
+
+    size: int
+    xxh3_128: str
+
+
+def digest_file(path: str | Path) -> FileDigest:
+    """Size and xxh3-128 of ``path`` (xxh3 reads at memory speed: ~1 s per 10 GB)."""
+    import xxhash
+
+    hasher = xxhash.xxh3_128()
+    size = 0
+    with Path(path).open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            hasher.update(chunk)
+            size += len(chunk)
+    return FileDigest(size=size, xxh3_128=hasher.hexdigest())
+
+
+def digest_files(model_dir: str | Path, names: Iterable[str]) -> dict[str, FileDigest]:
+    """The ``files`` field for ``names`` (paths relative to ``model_dir``)."""
+    return {name: digest_file(Path(model_dir) / name) for name in sorted(set(names))}
+
+
+@dataclass
+class ExportManifest:
+    """Everything the runtime needs to know about an exported model directory."""
+
+    kind: str
+    config: dict[str, Any]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    precision: str
+    inference_precision: str
+    lowering: str
+    ranks: list[RankFiles]
+    versions: dict[str, str]
+    files: dict[str, FileDigest] = field(default_factory=dict)
+    parity: list[dict[str, Any]] = field(default_factory=list)
+    parity_attention: str | None = None
+    source_checkpoint: str | None = None
+    export_seconds: dict[str, float] = field(default_factory=dict)
+    reference_sample: str | None = None
+    collective_group: str | None = None
+    timestep: str | None = None
+    notes: list[str] = field(default_factory=list)
+    world_size: int = 1
+    format_version: int = FORMAT_VERSION
+
+    def summary(self, model_dir: str | Path) -> str:
+        """One line for the CLI: what was written and the worst parity figure per backend."""
+        worst: dict[str, float] = {}
+        for figure in self.parity:
+            key = f"{figure['backend']} {figure['precision']}"
+            worst[key] = max(worst.get(key, 0.0), float(figure["rel_error"]))
+        parity = ", ".join(f"{k} {v:.2g}" for k, v in worst.items()) or "not checked"
+        # Only the non-default timestep is named, so scalar exports read as they always did.
+        timestep = ", per-frame timestep" if self.timestep == "per-frame" else ""
+        attention = (f" ({self.parity_attention} attention)"
+                     if self.parity_attention == "numaov" else "")
+        return (
+            f"exported {self.kind} ({self.precision}, {self.lowering} ops{timestep}) to "
+            f"{model_dir}; parity vs torch (max rel error): {parity}{attention}"
+        )
+
+    def write_and_report(
+        self, model_dir: str | Path, timings: dict[str, float], report: Callable[[str], None]
+    ) -> None:
+        """Write the manifest (the last file of an export) and report the stage timings."""
+        self.write(model_dir)
+        report(
+            f"exported in {sum(timings.values()):.1f} s ("
+            + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+            + ")"
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=False) + "\n"
+
+    def write(self, model_dir: str | Path) -> Path:
+        """Write ``model_dir/manifest.json`` (atomically, so a crash never leaves half a file)."""
+        path = Path(model_dir) / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        try:
+            tmp.write_text(self.to_json(), encoding="utf-8")
+            tmp.replace(path)
+        except OSError as exc:
+            raise ModelDirError(f"cannot write {str(path)!r} ({exc})") from exc
+        logger.info("wrote %s", path)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "manifest") -> ExportManifest:
+        """Rebuild and check a manifest from its JSON object (the inverse of ``to_json``)."""
+        version = _field(data, "format_version", int, where)
+        if version != FORMAT_VERSION:
+            raise ModelDirError(
+                f"{where} has format_version {version}; this numaov reads version "
+                f"{FORMAT_VERSION}: re-export the model with this numaov"
+            )
+        try:
+            fields = dict(data)
+            fields["inputs"] = [TensorSpec(**t) for t in _field(data, "inputs", list, where)]
+            fields["outputs"] = [TensorSpec(**t) for t in _field(data, "outputs", list, where)]
+            fields["ranks"] = [RankFiles(**r) for r in _field(data, "ranks", list, where)]
+            fields["files"] = {
+                str(k): FileDigest(**v) for k, v in _field(data, "files", dict, where).items()
+            }
+            manifest = cls(**fields)
+        except TypeError as exc:
+            raise ModelDirError(
+                f"{where} has a missing, unknown or malformed field ({exc}); expected the "
+                "fields written by numaov's exporter: re-export the model"
+            ) from exc
+        manifest._check(where)
+        return manifest
+
+    def _check(self, where: str) -> None:
+        """The cross-field rules every reader relies on."""
+        for key, kind in (("kind", str), ("config", dict), ("precision", str),
+                          ("inference_precision", str), ("lowering", str),
+                          ("versions", dict), ("world_size", int)):
+            _field(asdict(self), key, kind, where)
+        if self.lowering not in LOWERINGS:
+            raise ModelDirError(f"{where}: lowering {self.lowering!r} is not one of {LOWERINGS}")
+        for key in ("precision", "inference_precision"):
+            if getattr(self, key) not in PRECISIONS:
+                raise ModelDirError(
+                    f"{where}: {key} {getattr(self, key)!r} is not one of {PRECISIONS}"
+                )
+        if sorted(r.rank for r in self.ranks) != list(range(self.world_size)):
+            raise ModelDirError(
+                f"{where}: ranks {[r.rank for r in self.ranks]} do not cover world_size "
+                f"{self.world_size}"
+            )
+        if self.world_size > 1 and not (isinstance(self.collective_group, str)
+                                         and self.collective_group):
+            raise ModelDirError(
+                f"{where} is exported for {self.world_size} ranks but names no "
+                "collective_group; re-export the model with numaov"
+            )
+        if self.kind == "wan":
+            rank = {"scalar": 1, "per-frame": 2}.get(self.timestep or "")
+            if rank is None:
+                raise ModelDirError(
+                    f"{where}: timestep {self.timestep!r} is not one of {TIMESTEP_KINDS}"
+                )
+            shape = {spec.name: spec.shape for spec in self.inputs}.get("timestep")
+            if shape is not None and len(shape) != rank:
+                raise ModelDirError(
+                    f"{where}: timestep is {self.timestep!r} but the graph's timestep input "
+                    f"has shape {shape}; expected {rank} axes: re-export the model"
+                )
+        if self.parity_attention is not None and self.parity_attention not in ATTENTION_KERNELS:
+            raise ModelDirError(
+                f"{where}: parity_attention {self.parity_attention!r} is not one of "
+                f"{ATTENTION_KERNELS}"
+            )
+
+    @classmethod
+    def read(cls, model_dir: str | Path, expected_kind: str | None = None) -> ExportManifest:
+        """Read and check ``model_dir/manifest.json``, and that every file it lists is there
+        with the size the export wrote (digests are checked later, by `verify_file`, when a
+        file is about to be used). ``expected_kind`` is e.g. ``"wan"``."""
+        directory = Path(model_dir)
+        if not directory.exists():
+            raise ModelDirError(
+                f"model directory {str(directory)!r} does not exist; expected the output "
+                "directory of `numaov export`"
+            )
+        if not directory.is_dir():
+            raise ModelDirError(
+                f"model directory {str(directory)!r} is a file; expected a directory"
+            )
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise ModelDirError(
+                f"{str(directory)!r} has no {MANIFEST_NAME}; expected a directory written by "
+                "`numaov export`"
+            )
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelDirError(f"cannot read {str(path)!r} as JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ModelDirError(
+                f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object"
+            )
+        manifest = cls.from_dict(data, repr(str(path)))
+        if expected_kind is not None and manifest.kind != expected_kind:
+            raise ModelDirError(
+                f"{str(directory)!r} holds a {manifest.kind!r} model; expected a "
+                f"{expected_kind!r} model"
+            )
+        named = [(r.rank, key, getattr(r, key)) for r in manifest.ranks
+                 for key in ("onnx", "ir_xml", "ir_bin")]
+        if manifest.reference_sample is not None:
+            named.append((None, "reference sample", manifest.reference_sample))
+        for rank, what, name in named:
+            if not (directory / name).is_file():
+                label = what if rank is None else f"rank {rank} {what}"
+                raise ModelDirError(
+                    f"{str(directory)!r} is incomplete: {name!r} ({label}) is missing; "
+                    "re-export the model"
+                )
+        for name, digest in manifest.files.items():
+            manifest._check_size(directory, name, digest)
+        return manifest
+
+    def _check_size(self, directory: Path, name: str, digest: FileDigest) -> None:
+        file = directory / name
+        size = file.stat().st_size if file.is_file() else None
+        if size != digest.size:
+            found = "missing" if size is None else f"{size:,} bytes"
+            raise ModelDirError(
+                f"{str(file)!r} is {found}; the export wrote {digest.size:,} bytes (truncated "
+                "or replaced since): re-export the model or restore the file"
+            )
+
+    def verify_file(self, model_dir: str | Path, name: str) -> Path:
+        """``model_dir/name`` after checking its size and digest against the export's;
+        returns its path. A file the manifest does not list is returned unchecked."""
+        directory = Path(model_dir)
+        digest = self.files.get(name)
+        if digest is not None:
+            self._check_size(directory, name, digest)
+            if digest_file(directory / name).xxh3_128 != digest.xxh3_128:
+                raise ModelDirError(
+                    f"{str(directory / name)!r} does not hold what the export wrote (its "
+                    "xxh3-128 digest differs: corrupt or replaced): re-export the model or "
+                    "restore the file"
+                )
+        return directory / name
+
+
+def _field(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise ModelDirError(f"{where} has no {key!r} field; re-export the model with numaov")
+    value = data[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ModelDirError(f"{where}: field {key!r} is malformed ({value!r})")
+    return value
