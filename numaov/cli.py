@@ -3,7 +3,11 @@
 Each subcommand is a `cmd_*` function taking the parsed arguments and
 returning an exit code; formatting functions in the library return strings
 and only this module prints. `main()` is the one place that catches
-`NumaovError`, prints it as one line and exits non-zero.
+`NumaovError`, prints it as one line and exits non-zero; when the error names
+the library parameter it is about (`NumaovError.parameter`), the line starts
+with the running command's flag for it (`--prompt-ids: ...`). Choices come
+from the library's tuples (`LOWERINGS`, `PRECISIONS`, `TIMESTEP_KINDS`, each pipeline's
+`BACKENDS`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from numaov import NumaovError, __version__
+from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS
+from numaov.runtime import lm_engine, wan_pipeline
 
 
 def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
@@ -27,6 +33,23 @@ def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    # main() names the flag of a library error's parameter from this parser's options.
+    parser.set_defaults(command_parser=parser)
+
+
+def _add_force(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --out that is not a numaov export")
+
+
+def _add_lm_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=lm_engine.BACKENDS, default="openvino",
+                        help="what runs each rank's step (default openvino)")
+
+
+def _backend_list(text: str) -> list[str]:
+    """``--backends a,b``: the names, checked by the library against its BACKENDS."""
+    return text.split(",")
 
 
 # -- doctor -------------------------------------------------------------------------------
@@ -55,6 +78,7 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None) -> list[str
 
     from numaov.exporter.wan_export import export_wan
     from numaov.models.builtin import TINY_WAN_CONFIG, build_tiny_wan
+    from numaov.runtime.comparison import SampleComparison
     from numaov.runtime.wan_pipeline import WanSampleRequest, run_wan
 
     checkpoint = build_tiny_wan(out_dir / "checkpoint", seed=0)
@@ -67,61 +91,39 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None) -> list[str
                          out_dir / f"latents_{backend}.npy", backend=backend, progress=progress)
         for backend in ("torch", "openvino")
     }
-    torch_run, ov_run = results["torch"], results["openvino"]
-    error = float(np.abs(ov_run.latents - torch_run.latents).max()
-                  / max(float(np.abs(torch_run.latents).max()), 1e-12))
-    # The first step includes one-time work (allocation, kernel selection); skip it.
-    torch_step = float(np.mean(torch_run.step_seconds[1:]))
-    ov_step = float(np.mean(ov_run.step_seconds[1:]))
+    comparison = SampleComparison(results["torch"], results["openvino"])
     return [
         "Wan DiT (tiny, embedded):",
         f"  {manifest.summary(out_dir / 'model')}",
         f"  sampled {request.frames} frames {request.height}x{request.width}, {request.steps} "
-        f"steps, guidance {request.guidance}: latents {list(ov_run.latents.shape)}",
-        f"  OpenVINO vs torch final latents: max rel error {error:.2g}",
-        f"  per step: torch {torch_step * 1e3:.1f} ms, OpenVINO {ov_step * 1e3:.1f} ms "
-        f"({torch_step / ov_step:.2f}x)",
+        f"steps, guidance {request.guidance}: latents {list(results['openvino'].latents.shape)}",
+        *(f"  {line}" for line in comparison.lines()),
     ]
 
 
 def _demo_deepseek(out_dir: Path, progress: Callable[[str], None] | None) -> list[str]:
     """Tiny seeded DeepSeek-V2 MoE: export for dp=2, generate on two workers with torch and
     OpenVINO, compare tokens and logits."""
-    import numpy as np
-
     from numaov.exporter.deepseek_export import export_deepseek
     from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
-    from numaov.runtime.lm_engine import plan_for_ranks, run_deepseek
+    from numaov.runtime.comparison import GenerationComparison
+    from numaov.runtime.lm_engine import run_deepseek
 
     checkpoint = build_tiny_deepseek(out_dir / "checkpoint", seed=0)
     manifest = export_deepseek(checkpoint, out_dir / "model", dp=2, precision="f32",
                                progress=progress)
-    # Two ranks even on a one-node machine: its CPUs are split between them.
-    plan, placement = plan_for_ranks(2, split_cpus=True)
     prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2], [77, 12, 19, 401]]
-    new_tokens = 16
     runs = {
-        backend: run_deepseek(out_dir / "model", prompts, new_tokens, backend, plan=plan,
-                              keep_logits=True, progress=progress)
+        backend: run_deepseek(out_dir / "model", prompts, 16, backend, keep_logits=True,
+                              progress=progress)
         for backend in ("torch", "openvino")
     }
-    torch_run, ov_run = runs["torch"], runs["openvino"]
-    same = sum(a == b for a, b in zip(torch_run.tokens, ov_run.tokens, strict=True))
-    error = max(
-        float(np.abs(o - t).max() / max(float(np.abs(t).max()), 1e-12))
-        for o, t in zip(ov_run.logits or [], torch_run.logits or [], strict=True)
-    )
-    torch_rate, ov_rate = torch_run.decode_tokens_per_second, ov_run.decode_tokens_per_second
+    comparison = GenerationComparison(runs["torch"], runs["openvino"])
     return [
         "DeepSeek-V2 MoE (tiny, embedded), DP attention on 2 ranks:",
         f"  {manifest.summary(out_dir / 'model')}",
-        f"  placement: {placement}",
-        f"  {len(prompts)} prompts x {new_tokens} greedy tokens: OpenVINO == torch tokens for "
-        f"{same}/{len(prompts)} prompts; logits max rel error {error:.2g}",
-        f"  decode: torch {torch_rate:.0f} tokens/s, OpenVINO {ov_rate:.0f} tokens/s "
-        f"({ov_rate / torch_rate:.2f}x); first prefill (with each backend's one-time setup) "
-        f"torch {torch_run.prefill_seconds * 1e3:.1f} ms, OpenVINO "
-        f"{ov_run.prefill_seconds * 1e3:.1f} ms; `numaov bench deepseek` times warm rounds",
+        *(f"  {line}" for line in comparison.lines()),
+        "  (`numaov bench deepseek` times warm rounds)",
     ]
 
 
@@ -156,7 +158,7 @@ def cmd_export_wan(args: argparse.Namespace) -> int:
     from numaov.exporter.wan_export import export_wan
 
     manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args),
-                          timestep=args.timestep)
+                          timestep=args.timestep, force=args.force)
     print(manifest.summary(args.out))
     return 0
 
@@ -166,13 +168,14 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="diffusers WanTransformer3DModel directory (config.json + safetensors)")
     p.add_argument("--out", required=True, metavar="DIR", help="where ONNX, IR and manifest go")
-    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+    p.add_argument("--precision", choices=PRECISIONS, default="f32",
                    help="IR weights and inference precision (default f32)")
-    p.add_argument("--ops", choices=["decomposed", "opset23"], default="decomposed",
+    p.add_argument("--ops", choices=LOWERINGS, default="decomposed",
                    help="ONNX lowering of the fallback ops (default decomposed)")
-    p.add_argument("--timestep", choices=["scalar", "per-frame"], default="scalar",
+    p.add_argument("--timestep", choices=TIMESTEP_KINDS, default="scalar",
                    help="timestep input: [batch] (default), or per-frame [batch, latent frames] "
                    "for Wan 2.2 TI2V image-to-video")
+    _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_wan)
 
@@ -210,7 +213,7 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="image-to-video: normalised VAE latents of the first frame, [C, 1, H/8, "
                    "W/8] or [1, C, 1, H/8, W/8]; needs an export with --timestep per-frame")
     p.add_argument("--out", required=True, metavar="FILE.npy", help="final latents [1, C, F, H, W]")
-    p.add_argument("--backend", choices=["openvino", "onnxruntime", "torch"], default="openvino",
+    p.add_argument("--backend", choices=wan_pipeline.BACKENDS, default="openvino",
                    help="what runs the transformer (default openvino)")
     p.add_argument("--workers", type=int, default=1,
                    help="2 runs the two guidance branches on two pinned workers (default 1)")
@@ -227,7 +230,7 @@ def cmd_export_deepseek(args: argparse.Namespace) -> int:
     from numaov.exporter.deepseek_export import export_deepseek
 
     manifest = export_deepseek(args.checkpoint, args.out, args.dp, args.precision,
-                               _progress(args))
+                               _progress(args), force=args.force)
     print(manifest.summary(args.out))
     for note in manifest.notes:
         print(f"note: {note}")
@@ -243,8 +246,9 @@ def _add_export_deepseek_parser(sub: argparse._SubParsersAction) -> None:
                    "and expert intermediate sizes")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="where rank_<r>/ graphs and manifest.json go")
-    p.add_argument("--precision", choices=["f32", "bf16"], default="f32",
+    p.add_argument("--precision", choices=PRECISIONS, default="f32",
                    help="IR weights and inference precision (default f32)")
+    _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_deepseek)
 
@@ -290,8 +294,7 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
                    help="a prompt as text (needs --tokenizer; repeat for several prompts)")
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
                    help="tokens to generate per prompt")
-    p.add_argument("--backend", choices=["openvino", "torch"], default="openvino",
-                   help="what runs each rank's step (default openvino)")
+    _add_lm_backend(p)
     _add_common(p)
     p.set_defaults(func=cmd_run_deepseek)
 
@@ -300,47 +303,22 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import signal
-    import socket
-
-    import uvicorn
-
     from numaov.runtime.lm_engine import load_tokenizer
-    from numaov.runtime.lm_service import LMService, ServiceError, build_app
+    from numaov.runtime.lm_service import LMService, build_app, listen, serve_forever
+
+    def say(message: str) -> None:
+        print(f"numaov serve: {message}", flush=True)
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
     name = args.model_name or Path(args.model_dir).resolve().name
-    # Bind before starting the workers: a taken port fails in a second, not after loading.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        sock.close()
-        raise ServiceError(f"cannot listen on {args.host}:{args.port} ({exc.strerror}); "
-                           "expected a free port (--port) on a local address (--host)") from None
-    with sock, LMService(args.model_dir, args.backend, progress=_progress(args)) as service:
+    with listen(args.host, args.port) as sock, \
+            LMService(args.model_dir, args.backend, progress=_progress(args)) as service:
         host, port = sock.getsockname()[:2]
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig: int, frame: object) -> None:
-                if not self.should_exit:  # the first signal drains; a second one forces
-                    print("numaov serve: stopping once the request in flight is answered "
-                          "(again to force)", flush=True)
-                super().handle_exit(sig, frame)
-
-        server = Server(uvicorn.Config(build_app(service, name, tokenizer),
-                                       log_level="warning", lifespan="off"))
-        print(f"numaov serve: {name!r} ({service.world_size} rank(s), {args.backend}) on "
-              f"http://{host}:{port}  (POST /v1/completions, GET /v1/models, GET /health)",
-              flush=True)
-        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make
-        # SIGTERM end up here like Ctrl-C, so the workers are stopped either way.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass
-        print("numaov serve: stopped", flush=True)
+        app = build_app(service, name, tokenizer)
+        say(f"{name!r} ({service.world_size} rank(s), {args.backend}) on http://{host}:{port}  "
+            "(POST /v1/completions, GET /v1/models, GET /health)")
+        serve_forever(app, sock, say)
+        say("stopped")
     return 0
 
 
@@ -364,8 +342,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the "
                    "model directory's name)")
-    p.add_argument("--backend", choices=["openvino", "torch"], default="openvino",
-                   help="what runs each rank's step (default openvino)")
+    _add_lm_backend(p)
     _add_common(p)
     p.set_defaults(func=cmd_serve)
 
@@ -375,14 +352,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _check_json_target(path: str | None) -> None:
     """Refuse an unwritable --json path before the benchmark runs, not after."""
-    from numaov.runtime.bench import BenchInputError
-
     if path is None:
         return
     target = Path(path)
     if target.is_dir() or not target.parent.is_dir():
-        raise BenchInputError(f"--json {path!r} is a directory or its folder does not exist; "
-                              "expected a file path in an existing directory")
+        raise NumaovError(f"--json {path!r} is a directory or its folder does not exist; "
+                          "expected a file path in an existing directory")
 
 
 def _finish_bench(report, args: argparse.Namespace) -> int:
@@ -398,7 +373,7 @@ def cmd_bench_wan(args: argparse.Namespace) -> int:
 
     _check_json_target(args.json)
     return _finish_bench(bench_wan(
-        args.model_dir, args.frames, args.height, args.width, args.backends.split(","),
+        args.model_dir, args.frames, args.height, args.width, args.backends,
         rounds=args.rounds, batch=args.batch, text_length=args.text_length,
         progress=_progress(args)), args)
 
@@ -408,9 +383,16 @@ def cmd_bench_deepseek(args: argparse.Namespace) -> int:
 
     _check_json_target(args.json)
     return _finish_bench(bench_deepseek(
-        args.model_dir, args.backends.split(","), batch=args.batch,
+        args.model_dir, args.backends, batch=args.batch,
         prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens,
         rounds=args.rounds, progress=_progress(args)), args)
+
+
+def _add_backends(parser: argparse.ArgumentParser, backends: Sequence[str]) -> None:
+    parser.add_argument("--backends", type=_backend_list, default=["torch", "openvino"],
+                        metavar="NAMES",
+                        help=f"comma-separated from {', '.join(backends)}; the first is the "
+                        "baseline of the ratios (default torch,openvino)")
 
 
 def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
@@ -426,9 +408,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="samples per forward (default 2: a guidance pair)")
     p.add_argument("--text-length", type=int, default=64, metavar="N",
                    help="text embedding tokens (default 64)")
-    p.add_argument("--backends", default="torch,openvino",
-                   help="comma-separated, the first is the baseline of the ratios (default "
-                   "torch,openvino; also onnxruntime)")
+    _add_backends(p, wan_pipeline.BACKENDS)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, best kept (default 3)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     _add_common(p)
@@ -442,8 +422,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="tokens per prompt, seeded random ids (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=8, metavar="N",
                    help="tokens generated per prompt (default 8)")
-    p.add_argument("--backends", default="torch,openvino",
-                   help="comma-separated, the first is the baseline (default torch,openvino)")
+    _add_backends(p, lm_engine.BACKENDS)
     p.add_argument("--rounds", type=int, default=2, help="timed rounds, best kept (default 2)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     _add_common(p)
@@ -479,6 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_flag(exc: NumaovError, args: argparse.Namespace) -> str:
+    """The error's message, after the flag of the running command that sets the library
+    parameter it is about (when there is one)."""
+    parser = getattr(args, "command_parser", None)
+    if exc.parameter is None or parser is None:
+        return str(exc)
+    flags = [a.option_strings[0] for a in parser._actions  # the parser's options
+             if a.dest == exc.parameter and a.option_strings]
+    return f"{flags[0]}: {exc}" if flags else str(exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -486,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except NumaovError as exc:
-        print(f"numaov: error: {exc}", file=sys.stderr)
+        print(f"numaov: error: {_with_flag(exc, args)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("numaov: interrupted", file=sys.stderr)

@@ -233,7 +233,7 @@ def test_a_plan_with_another_rank_count_says_to_set_the_bind_variable(
 
 def test_split_plan_gives_every_rank_its_own_cpus_without_a_bind_string() -> None:
     allowed = sorted(os.sched_getaffinity(0))
-    plan, placement = plan_for_ranks(2, split_cpus=True, env={})
+    plan, placement = plan_for_ranks(2, env={})
     assert plan.world_size == 2 and "rank 1 on CPUs" in placement
     if len(allowed) >= 2:
         assert not set(plan.ranks[0].cpus) & set(plan.ranks[1].cpus)

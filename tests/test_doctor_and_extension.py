@@ -40,6 +40,11 @@ def test_doctor_json_has_documented_keys() -> None:
     assert attention["kernel"] == ("numaov" if topo.isa.amx_usable else "openvino")
     assert report["openvino"]["version"].startswith(ov.get_version().split("-")[0])
     assert report["binding_plan"]["ranks"]
+    # What the binding rule does for two ranks here: one per node, or the CPUs split.
+    two = report["binding_plan"]["two_ranks"]
+    assert [r["rank"] for r in two["ranks"]] == [0, 1]
+    split = len(topo.usable_nodes()) < 2
+    assert ("split" in two["source"]) == split, two
 
 
 def test_doctor_text_and_bad_bind_string_warning() -> None:
@@ -49,4 +54,14 @@ def test_doctor_text_and_bad_bind_string_warning() -> None:
     result = _doctor(env=env)
     assert result.returncode == 0, result.stderr
     assert "Binding plan" in result.stdout
-    assert "CPU 4096 is unknown or offline" in result.stdout
+    assert "entry 1 ('4096'): CPU 4096 is not an online CPU" in result.stdout
+
+
+def test_doctor_text_says_what_two_ranks_would_get() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMAOV_CPU_BIND"}
+    result = _doctor(env=env)
+    assert result.returncode == 0, result.stderr
+    assert "  for 2 ranks:\n    source: default" in result.stdout
+    assert "    rank 1: CPUs" in result.stdout

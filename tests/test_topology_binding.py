@@ -3,14 +3,34 @@ binding applied in a spawned process."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 from pathlib import Path
 
 import pytest
 
-from numaov.runtime.binding import BindingError, BindingPlan, apply_rank_binding, memory_bind_nodes
-from numaov.runtime.topology import format_cpu_list, parse_cpu_list, read_topology
+from numaov.runtime.binding import (
+    BIND_ENV,
+    PER_NODE,
+    SPLIT,
+    BindingError,
+    BindingPlan,
+    RankCountError,
+    apply_rank_binding,
+    check_bind_string,
+    memory_bind_nodes,
+    plan_for_ranks,
+)
+from numaov.runtime.topology import (
+    IsaFlags,
+    NumaNode,
+    ShmSpace,
+    Topology,
+    format_cpu_list,
+    parse_cpu_list,
+    read_topology,
+)
 
 CPUINFO = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
 
@@ -63,8 +83,8 @@ def test_two_socket_smt_default_plan(two_socket_smt) -> None:
     assert [b.cpus for b in plan.ranks] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert [b.nodes for b in plan.ranks] == [(0,), (1,), (2,), (3,)]
     assert BindingPlan.default(topo, ranks=2).world_size == 2
-    with pytest.raises(BindingError, match="5 ranks asked for but this machine has 4 usable"):
-        BindingPlan.default(topo, ranks=5)
+    # More ranks than NUMA nodes: the allowed CPUs are split instead.
+    assert BindingPlan.default(topo, ranks=5).source == SPLIT
 
 
 def test_bind_string_plans_and_warnings(two_socket_smt) -> None:
@@ -88,8 +108,8 @@ def test_bind_string_plans_and_warnings(two_socket_smt) -> None:
         ("0-1|1-2", None, "CPU 1 is already in entry 0"),
         ("0-1||2", None, "entry 1 .* is empty"),
         ("0-1|2-3", 3, r"has 2 CPU list\(s\) but 3 rank\(s\) were asked"),
-        ("0-1|99", None, "CPU 99 is unknown or offline"),
-        ("0-x", None, "cannot parse '0-x'"),
+        ("0-1|99", None, r"entry 1 \('99'\): CPU 99 is not an online CPU"),
+        ("0-x", None, "entry 0 .*'0-x' is not a CPU id or a range"),
         ("3-1", None, "runs backwards"),
     ],
 )
@@ -107,7 +127,7 @@ def test_offline_cpus(tmp_path: Path) -> None:
     topo = read_topology(sys_root, proc_root, allowed_cpus=tuple(range(8)))
     assert topo.nodes[0].cpus == (0, 1, 2)
     assert 3 not in topo.physical_cores
-    with pytest.raises(BindingError, match="CPU 3 is unknown or offline"):
+    with pytest.raises(BindingError, match="CPU 3 is not an online CPU"):
         BindingPlan.from_bind_string("3|4", topo)
 
 
@@ -117,8 +137,8 @@ def test_container_with_restricted_affinity(two_socket_smt) -> None:
     plan = BindingPlan.default(topo)
     assert [b.cpus for b in plan.ranks] == [(2, 3)]
     assert plan.ranks[0].nodes == (1,)
-    with pytest.raises(BindingError, match="1 usable NUMA node"):
-        BindingPlan.default(topo, ranks=2)
+    # One usable node for two ranks: its two allowed physical cores, one each.
+    assert [b.cpus for b in BindingPlan.default(topo, ranks=2).ranks] == [(2,), (3,)]
     with pytest.raises(BindingError, match="CPU 0 is outside this process's allowed CPUs"):
         BindingPlan.from_bind_string("0|2", topo)
 
@@ -186,12 +206,94 @@ def test_apply_rejects_unknown_rank(two_cpus) -> None:
         apply_rank_binding(plan, 3)
 
 
-def test_split_allowed_cpus_keeps_blocks_contiguous(two_socket_smt) -> None:
+# -- the one rule: NUMAOV_CPU_BIND, else one rank per NUMA node, else the allowed CPUs split --
+
+
+def fake_topology(nodes: dict[int, tuple[int, ...]], allowed: tuple[int, ...] | None = None
+                  ) -> Topology:
+    """A machine without SMT: node id -> its CPUs (each its own physical core)."""
+    online = tuple(sorted(c for cpus in nodes.values() for c in cpus))
+    return Topology(
+        nodes=tuple(NumaNode(n, cpus, cpus, None) for n, cpus in nodes.items()),
+        online_cpus=online, allowed_cpus=online if allowed is None else allowed,
+        core_siblings={c: (c,) for c in online}, isa=IsaFlags(),
+        shm=ShmSpace("/dev/shm", None, None),
+    )
+
+
+ONE_NODE = fake_topology({0: (0, 1, 2, 3)})
+TWO_NODES = fake_topology({0: (0, 1, 2, 3), 1: (4, 5, 6, 7)})
+
+
+def test_fewer_nodes_than_ranks_splits_the_allowed_cpus_and_says_so(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+        plan = plan_for_ranks(2, env={}, topology=ONE_NODE)
+    assert plan.source == SPLIT
+    assert [b.cpus for b in plan.ranks] == [(0, 1), (2, 3)]
+    assert [b.nodes for b in plan.ranks] == [(0,), (0,)]
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "2 rank(s) but 1 usable NUMA node(s)" in record.getMessage()
+    assert "rank 1 on CPUs 2-3" in record.getMessage() and BIND_ENV in record.getMessage()
+
+
+def test_as_many_nodes_as_ranks_gives_one_rank_per_node_without_a_warning(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+        plan = plan_for_ranks(2, env={}, topology=TWO_NODES)
+        assert plan_for_ranks(1, env={}, topology=TWO_NODES).ranks[0].cpus == (0, 1, 2, 3)
+    assert plan.source == PER_NODE
+    assert [b.cpus for b in plan.ranks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert caplog.records == []
+    # No rank count asked for: one rank per node.
+    assert BindingPlan.resolve(TWO_NODES, env={}).world_size == 2
+
+
+def test_a_bind_string_decides_whatever_the_nodes(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+        plan = plan_for_ranks(3, env={BIND_ENV: "0|1|2-3"}, topology=ONE_NODE)
+    assert plan.source == BIND_ENV
+    assert [b.cpus for b in plan.ranks] == [(0,), (1,), (2, 3)]
+    assert caplog.records == []
+
+
+def test_split_blocks_stay_contiguous_and_on_one_node_when_counts_divide() -> None:
+    plan = BindingPlan.resolve(TWO_NODES, 4, env={})
+    assert [b.cpus for b in plan.ranks] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [b.nodes for b in plan.ranks] == [(0,), (0,), (1,), (1,)]
+    # Only the allowed CPUs are split.
+    limited = fake_topology({0: (0, 1, 2, 3)}, allowed=(1, 3))
+    assert [b.cpus for b in BindingPlan.resolve(limited, 2, env={}).ranks] == [(1,), (3,)]
+
+
+def test_split_uses_hardware_threads_only_with_more_ranks_than_cores(two_socket_smt) -> None:
     sys_root, proc_root = two_socket_smt
     topo = read_topology(sys_root, proc_root, allowed_cpus=tuple(range(16)))
-    plan = BindingPlan.split_allowed_cpus(topo, 2)
-    # Physical cores 0-7 in two blocks: each rank stays on one socket's two nodes.
-    assert [b.cpus for b in plan.ranks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert [b.nodes for b in plan.ranks] == [(0, 1), (2, 3)]
-    # More ranks than physical cores: hardware threads are used, one block each.
-    assert BindingPlan.split_allowed_cpus(topo, 16).ranks[15].cpus == (15,)
+    assert [b.cpus for b in BindingPlan.resolve(topo, 8, env={}).ranks][:2] == [(0,), (1,)]
+    assert BindingPlan.resolve(topo, 16, env={}).ranks[15].cpus == (15,)
+
+
+@pytest.mark.parametrize(("bind", "message"), [
+    # A bad entry is named before the entry count is looked at.
+    ("5", r"entry 0 \('5'\): CPU 5 is not an online CPU of this machine; expected CPUs from 0-3"),
+    ("a-b", r"entry 0 \('a-b'\): 'a-b' is not a CPU id or a range of them"),
+    ("0|1|9", r"entry 2 \('9'\): CPU 9 is not an online CPU"),
+])
+def test_a_bad_entry_is_named_before_the_entry_count(bind: str, message: str) -> None:
+    with pytest.raises(BindingError, match=message) as caught:
+        plan_for_ranks(2, env={BIND_ENV: bind}, topology=ONE_NODE)
+    assert not isinstance(caught.value, RankCountError)
+
+
+def test_the_entry_count_is_checked_after_the_entries() -> None:
+    with pytest.raises(RankCountError, match=r"'0\|1\|2' has 3 CPU list\(s\) but 2 rank\(s\)"):
+        plan_for_ranks(2, env={BIND_ENV: "0|1|2"}, topology=ONE_NODE)
+
+
+def test_work_in_this_process_still_checks_a_set_bind_string(caplog, two_cpus) -> None:
+    with pytest.raises(BindingError, match=r"entry 1 \('x'\)"):
+        check_bind_string("sampling", env={BIND_ENV: f"{two_cpus[0]}|x"})
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+        check_bind_string("sampling", env={})
+        assert caplog.records == []
+        check_bind_string("sampling", env={BIND_ENV: f"{two_cpus[0]}"})
+    assert "sampling runs in this process, which is not pinned" in caplog.records[0].getMessage()

@@ -262,7 +262,7 @@ def test_bad_inputs(wan: dict, tmp_path: Path) -> None:
         run_wan(model_dir, REQUEST, text, None, backend="cuda")
     with pytest.raises(SamplerInputError, match="workers=3; expected 1"):
         run_wan(model_dir, REQUEST, text, None, workers=3)
-    with pytest.raises(SamplerInputError, match="must end in .npy"):
+    with pytest.raises(SamplerInputError, match="does not end in .npy"):
         run_wan(model_dir, REQUEST, text, tmp_path / "out.bin")
     with pytest.raises(ModelDirError, match="has no manifest.json"):
         run_wan(tmp_path, REQUEST, text, None)
@@ -313,6 +313,21 @@ def test_export_request_errors(wan: dict, tmp_path: Path) -> None:
 
 
 # -- per-frame timesteps (Wan 2.2 TI2V) and first-frame conditioning ----------------------
+
+
+@pytest.mark.skipif(bool(amx_unavailable_reason()), reason=f"needs AMX: {amx_unavailable_reason()}")
+def test_bf16_export_parity_runs_numaov_attention(wan: dict, tmp_path: Path, monkeypatch) -> None:
+    """A bf16 export's parity compiles through the runtime's one path, so on AMX it measures
+    numaov's flash-attention kernel, and the manifest says so."""
+    monkeypatch.delenv("NUMAOV_ATTENTION", raising=False)
+    manifest = export_wan(wan["checkpoint"], tmp_path / "bf16", "bf16")
+    assert manifest.parity_attention == "numaov"
+    openvino = [f for f in manifest.parity if f["backend"] == "openvino"]
+    assert openvino and all(f["attention"] == "numaov" and f["passed"] for f in openvino)
+    # bf16 tolerance (0.1 of the output scale, parity.TOLERANCES): bf16 weights/activations.
+    assert max(f["rel_error"] for f in openvino) < TOLERANCES["bf16"].max_rel_error
+    assert "(numaov attention)" in manifest.summary(tmp_path / "bf16")
+    assert read_manifest(tmp_path / "bf16").record.parity_attention == "numaov"
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -497,7 +512,8 @@ def test_cli_run_with_first_frame_latents(wan: dict, ti2v: dict) -> None:
     args["--model-dir"] = wan["model_dir"]
     code, _, err = _cli_in_process("run", "wan", *(str(x) for i in args.items() for x in i))
     assert code == 1 and err.strip().count("\n") == 0
-    assert "--first-frame-latents needs a model exported with --timestep per-frame" in err
+    assert ("--first-frame-latents: first-frame latents need a model exported with per-frame "
+            "timesteps") in err
 
 
 def test_first_frame_latents_errors(wan: dict, ti2v: dict, tmp_path: Path) -> None:
@@ -578,7 +594,7 @@ def test_bench_wan_times_every_backend_and_compares_outputs(
 @pytest.mark.parametrize(("args", "message"), [
     (["--frames", "4"], "frames=4; expected 4k+1 video frames"),
     (["--backends", "torch,tensorrt"], "expected distinct names from openvino, onnxruntime"),
-    (["--rounds", "0"], "--rounds 0; expected a positive integer"),
+    (["--rounds", "0"], "--rounds: rounds=0; expected a positive integer"),
 ])
 def test_bench_wan_bad_arguments_are_one_line_errors(wan: dict, args: list[str],
                                                      message: str) -> None:

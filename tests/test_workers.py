@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from numaov import NumaovError
 from numaov.runtime.binding import BindingPlan
 from numaov.runtime.topology import read_topology
 from numaov.runtime.workers import WorkerContext, WorkerError, run_on_ranks
@@ -18,6 +19,15 @@ def _report(context: WorkerContext, arg: int) -> tuple[int, int, list[int], int]
 def _fail_on_rank_one(context: WorkerContext, arg: int) -> int:
     if context.rank == 1:
         raise ValueError("boom on purpose")
+    return arg
+
+
+WORKER_MESSAGE = "IR file '/models/x/model.xml' is corrupt; expected the file the export wrote"
+
+
+def _numaov_error_on_rank_one(context: WorkerContext, arg: int) -> int:
+    if context.rank == 1:
+        raise NumaovError(WORKER_MESSAGE)
     return arg
 
 
@@ -35,6 +45,13 @@ def test_a_failing_rank_is_named(two_cpus) -> None:
     plan = BindingPlan.from_bind_string(f"{two_cpus[0]}|{two_cpus[1]}", read_topology())
     with pytest.raises(WorkerError, match="(?s)rank 1 failed: .*boom on purpose"):
         run_on_ranks(plan, _fail_on_rank_one, [1, 2], timeout_s=120)
+
+
+def test_a_numaov_error_in_a_worker_arrives_as_its_one_line_message(two_cpus) -> None:
+    plan = BindingPlan.from_bind_string(f"{two_cpus[0]}|{two_cpus[1]}", read_topology())
+    with pytest.raises(WorkerError) as caught:
+        run_on_ranks(plan, _numaov_error_on_rank_one, [1, 2], timeout_s=120)
+    assert str(caught.value) == f"rank 1 failed: {WORKER_MESSAGE}"
 
 
 def test_a_dead_worker_is_reported(two_cpus) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
+from numaov.runtime.binding import check_bind_string
+from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import read_manifest
 
 SEED = 0
@@ -89,17 +91,17 @@ def _check_backends(backends: Sequence[str], known: Sequence[str]) -> list[str]:
         problem = (f"unknown backend(s) {', '.join(map(repr, unknown))}" if unknown
                    else "a backend is named twice" if chosen else "no backend given")
         raise BenchInputError(
-            f"--backends {','.join(chosen)}: {problem}; expected distinct names from "
-            f"{', '.join(known)}")
+            f"backends {','.join(chosen)!r}: {problem}; expected distinct names from "
+            f"{', '.join(known)}", parameter="backends")
     return chosen
 
 
-def _check_positive(**flags: Any) -> None:
-    """Each value a positive integer; the keyword is the flag name without its dashes."""
-    for name, value in flags.items():
+def _check_positive(**values: Any) -> None:
+    """Each value a positive integer; the keyword is the parameter's name."""
+    for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise BenchInputError(f"{flag} {value!r}; expected a positive integer")
+            raise BenchInputError(f"{name}={value!r}; expected a positive integer",
+                                  parameter=name)
 
 
 def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
@@ -112,6 +114,7 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     report = progress or (lambda _msg: None)
     chosen = _check_backends(backends, BACKENDS)
     _check_positive(rounds=rounds, batch=batch, text_length=text_length)
+    check_bind_string("the Wan benchmark")
     manifest = read_manifest(model_dir, expected_kind="wan")
     # Checked before anything loads (NUMAOV_ATTENTION), and reported with the figures.
     attention = manifest.attention_kernel() if "openvino" in chosen else None
@@ -146,11 +149,9 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     finally:
         for denoiser in denoisers.values():
             denoiser.close()
-    reference = outputs[chosen[0]]
-    scale = max(float(np.max(np.abs(reference))), 1e-12)
     for backend in chosen[1:]:
         rows[backend].figures["max_rel_diff"] = float(
-            f"{float(np.max(np.abs(outputs[backend] - reference))) / scale:.3g}")
+            f"{max_rel_error(outputs[backend], outputs[chosen[0]]):.3g}")
     settings = {"frames": frames, "height": height, "width": width, "batch": batch,
                 "text_length": text_length, "rounds": rounds, "latents": list(shape),
                 "video_tokens_per_sample": tokens, "precision": manifest.precision}
@@ -170,8 +171,9 @@ def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "o
     from numaov.runtime.lm_service import LMService
 
     if "onnxruntime" in [b.strip() for b in backends]:
-        raise BenchInputError("--backends: onnxruntime cannot run the DeepSeek rank graphs (they "
-                              f"hold numaov.collective nodes); expected {', '.join(BACKENDS)}")
+        raise BenchInputError("onnxruntime cannot run the DeepSeek rank graphs (they hold "
+                              f"numaov.collective nodes); expected backends from "
+                              f"{', '.join(BACKENDS)}", parameter="backends")
     chosen = _check_backends(backends, BACKENDS)
     _check_positive(rounds=rounds, batch=batch, prompt_length=prompt_length,
                     max_new_tokens=max_new_tokens)

@@ -1,10 +1,15 @@
 """Which CPUs and which memory each rank gets, and how a worker applies that.
 
-A `BindingPlan` has one entry per rank. It comes from the bind string in
-``NUMAOV_CPU_BIND`` (one CPU list per rank, separated by ``|``:
-``"0-27|28-55"``, ``"0-3,8-11|4-7,12-15"``) or, by default, one rank per NUMA
-node on that node's physical cores (first hardware thread of each core)
-that this process may use.
+A `BindingPlan` has one entry per rank. One rule (`BindingPlan.resolve`) decides it for every
+command that starts workers:
+
+1. ``NUMAOV_CPU_BIND`` set: one CPU list per rank, separated by ``|`` (``"0-27|28-55"``,
+   ``"0-3,8-11|4-7,12-15"``). Each entry is checked first (a CPU id or range, on this machine,
+   allowed to this process, in no other entry), then the entry count against the ranks.
+2. Otherwise one rank per NUMA node, on that node's physical cores (first hardware thread of
+   each core) that this process may use.
+3. Fewer usable NUMA nodes than ranks: the allowed CPUs are split into one contiguous block per
+   rank, and `plan_for_ranks` logs a warning saying so.
 
 Applying a rank's binding inside its worker process restricts the process to
 its CPUs, binds memory allocation to the NUMA nodes of those CPUs (moving
@@ -22,15 +27,32 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from numaov import NumaovError
-from numaov.runtime.topology import Topology, TopologyError, format_cpu_list, parse_cpu_list
+from numaov.runtime.topology import (
+    Topology,
+    TopologyError,
+    format_cpu_list,
+    parse_cpu_list,
+    read_topology,
+)
 
 log = logging.getLogger(__name__)
 
 BIND_ENV = "NUMAOV_CPU_BIND"
+PER_NODE = "default (one rank per NUMA node)"
+SPLIT = "default (fewer NUMA nodes than ranks: the allowed CPUs split between the ranks)"
 
 
 class BindingError(NumaovError):
     """A bind string or a plan does not fit this machine or the ranks asked for."""
+
+
+class RankCountError(BindingError):
+    """A valid bind string with another number of CPU lists than the ranks asked for."""
+
+
+def bind_string(env: Mapping[str, str] | None = None) -> str:
+    """``NUMAOV_CPU_BIND`` from ``env`` (default the process environment); "" when unset."""
+    return (os.environ if env is None else env).get(BIND_ENV, "").strip()
 
 
 @dataclass(frozen=True)
@@ -48,29 +70,39 @@ class RankBinding:
 @dataclass(frozen=True)
 class BindingPlan:
     ranks: tuple[RankBinding, ...]
-    # "NUMAOV_CPU_BIND" or "default (one rank per NUMA node)".
+    # BIND_ENV, PER_NODE or SPLIT: which branch of the rule gave the plan.
     source: str
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def rank_cpus(self) -> str:
+        """Each rank's CPUs, in one line."""
+        return ", ".join(f"rank {b.rank} on CPUs {format_cpu_list(b.cpus)}" for b in self.ranks)
+
+    @property
+    def placement(self) -> str:
+        """Where the plan came from and each rank's CPUs, in one line."""
+        return f"{self.source}: {self.rank_cpus}"
+
     @classmethod
     def resolve(
         cls, topology: Topology, ranks: int | None = None, env: Mapping[str, str] | None = None
     ) -> BindingPlan:
-        """The plan to use: from ``NUMAOV_CPU_BIND`` when set, else the default."""
-        env = os.environ if env is None else env
-        bind = env.get(BIND_ENV, "").strip()
+        """The plan for ``ranks`` ranks (None: as many as the bind string or the NUMA nodes
+        give): from ``NUMAOV_CPU_BIND`` when set, else `default`."""
+        bind = bind_string(env)
         if bind:
             return cls.from_bind_string(bind, topology, ranks)
         return cls.default(topology, ranks)
 
     @classmethod
     def default(cls, topology: Topology, ranks: int | None = None) -> BindingPlan:
-        """One rank per NUMA node, each on the node's physical cores we may use."""
-        usable = [(node, topology.usable_cores(node)) for node in topology.nodes]
-        usable = [(node, cores) for node, cores in usable if cores]
+        """One rank per NUMA node, each on the node's physical cores we may use; with more
+        ranks than such nodes, the allowed CPUs split between the ranks."""
+        usable = topology.usable_nodes()
         if not usable:
             raise BindingError(
                 f"no NUMA node has a physical core this process may use (allowed CPUs: "
@@ -81,47 +113,35 @@ class BindingPlan:
         if ranks < 1:
             raise BindingError(f"{ranks} ranks asked for; expected at least 1")
         if ranks > len(usable):
-            raise BindingError(
-                f"{ranks} ranks asked for but this machine has {len(usable)} usable NUMA "
-                f"node(s) ({', '.join(str(n.id) for n, _ in usable)}); by default each rank gets "
-                f"its own node. Ask for at most {len(usable)} rank(s), or set {BIND_ENV} with one "
-                "CPU list per rank, e.g. NUMAOV_CPU_BIND='0|1'"
-            )
+            return cls._split_allowed_cpus(topology, ranks)
         return cls(
             tuple(RankBinding(r, cores, (node.id,)) for r, (node, cores) in enumerate(usable[:ranks])),
-            "default (one rank per NUMA node)",
+            PER_NODE,
         )
 
     @classmethod
-    def split_allowed_cpus(cls, topology: Topology, ranks: int) -> BindingPlan:
+    def _split_allowed_cpus(cls, topology: Topology, ranks: int) -> BindingPlan:
         """The allowed CPUs split into `ranks` contiguous blocks, one per rank.
 
-        For running more ranks than NUMA nodes without a bind string (the demo, benchmarks
-        on a small machine): physical cores first; CPUs are shared only
-        when there are fewer CPUs than ranks. Contiguous rather than dealt out one by one, so
-        that on a machine with a few NUMA nodes a rank's CPUs stay on one node when the
-        counts divide.
+        Physical cores first; CPUs are shared only when there are fewer CPUs than ranks.
+        Contiguous rather than dealt out one by one, so that on a machine with a few NUMA
+        nodes a rank's CPUs stay on one node when the counts divide.
         """
-        cores = sorted({c for node in topology.nodes for c in topology.usable_cores(node)})
+        cores = sorted({c for _, node_cores in topology.usable_nodes() for c in node_cores})
         cpus = cores if len(cores) >= ranks else sorted(topology.allowed_cpus)
         n = len(cpus)
         bindings = []
         for rank in range(ranks):
             mine = tuple(cpus[rank * n // ranks:(rank + 1) * n // ranks]) or (cpus[rank % n],)
-            nodes = tuple(sorted({node for node in map(topology.node_of, mine) if node is not None}))
-            bindings.append(RankBinding(rank, mine, nodes))
-        return cls(tuple(bindings), "allowed CPUs split between the ranks")
+            bindings.append(RankBinding(rank, mine, _nodes_of(topology, mine)))
+        return cls(tuple(bindings), SPLIT)
 
     @classmethod
     def from_bind_string(
         cls, bind: str, topology: Topology, ranks: int | None = None
     ) -> BindingPlan:
+        """The plan a bind string gives; every entry is checked before the entry count."""
         entries = bind.split("|")
-        if ranks is not None and len(entries) != ranks:
-            raise BindingError(
-                f"{BIND_ENV}={bind!r} has {len(entries)} CPU list(s) but {ranks} rank(s) were "
-                "asked for; expected one CPU list per rank, separated by '|'"
-            )
         online, allowed = set(topology.online_cpus), set(topology.allowed_cpus)
         owner: dict[int, int] = {}
         bindings: list[RankBinding] = []
@@ -136,13 +156,14 @@ class BindingPlan:
             for cpu in cpus:
                 if cpu not in online:
                     raise BindingError(
-                        f"{what}: CPU {cpu} is unknown or offline; this machine's online CPUs "
-                        f"are {format_cpu_list(topology.online_cpus)}"
+                        f"{what}: CPU {cpu} is not an online CPU of this machine; expected CPUs "
+                        f"from {format_cpu_list(topology.online_cpus)}"
                     )
                 if cpu not in allowed:
                     raise BindingError(
-                        f"{what}: CPU {cpu} is outside this process's allowed CPUs "
-                        f"({format_cpu_list(topology.allowed_cpus)}), e.g. a container limit"
+                        f"{what}: CPU {cpu} is outside this process's allowed CPUs (e.g. a "
+                        f"container limit); expected CPUs from "
+                        f"{format_cpu_list(topology.allowed_cpus)}"
                     )
                 if cpu in owner:
                     raise BindingError(
@@ -150,8 +171,12 @@ class BindingPlan:
                         "in at most one rank"
                     )
                 owner[cpu] = rank
-            nodes = tuple(sorted({n for n in map(topology.node_of, cpus) if n is not None}))
-            bindings.append(RankBinding(rank, cpus, nodes))
+            bindings.append(RankBinding(rank, cpus, _nodes_of(topology, cpus)))
+        if ranks is not None and len(entries) != ranks:
+            raise RankCountError(
+                f"{BIND_ENV}={bind!r} has {len(entries)} CPU list(s) but {ranks} rank(s) were "
+                "asked for; expected one CPU list per rank, separated by '|'"
+            )
         return cls(tuple(bindings), BIND_ENV)
 
     def warnings(self, topology: Topology) -> list[str]:
@@ -182,6 +207,38 @@ class BindingPlan:
              "threads": b.threads}
             for b in self.ranks
         ]
+
+
+def _nodes_of(topology: Topology, cpus: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted({n for n in map(topology.node_of, cpus) if n is not None}))
+
+
+def plan_for_ranks(
+    ranks: int, env: Mapping[str, str] | None = None, topology: Topology | None = None
+) -> BindingPlan:
+    """The plan of a command that starts ``ranks`` workers (`BindingPlan.resolve` on this
+    machine); a warning in the log when the allowed CPUs are split between the ranks."""
+    topology = read_topology() if topology is None else topology
+    plan = BindingPlan.resolve(topology, ranks, env)
+    if plan.source == SPLIT:
+        log.warning(
+            "%d rank(s) but %d usable NUMA node(s): the allowed CPUs are split between the "
+            "ranks (%s); set %s to choose the CPUs", ranks, len(topology.usable_nodes()),
+            plan.rank_cpus, BIND_ENV,
+        )
+    return plan
+
+
+def check_bind_string(what: str, env: Mapping[str, str] | None = None) -> None:
+    """For work that runs in this process rather than in pinned workers: a set
+    ``NUMAOV_CPU_BIND`` is still checked (an error names its bad entry), and a warning says
+    that it does not apply to ``what``."""
+    bind = bind_string(env)
+    if not bind:
+        return
+    BindingPlan.from_bind_string(bind, read_topology())
+    log.warning("%s runs in this process, which is not pinned: %s=%r applies to worker "
+                "processes only", what, BIND_ENV, bind)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ REPORT_KEYS = (
     "shm", "warnings",
 )
 
+TWO_RANKS = 2
+
 _ISA_MEANING = {
     "amx_usable": "AMX tiles: OpenVINO runs bf16/int8 matmuls on the matrix units (fastest)",
     "avx512_bf16": "AVX512-BF16: OpenVINO runs bf16 matmuls with vector dot products",
@@ -121,6 +123,14 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
     except NumaovError as exc:
         plan_info = {"error": str(exc)}
         warnings.append(f"no usable binding plan: {exc}")
+    else:
+        # What the same rule gives a command with two workers (a dp=2 model, the two
+        # guidance branches of Wan): on a one-node machine, the allowed CPUs split in two.
+        try:
+            two = BindingPlan.resolve(topology, TWO_RANKS, env)
+            plan_info["two_ranks"] = {"source": two.source, "ranks": two.describe()}
+        except NumaovError as exc:
+            plan_info["two_ranks"] = {"error": str(exc)}
 
     shm = topology.shm
     needed = _shm_needed(max(world_size, 2))
@@ -170,6 +180,16 @@ def _mib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**20:,.0f} MiB"
 
 
+def _plan_lines(plan: dict, indent: str) -> list[str]:
+    if "error" in plan:
+        return [f"{indent}none: {plan['error']}"]
+    return [f"{indent}source: {plan['source']}"] + [
+        f"{indent}rank {r['rank']}: CPUs {r['cpus']}, NUMA node(s) "
+        f"{','.join(map(str, r['nodes']))}, {r['threads']} thread(s)"
+        for r in plan["ranks"]
+    ]
+
+
 def format_report(report: dict) -> str:
     topo, isa, ov = report["topology"], report["isa"], report["openvino"]
     lines = [f"numaov {report['numaov_version']} (Python {report['python']})", "", "Topology"]
@@ -184,13 +204,10 @@ def format_report(report: dict) -> str:
     lines.append(f"  bf16: {isa['bf16_matmuls']}")
     lines += ["", "Binding plan"]
     plan = report["binding_plan"]
-    if "error" in plan:
-        lines.append(f"  none: {plan['error']}")
-    else:
-        lines.append(f"  source: {plan['source']}")
-        for r in plan["ranks"]:
-            lines.append(f"  rank {r['rank']}: CPUs {r['cpus']}, NUMA node(s) "
-                         f"{','.join(map(str, r['nodes']))}, {r['threads']} thread(s)")
+    lines += _plan_lines(plan, "  ")
+    if "two_ranks" in plan:
+        lines.append(f"  for {TWO_RANKS} ranks:")
+        lines += _plan_lines(plan["two_ranks"], "    ")
     lines += ["", "OpenVINO"]
     if "error" in ov:
         lines.append(f"  {ov['error']}")

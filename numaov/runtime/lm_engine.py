@@ -4,9 +4,10 @@
 ``numaov export deepseek``, starts one worker per rank of the binding plan (world size = the
 export's ``dp``), and returns the new tokens of every prompt in the caller's order.
 
-- **Placement.** ``NUMAOV_CPU_BIND`` (one CPU list per rank) or one rank per NUMA node; a plan
-  with another number of ranks than the model's ``dp`` is an error that says so
-  (:func:`plan_for_ranks`). Each worker pins itself, binds its memory, joins the
+- **Placement.** The binding rule (:mod:`numaov.runtime.binding`): ``NUMAOV_CPU_BIND`` (one
+  CPU list per rank), else one rank per NUMA node, else the allowed CPUs split between the
+  ranks; a bind string with another number of CPU lists than the model's ``dp`` is an error
+  that says so (:func:`plan_for_ranks`). Each worker pins itself, binds its memory, joins the
   shared-memory group the model's collective nodes name, and compiles its rank's IR with one
   inference thread per core.
 - **Sequences.** Prompt ``i`` goes to rank ``i % dp`` (round-robin, so a single prompt lands on
@@ -28,7 +29,6 @@ export's ``dp``), and returns the new tokens of every prompt in the caller's ord
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.runtime.binding import BIND_ENV, BindingError, BindingPlan
+from numaov.runtime import binding
+from numaov.runtime.binding import BIND_ENV, BindingPlan, RankCountError
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
-from numaov.runtime.topology import format_cpu_list, read_topology
 
 logger = logging.getLogger(__name__)
 
@@ -71,22 +71,23 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     """``"1,2,3;4,5"`` -> ``[[1, 2, 3], [4, 5]]``: prompts separated by ``;``, ids by ``,``."""
     if not isinstance(text, str) or not text.strip():
         raise GenerationInputError(
-            "--prompt-ids is empty; expected token ids such as '1,2,3;4,5' (';' between prompts)"
+            "prompt ids are empty; expected token ids such as '1,2,3;4,5' (';' between "
+            "prompts)", parameter="prompt_ids"
         )
     prompts = []
     for i, part in enumerate(text.split(";")):
         if not part.strip():
             raise GenerationInputError(
-                f"--prompt-ids {text!r}: prompt {i} is empty; expected comma-separated token ids "
-                "between the ';' separators"
+                f"prompt ids {text!r}: prompt {i} is empty; expected comma-separated token ids "
+                "between the ';' separators", parameter="prompt_ids"
             )
         ids = []
         for item in part.split(","):
             item = item.strip()
             if not item.isdigit():
                 raise GenerationInputError(
-                    f"--prompt-ids {text!r}: {item!r} in prompt {i} is not a token id; expected "
-                    "non-negative integers such as '1,2,3;4,5'"
+                    f"prompt ids {text!r}: {item!r} in prompt {i} is not a token id; expected "
+                    "non-negative integers such as '1,2,3;4,5'", parameter="prompt_ids"
                 )
             ids.append(int(item))
         prompts.append(ids)
@@ -99,7 +100,8 @@ def check_prompts(
     """The prompts as lists of ints, after checking them against the model's config."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationInputError(
-            f"max_new_tokens is {max_new_tokens!r}; expected a positive integer"
+            f"max_new_tokens is {max_new_tokens!r}; expected a positive integer",
+            parameter="max_new_tokens",
         )
     if not prompts:
         raise GenerationInputError("no prompts given; expected at least one prompt")
@@ -132,13 +134,13 @@ def load_tokenizer(directory: str | Path) -> Any:
     path = Path(directory) / "tokenizer.json"
     if not Path(directory).is_dir():
         raise GenerationInputError(
-            f"--tokenizer {str(directory)!r} is not a directory; expected a directory with a "
-            "Hugging Face tokenizer.json"
+            f"tokenizer {str(directory)!r} is not a directory; expected a directory with a "
+            "Hugging Face tokenizer.json", parameter="tokenizer"
         )
     if not path.is_file():
         raise GenerationInputError(
-            f"--tokenizer {str(directory)!r} holds no tokenizer.json; expected a directory with "
-            "a Hugging Face tokenizer.json"
+            f"tokenizer directory {str(directory)!r} holds no tokenizer.json; expected a "
+            "directory with a Hugging Face tokenizer.json", parameter="tokenizer"
         )
     from tokenizers import Tokenizer
 
@@ -146,7 +148,8 @@ def load_tokenizer(directory: str | Path) -> Any:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a plain Exception for a malformed file
         raise GenerationInputError(
-            f"cannot read {str(path)!r} as a Hugging Face tokenizer ({exc})"
+            f"cannot read {str(path)!r} as a Hugging Face tokenizer ({exc})",
+            parameter="tokenizer",
         ) from exc
 
 
@@ -167,36 +170,17 @@ def encode_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 
 def plan_for_ranks(
-    world_size: int, split_cpus: bool = False, env: Mapping[str, str] | None = None
+    world_size: int, env: Mapping[str, str] | None = None
 ) -> tuple[BindingPlan, str]:
-    """The binding plan for a model with ``world_size`` DP ranks, and a one-line description.
-
-    ``NUMAOV_CPU_BIND`` when set, else one rank per NUMA node. When neither gives
-    ``world_size`` ranks: with ``split_cpus`` (the demo, benchmarks on a
-    small machine) and no ``NUMAOV_CPU_BIND``, the allowed CPUs are split between the ranks;
-    otherwise ``RankPlanError`` says what to set.
-    """
-    env = os.environ if env is None else env
-    topology = read_topology()
-    bind = env.get(BIND_ENV, "").strip()
+    """The binding plan for a model with ``world_size`` DP ranks, by the one rule of
+    :mod:`numaov.runtime.binding`, and its one-line placement."""
     try:
-        plan = BindingPlan.resolve(topology, world_size, env)
-    except BindingError as exc:
-        if bind or not split_cpus:
-            hint = "" if BIND_ENV in str(exc) else (
-                f"; set {BIND_ENV} to {world_size} CPU lists separated by '|'"
-            )
-            raise RankPlanError(
-                f"a model exported for dp={world_size} runs one worker per rank, but the "
-                f"binding plan does not fit: {exc}{hint} (or export with a --dp that matches "
-                "the NUMA nodes)"
-            ) from None
-        plan = BindingPlan.split_allowed_cpus(topology, world_size)
-        logger.info("%s; splitting the allowed CPUs over %d ranks", exc, world_size)
-    placement = ", ".join(
-        f"rank {b.rank} on CPUs {format_cpu_list(b.cpus)}" for b in plan.ranks
-    )
-    return plan, f"{plan.source}: {placement}"
+        plan = binding.plan_for_ranks(world_size, env)
+    except RankCountError as exc:
+        raise RankPlanError(
+            f"a model exported for dp={world_size} runs one worker per rank: {exc}"
+        ) from None
+    return plan, plan.placement
 
 
 # -- backends ---------------------------------------------------------------------------------
@@ -266,6 +250,12 @@ class TorchStep(StepModel):
         self._model = None
 
 
+def _unknown_backend(backend: str) -> GenerationInputError:
+    return GenerationInputError(
+        f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", parameter="backend"
+    )
+
+
 def open_step_model(
     manifest: ModelManifest, backend: str, rank: int, openvino_config: Mapping[str, Any]
 ) -> StepModel:
@@ -273,7 +263,7 @@ def open_step_model(
         return OpenVINOStep(manifest, rank, openvino_config)
     if backend == "torch":
         return TorchStep(manifest, rank)
-    raise GenerationInputError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    raise _unknown_backend(backend)
 
 
 # -- one rank's generation --------------------------------------------------------------------
@@ -483,9 +473,7 @@ def merge_rank_outputs(per_rank: Sequence[Sequence[Any]], count: int) -> list[An
 def open_lm_manifest(model_dir: str | Path, backend: str) -> ModelManifest:
     """The manifest of a ``numaov export deepseek`` directory, checked for ``backend``."""
     if backend not in BACKENDS:
-        raise GenerationInputError(
-            f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"
-        )
+        raise _unknown_backend(backend)
     manifest = read_manifest(model_dir, expected_kind=KIND)
     missing = [key for key in _CONFIG_KEYS if key not in manifest.config]
     if missing:
@@ -501,18 +489,14 @@ def resolve_plan(manifest: ModelManifest, plan: BindingPlan | None) -> tuple[Bin
     one rank per DP rank of the model."""
     world = manifest.world_size
     if plan is None:
-        plan, placement = plan_for_ranks(world)
-    else:
-        placement = f"{plan.source}: " + ", ".join(
-            f"rank {b.rank} on CPUs {format_cpu_list(b.cpus)}" for b in plan.ranks
-        )
+        plan, _ = plan_for_ranks(world)
     if plan.world_size != world:
         raise RankPlanError(
             f"the binding plan has {plan.world_size} rank(s) but the model in "
             f"{str(manifest.directory)!r} was exported for dp={world}; expected one rank per "
             f"DP rank: set {BIND_ENV} to {world} CPU lists separated by '|'"
         )
-    return plan, placement
+    return plan, plan.placement
 
 
 def run_deepseek(

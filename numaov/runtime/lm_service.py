@@ -7,7 +7,9 @@ batch is sent to every rank (prompt ``i`` to rank ``i % dp``; idle ranks run wit
 because the collectives in the graph need every rank at every step) and the ranks' tokens come
 back in prompt order. Batches run one at a time; a request waits for the one before it.
 
-``build_app(service)`` is the FastAPI application ``numaov serve`` runs with uvicorn:
+``build_app(service)`` is the FastAPI application; ``listen(host, port)`` binds its socket
+(before the workers start, so a taken port fails at once) and ``serve_forever(app, sock)``
+runs it with uvicorn until SIGINT or SIGTERM, as ``numaov serve`` does:
 
 - ``GET /health``: ``{"status": "ok", ...}``, or HTTP 503 once the workers have failed.
 - ``GET /v1/models``: the one model served.
@@ -30,10 +32,12 @@ import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
+import signal
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +133,7 @@ class LMService:
         self._lock = threading.Lock()
         self._next_id = 0
         self._failure: str | None = None
+        self._started = False
         self._closed = False
         jobs = [_ServeJob(str(self.manifest.directory), backend, self._requests[r], self._replies)
                 for r in range(self.world_size)]
@@ -139,13 +144,19 @@ class LMService:
                              timeout_s=float("inf"))
             except Exception as exc:  # noqa: BLE001 - kept for every later request to report
                 self._failure = str(exc)
-                logger.error("the rank workers stopped: %s", exc)
+                if self._started:  # a failure while starting is raised to the caller instead
+                    logger.error("the rank workers stopped: %s", exc)
 
         report(f"starting {self.world_size} worker(s) on {backend} ({self.placement})")
         self._thread = threading.Thread(target=run_workers, name="numaov-lm-workers",
                                         daemon=True)
         self._thread.start()
-        ready = self._collect("ready", None, STARTUP_TIMEOUT_S, "starting")
+        try:
+            ready = self._collect("ready", None, STARTUP_TIMEOUT_S, "starting")
+        except ServiceError:
+            self.close()
+            raise
+        self._started = True
         self.load_seconds = max(ready.values())
         report(f"workers ready (model loaded and compiled in {self.load_seconds:.1f} s)")
 
@@ -317,8 +328,8 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
     if all(isinstance(p, str) for p in prompt):
         if tokenizer is None:
             raise CompletionRequestError(
-                "prompt is text but this server has no tokenizer (start it with --tokenizer "
-                "DIR); expected token ids", "prompt")
+                "prompt is text but this server was started without a tokenizer; expected "
+                "token ids", "prompt")
         out = []
         for i, text in enumerate(prompt):
             ids = tokenizer.encode(text).ids
@@ -437,3 +448,49 @@ def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any
         }
 
     return app
+
+
+# -- the HTTP server --------------------------------------------------------------------------
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0 picks a free port); bind it before starting the
+    workers, so a taken port fails in a second rather than after loading the model."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServiceError(f"cannot listen on {host}:{port} ({exc.strerror}); expected a free "
+                           "port on a local address", parameter="port") from None
+    return sock
+
+
+def serve_forever(app: Any, sock: socket.socket,
+                  notify: Callable[[str], None] | None = None) -> None:
+    """Serve ``app`` with uvicorn on ``sock`` until SIGINT or SIGTERM, then return.
+
+    The first signal stops once the request in flight is answered (``notify`` is told so);
+    a second one forces. SIGTERM is handled like Ctrl-C for the time of the call, so the
+    caller's cleanup (closing the service and its workers) runs either way.
+    """
+    import uvicorn
+
+    tell = notify or (lambda _msg: None)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if not self.should_exit:  # the first signal drains; a second one forces
+                tell("stopping once the request in flight is answered (again to force)")
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

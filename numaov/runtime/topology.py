@@ -40,8 +40,8 @@ def parse_cpu_list(text: str, what: str = "CPU list") -> tuple[int, ...]:
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not match:
             raise TopologyError(
-                f"{what}: cannot parse {part!r} in {text!r}; expected CPU ids and ranges "
-                "such as '0-3,8-11'"
+                f"{what}: {part!r} is not a CPU id or a range of them; expected CPU ids and "
+                "ranges such as '0-3,8-11'"
             )
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
@@ -136,6 +136,11 @@ class Topology:
         """A node's default CPU list: its physical cores we are allowed to use."""
         allowed = set(self.allowed_cpus)
         return tuple(c for c in node.physical_cores if c in allowed)
+
+    def usable_nodes(self) -> list[tuple[NumaNode, tuple[int, ...]]]:
+        """The nodes with a physical core we may use, each with those cores."""
+        usable = [(node, self.usable_cores(node)) for node in self.nodes]
+        return [(node, cores) for node, cores in usable if cores]
 
 
 def _read(path: Path) -> str | None:

@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
+from numaov.runtime.binding import BindingPlan, check_bind_string, plan_for_ranks
+from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -197,16 +199,16 @@ def load_first_frame_latents(
     what = "first-frame latents"
     if manifest.timestep != PER_FRAME:
         raise SamplerInputError(
-            f"--first-frame-latents needs a model exported with --timestep per-frame (Wan 2.2 "
-            f"TI2V gives the conditioned frame timestep 0), but the model in "
+            f"first-frame latents need a model exported with per-frame timesteps (Wan 2.2 TI2V "
+            f"gives the conditioned frame timestep 0), but the model in "
             f"{str(manifest.directory)!r} takes one timestep per sample: re-export it with "
-            "--timestep per-frame"
+            f"timestep {PER_FRAME!r}", parameter="first_frame_latents"
         )
     patch_t = int(list(manifest.config.get("patch_size", (1, 2, 2)))[0])
     if patch_t != 1:
         raise SamplerInputError(
-            f"--first-frame-latents needs temporal patch size 1 (one latent frame per timestep, "
-            f"as Wan 2.2 TI2V); this model's is {patch_t}"
+            f"first-frame latents need temporal patch size 1 (one latent frame per timestep, "
+            f"as Wan 2.2 TI2V); this model's is {patch_t}", parameter="first_frame_latents"
         )
     array = _load_npy(path, what)
     expected = (1, shape[1], 1, *shape[3:])
@@ -348,7 +350,8 @@ class TorchDenoiser(Denoiser):
             raise SamplerInputError(
                 f"checkpoint {str(source)!r} does not reproduce the output recorded at export "
                 f"(max rel error {error:.3g}, tolerance {manifest.reference_tolerance}): it "
-                "changed since the export; re-export it, or use --backend openvino or onnxruntime"
+                "changed since the export; re-export it, or use the openvino or onnxruntime "
+                "backend"
             )
 
     def predict(
@@ -374,7 +377,7 @@ def reference_error(denoiser: Denoiser, manifest: ModelManifest) -> float | None
         inputs = [sample[f"input.{name}"] for name in INPUT_NAMES]
         expected = sample["output.sample"]
     got = denoiser.predict(*inputs)
-    return float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-12))
+    return max_rel_error(got, expected)
 
 
 def open_denoiser(
@@ -389,7 +392,13 @@ def open_denoiser(
         return OnnxRuntimeDenoiser(manifest, int(threads) if threads else None)
     if backend == "torch":
         return TorchDenoiser(manifest)
-    raise SamplerInputError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    raise _unknown_backend(backend)
+
+
+def _unknown_backend(backend: str) -> SamplerInputError:
+    return SamplerInputError(
+        f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", parameter="backend"
+    )
 
 
 # -- guidance ---------------------------------------------------------------------------------
@@ -545,13 +554,11 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
 
 def _validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
     if backend not in BACKENDS:
-        raise SamplerInputError(
-            f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}"
-        )
+        raise _unknown_backend(backend)
     if workers not in (1, MAX_WORKERS):
         raise SamplerInputError(
             f"workers={workers}; expected 1 (both guidance branches in one batch) or "
-            f"{MAX_WORKERS} (one branch per worker)"
+            f"{MAX_WORKERS} (one branch per worker)", parameter="workers"
         )
     if not isinstance(request.steps, int) or request.steps < 1:
         raise SamplerInputError(f"steps={request.steps!r}; expected a positive integer")
@@ -579,13 +586,18 @@ def run_wan(
     """Sample latents with an exported Wan model and (if ``out`` is given) save them as .npy.
 
     ``workers=2`` runs the two guidance branches on two worker processes of the binding plan
-    (``NUMAOV_CPU_BIND`` or one per NUMA node), each pinned with its own compiled model.
+    (:func:`numaov.runtime.binding.plan_for_ranks`), each pinned with its own compiled model;
+    ``workers=1`` runs in this process, unpinned (a set ``NUMAOV_CPU_BIND`` is still checked).
     ``first_frame_latents`` (a ``.npy`` of ``[C, 1, H', W']`` or ``[1, C, 1, H', W']``)
     conditions the video on its first latent frame (Wan 2.2 TI2V image-to-video); it needs a
     model exported with ``timestep="per-frame"``.
     """
     report = progress or (lambda _msg: None)
     _validate_request(request, backend, workers)
+    # The placement is checked before any file is read.
+    plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
+    if plan is None:
+        check_bind_string("sampling with workers=1")
     manifest = read_manifest(model_dir, expected_kind="wan")
     config = manifest.config
     missing = [key for key in ("in_channels", "text_dim", "patch_size") if key not in config]
@@ -598,9 +610,12 @@ def run_wan(
     out_path = Path(out) if out is not None else None
     if out_path is not None:
         if out_path.suffix != ".npy":
-            raise SamplerInputError(f"--out {str(out_path)!r} must end in .npy")
+            raise SamplerInputError(f"output file {str(out_path)!r} does not end in .npy; "
+                                    "expected a .npy path", parameter="out")
         if not out_path.parent.is_dir():
-            raise SamplerInputError(f"directory of --out {str(out_path)!r} does not exist")
+            raise SamplerInputError(f"the directory of output file {str(out_path)!r} does not "
+                                    "exist; expected a path in an existing directory",
+                                    parameter="out")
     text_dim = int(config["text_dim"])
     text = load_text_embeddings(text_embeddings, text_dim, "text embeddings")
     if negative_embeddings is None:
@@ -652,7 +667,7 @@ def run_wan(
             denoiser.close()
     else:
         latents, seconds = _sample_on_workers(
-            manifest, backend, text, negative, shape, request, layout
+            plan, manifest, backend, text, negative, shape, request, layout
         )
     report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
     if out_path is not None:
@@ -662,6 +677,7 @@ def run_wan(
 
 
 def _sample_on_workers(
+    plan: BindingPlan,
     manifest: ModelManifest,
     backend: str,
     text: np.ndarray,
@@ -670,11 +686,8 @@ def _sample_on_workers(
     request: WanSampleRequest,
     layout: TimestepLayout,
 ) -> tuple[np.ndarray, list[float]]:
-    from numaov.runtime.binding import BindingPlan
-    from numaov.runtime.topology import read_topology
     from numaov.runtime.workers import run_on_ranks
 
-    plan = BindingPlan.resolve(read_topology(), ranks=MAX_WORKERS)
     jobs = [
         _RankJob(str(manifest.directory), backend, branch, tuple(shape), request, layout)
         for branch in (text, negative)

@@ -5,6 +5,10 @@
 their rank's CPUs and memory, so each worker computes on its own NUMA node
 with one inference thread per core, then join the shared-memory collective
 group and call ``target(context, arg)`` with a `WorkerContext`.
+
+A `NumaovError` raised in a worker (binding, loading, compiling, running) reaches the caller
+as a `WorkerError` whose message is ``"rank R failed: "`` and the error's own one-line
+message, so the CLI shows it as one line; the other ranks are stopped.
 """
 
 from __future__ import annotations
