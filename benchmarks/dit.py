@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    # The exports take ~3 GB; they are removed when the run ends.
+    # The exports take several GB of disk; they are removed when the run ends.
     with tempfile.TemporaryDirectory(prefix="numaov-dit-bench-") as work:
         return run(args, Path(work))
 
@@ -509,7 +509,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
         )
         runners.append(runner)
     # The pairs the targets compare run next to each other in every round, so that this VM's
-    # speed drift (up to 2x over minutes) moves both alike; the ratios are taken per round.
+    # speed drift (benchmarks/RESULTS.md) moves both alike; the ratios are taken per round.
     by_name = {runner.name: runner for runner in runners}
     runners = [by_name[name] for name in RUN_ORDER if name in by_name]
 

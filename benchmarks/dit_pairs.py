@@ -1,7 +1,7 @@
 """The Wan DiT bf16 target alone, over many paired rounds.
 
-`dit.py` runs eleven competitors per round, so a round at 5,120 tokens takes about a minute
-and this VM's speed drift (up to 2x over minutes) lands inside it. This runs only the three
+`dit.py` runs eleven competitors per round, so a round at 5,120 tokens is long enough for
+this VM's speed drift (benchmarks/RESULTS.md) to land inside it. This runs only the three
 the bf16 target is about, back to back in every round, on the same Wan-1.3B-width 2-block
 model and inputs as `dit.py`:
 

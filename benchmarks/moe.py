@@ -1,8 +1,8 @@
 """DeepSeek-V2 MoE with DP attention: prefill and decode per step, OpenVINO versus torch eager.
 
 A DeepSeek-V2-shaped model (hidden 1024, 3 layers: one dense, two MoE with 64 routed experts,
-top-6, 2 shared experts; vocab 16384) whose f32 weights (~600 MB; ~380 MB per rank at dp=2)
-exceed the L3 cache, so decode reads its weights from DRAM as a real model does. Side by side,
+top-6, 2 shared experts; vocab 16384) whose f32 weights, whole and per rank at dp=2, exceed
+the L3 cache, so decode reads its weights from DRAM as a real model does. Side by side,
 each in pinned worker processes of the binding plan (one rank per NUMA node, or
 ``NUMAOV_CPU_BIND``; on a one-node machine the allowed CPUs are split over the ranks):
 

@@ -94,7 +94,7 @@ class FileDigest:
 
 
 def digest_file(path: str | Path) -> FileDigest:
-    """Size and xxh3-128 of ``path`` (xxh3 reads at memory speed: ~1 s per 10 GB)."""
+    """Size and xxh3-128 of ``path`` (xxh3 reads at about memory speed)."""
     import xxhash
 
     hasher = xxhash.xxh3_128()

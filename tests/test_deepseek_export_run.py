@@ -270,3 +270,25 @@ def test_bench_deepseek_compares_backends_on_the_rank_workers(
     # f32 torch and OpenVINO over the same collectives pick the same greedy tokens
     assert report["rows"][1]["same_tokens"] is True
     assert "x 1.00 vs torch" in proc.stdout
+
+
+def test_corrupt_rank_ir_is_one_line_naming_the_file_in_run_and_serve(
+    exported, bind: str, tmp_path: Path
+) -> None:
+    """A rank's model.bin changed after the export (same size, other bytes) is found before
+    OpenVINO compiles it, inside that rank's worker, and reported as one line naming it."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(exported["model_dir"], model_dir)
+    bin_path = model_dir / "rank_1" / "model.bin"
+    data = bytearray(bin_path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    bin_path.write_bytes(bytes(data))
+    env = {**os.environ, "NUMAOV_CPU_BIND": bind}
+    for argv in (["run", "deepseek", "--model-dir", str(model_dir), "--prompt-ids", "5,17",
+                  "--max-new-tokens", "2", "--quiet"],
+                 ["serve", "--model-dir", str(model_dir), "--port", "0", "--quiet"]):
+        proc = subprocess.run([*CLI, *argv], capture_output=True, text=True,
+                              timeout=CLI_TIMEOUT_S, env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert "rank_1/model.bin' does not hold what the export wrote" in lines[0], lines

@@ -1,4 +1,5 @@
-"""Eager face of the fallback ops against plain reference formulas (REFERENCE.md section 1).
+"""Eager face of the fallback ops against plain reference formulas (docs/architecture.md,
+"Ops and their three faces").
 
 The references are written from the definitions, in float64, with per-frame rows expanded
 explicitly (``repeat_interleave``) so they share no code path with the kernels.

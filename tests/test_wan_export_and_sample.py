@@ -221,6 +221,23 @@ def test_cli_run_writes_the_latents(wan: dict) -> None:
     assert _rel_error(np.load(out), _sample(wan, "openvino")) < 1e-6
 
 
+def test_truncated_ir_is_one_line_naming_the_file(wan: dict, tmp_path: Path) -> None:
+    import shutil
+
+    moved = {**wan, "model_dir": tmp_path / "model"}
+    shutil.copytree(wan["model_dir"], moved["model_dir"])
+    bin_path = moved["model_dir"] / "model.bin"
+    size = bin_path.stat().st_size
+    bin_path.write_bytes(bin_path.read_bytes()[: size // 2])  # a copy cut off half-way
+    for workers in ("1", "2"):
+        proc = _run_cli(moved, tmp_path / "x.npy", REQUEST.frames, "--workers", workers,
+                        "--quiet")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert f"model.bin' is {size // 2:,} bytes; the export wrote {size:,} bytes" in lines[0]
+    assert not (tmp_path / "x.npy").exists()
+
+
 def test_cli_errors_are_one_line(wan: dict) -> None:
     proc = _run_cli(wan, wan["root"] / "x.npy", 6)
     assert proc.returncode == 1

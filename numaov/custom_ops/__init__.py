@@ -1,5 +1,5 @@
 """The op registry: every op a model needs beyond plain PyTorch, with its
-eager, ONNX and OpenVINO faces (see DESIGN.md)."""
+eager, ONNX and OpenVINO faces (see docs/architecture.md, "Ops and their three faces")."""
 
 from typing import Any
 

@@ -31,17 +31,18 @@ What OpenVINO 2026.4's CPU plugin makes of them (checked with ``get_runtime_mode
 - Rotary, interleaved (GPT-J): none of OpenVINO's interleaved patterns is reachable from ONNX
   on CPU. The Flux pattern (``reshape [..., D/2, 2] / split / concat(-x1, x0)``, in
   ``[B, H, T, D]`` or ``[B, T, H, D]``) is not fused by the CPU plugin: it runs as ``Eltwise``
-  chains on size-2 dims, ~10x slower than ``RoPE`` (290 ms vs 22 ms at T=4096, H=12, D=128,
-  fp32). The GPT-J pattern (the CPU kernel is ``[B, T, H, D]``, Wan's layout) needs a
-  ``VariadicSplit`` of one ``[sin | cos]`` table with lengths ``[D/2, -1]``, which an ONNX
-  ``Split`` cannot express (its lengths are explicit), so it never matches. Viewing each pair
-  as a head of size 2 does fuse, but the kernel then loops over 2-element rows (72-150 ms).
-  So the interleaved form is lowered as *de-interleave -> half-split rotary -> re-interleave*:
-  two ``Transpose`` of ``[..., D/2, 2]`` views around one fused ``RoPE`` (23-84 ms in the same
-  setting, noisy machine). opset-23 ``RotaryEmbedding`` is read by the ONNX frontend as a
-  similar de-interleave + ``RoPE``, with two more ``[B, T, H, D] <-> [B, H, T, D]``
-  transposes. (Folding the pair permutation into the q/k projection weights would remove the
-  transposes; that is the model's business, not this op's.)
+  chains on size-2 dims, about 10x slower than ``RoPE`` (see benchmarks/RESULTS.md). The
+  GPT-J pattern (the CPU kernel is ``[B, T, H, D]``, Wan's layout) needs a ``VariadicSplit``
+  of one ``[sin | cos]`` table with lengths ``[D/2, -1]``, which an ONNX ``Split`` cannot
+  express (its lengths are explicit), so it never matches. Viewing each pair as a head of
+  size 2 does fuse, but the kernel then loops over 2-element rows, which is slow. So the
+  interleaved form is lowered as *de-interleave -> half-split rotary -> re-interleave*: two
+  ``Transpose`` of ``[..., D/2, 2]`` views around one fused ``RoPE``, the fastest of the three
+  forms (figures in benchmarks/RESULTS.md). opset-23 ``RotaryEmbedding`` is read by the ONNX
+  frontend as a similar de-interleave + ``RoPE``, with two more
+  ``[B, T, H, D] <-> [B, H, T, D]`` transposes. (Folding the pair permutation into the q/k
+  projection weights would remove the transposes; that is the model's business, not this
+  op's.)
 - Modulation with per-frame rows: ``x`` is reshaped to ``[B, F, L/F, C]`` and multiplied/added
   with ``[b, F, 1, C]`` rows by broadcasting, so no ``Broadcast``/``Tile`` materialises
   ``[B, L, C]`` copies of the rows; the ``Mul``/``Add`` pair runs as one ``Eltwise``.

@@ -7,10 +7,10 @@ bottom of this module; they validate their arguments *before* dispatch, so a bad
 is one clear :class:`FallbackOpError` both in eager mode and while exporting (during export the
 checks see the example inputs' sizes, read without adding shape guards).
 
-Numerics (REFERENCE.md section 1): activations are fp32, bf16 or fp16; auxiliary tensors
-(scale, shift, gate, cos/sin, norm weight/bias) are either the activation's dtype or fp32
-(fp32 modulation with bf16 activations is the usual DiT mix). Every op computes in fp32 and
-rounds once to the activation dtype, as the reference kernels do.
+Numerics (docs/architecture.md, "Ops and their three faces"): activations are fp32, bf16 or
+fp16; auxiliary tensors (scale, shift, gate, cos/sin, norm weight/bias) are either the
+activation's dtype or fp32 (fp32 modulation with bf16 activations is the usual DiT mix). Every
+op computes in fp32 and rounds once to the activation dtype, as the reference kernels do.
 
 Modulation shapes, for ``x`` of shape ``[B, L, C]`` (``b`` is ``B`` or 1):
 ``[]`` (scalar), ``[C]``, ``[b, C]`` (acts as ``[b, 1, C]``), ``[b, 1, C]``, ``[b, L, C]`` and the
@@ -246,8 +246,9 @@ def _modulate_into(out: Tensor, y: Tensor, scale: Tensor, shift: Tensor, c: floa
         torch.addcmul(shift, y, factor, out=out)
         return
     # Low-precision tensors: PyTorch's mixed-dtype elementwise path (bf16 and fp32 operands in
-    # one kernel) is ~15x slower than its same-dtype kernels, so blocks of rows are widened into
-    # an fp32 scratch buffer that stays in cache, computed there, and rounded into ``out``.
+    # one kernel) is far slower than its same-dtype kernels (benchmarks/RESULTS.md), so blocks
+    # of rows are widened into an fp32 scratch buffer that stays in cache, computed there, and
+    # rounded into ``out``.
     rows = y.shape[-2] if y.dim() >= 2 else 1
     if y.dim() < 2 or rows == 0 or y.numel() == 0:
         out.copy_(torch.addcmul(shift, y.float(), factor))

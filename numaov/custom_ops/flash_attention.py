@@ -1,9 +1,10 @@
 """numaov's AMX flash attention, swapped in for OpenVINO's own attention at compile time.
 
 OpenVINO 2026.4 runs a non-causal ``ScaledDotProductAttention`` outside stateful LLM graphs
-as its generic MHA snippet: at 1,280-5,120 video tokens on AMX this kernel is 2.2-2.5x
-faster than it and 1.3-1.7x faster than PyTorch's CPU flash attention (benchmarks/RESULTS.md). numaov's ``FlashAttention``
-extension op (``csrc/flash_attention.cpp``) runs it on AMX tiles with an online softmax.
+as its generic MHA snippet; at video-DiT lengths on AMX, numaov's kernel is faster than both
+it and PyTorch's CPU flash attention (figures in benchmarks/RESULTS.md). numaov's
+``FlashAttention`` extension op (``csrc/flash_attention.cpp``) runs it on AMX tiles with an
+online softmax.
 
 The exporter never writes the op: an IR stays plain OpenVINO and runs anywhere. The runtime
 calls `swap_attention` on the model it is about to compile, which replaces each plain

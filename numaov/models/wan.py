@@ -421,8 +421,9 @@ class WanFeedForward(nn.Module):
     With ``column_blocks`` > 1 the same function is computed as that many narrower FFNs
     summed: block ``j`` takes rows ``j`` of the up projection and the matching columns of the
     down projection (GELU is element-wise, so nothing else changes). Exports use it: OpenVINO's
-    bf16 FullyConnected runs ~1.2-1.4x faster on five 1,792-wide pairs than on one 8,960-wide
-    pair (``benchmarks/RESULTS.md``), while PyTorch is fastest with one matmul each, the default.
+    bf16 FullyConnected runs faster on five 1,792-wide pairs than on one 8,960-wide pair
+    (figures in ``benchmarks/RESULTS.md``), while PyTorch is fastest with one matmul each, the
+    default.
     """
 
     def __init__(self, dim: int, inner_dim: int) -> None:

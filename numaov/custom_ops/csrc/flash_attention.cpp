@@ -198,8 +198,9 @@ struct RowBlock {
 };
 
 // Every buffer a tile reads or writes starts on a cache line: a tile row that
-// straddles two lines makes the load ~6x slower (20 ns against 3 ns per 1 KiB
-// tile measured here), and malloc's large blocks are only 16-byte aligned.
+// straddles two lines makes the load several times slower (benchmarks/RESULTS.md,
+// the second flash-attention kernel), and malloc's large blocks are only 16-byte
+// aligned.
 template <class T>
 struct Aligned64 {
     using value_type = T;

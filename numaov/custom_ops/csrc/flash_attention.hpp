@@ -2,9 +2,9 @@
 // the [Sq, Sk] score matrix, for the long self-attention of video DiTs.
 //
 // Why our own kernel: OpenVINO 2026.4 runs a non-causal ScaledDotProductAttention
-// outside stateful LLM graphs as its generic MHA snippet, about 2x slower on AMX
-// than PyTorch's CPU flash attention and 2.2-2.5x slower than this kernel
-// (benchmarks/RESULTS.md).
+// outside stateful LLM graphs as its generic MHA snippet, which on AMX is slower
+// than both PyTorch's CPU flash attention and this kernel (figures in
+// benchmarks/RESULTS.md).
 // This kernel keeps a 32-row block of queries in tiles, streams 128 keys at a
 // time through an online (running max / running sum) softmax, and accumulates
 // P V back into the same fp32 rows. The tile products of the neighbouring
