@@ -153,6 +153,7 @@ def tiny_wan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"root": root, "model_dir": model_dir, "text": root / "text.npy"}
 
 
+@pytest.mark.slow  # exports the tiny Wan, spawns workers
 def test_two_workers_without_a_bind_string_follow_the_binding_rule(tiny_wan) -> None:
     out = tiny_wan["root"] / "rule.npy"
     proc = run_wan(tiny_wan["model_dir"], "--workers", "2", text=tiny_wan["text"], out=out)
@@ -163,6 +164,7 @@ def test_two_workers_without_a_bind_string_follow_the_binding_rule(tiny_wan) -> 
     assert ("the allowed CPUs are split between the ranks" in proc.stderr) == splits, proc.stderr
 
 
+@pytest.mark.slow  # exports the tiny Wan, spawns workers
 def test_one_worker_says_a_valid_bind_string_does_not_apply(tiny_wan) -> None:
     cpu = sorted(os.sched_getaffinity(0))[0]
     proc = run_wan(tiny_wan["model_dir"], text=tiny_wan["text"],
@@ -171,6 +173,7 @@ def test_one_worker_says_a_valid_bind_string_does_not_apply(tiny_wan) -> None:
     assert f"not pinned: NUMAOV_CPU_BIND='{cpu}' applies to worker processes only" in proc.stderr
 
 
+@pytest.mark.slow  # exports the tiny Wan, spawns workers
 def test_an_error_inside_a_worker_is_one_line(tiny_wan, two_cpus) -> None:
     # NUMAOV_ATTENTION is read where the graph is compiled: in each worker process.
     proc = run_wan(tiny_wan["model_dir"], "--workers", "2", text=tiny_wan["text"],

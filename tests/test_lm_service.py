@@ -27,6 +27,8 @@ from numaov.runtime.lm_service import (
     parse_completion_request,
 )
 
+pytestmark = pytest.mark.slow  # a real server with rank workers on the exported tiny model
+
 MODEL_NAME = "tiny-deepseek"
 STARTUP_S = 300
 STOP_S = 60

@@ -11,6 +11,8 @@ from numaov.runtime.binding import BindingPlan
 from numaov.runtime.topology import read_topology
 from numaov.runtime.workers import WorkerContext, WorkerError, run_on_ranks
 
+pytestmark = pytest.mark.slow  # spawned worker processes
+
 
 def _report(context: WorkerContext, arg: int) -> tuple[int, int, list[int], int]:
     return context.rank, arg * 10, sorted(os.sched_getaffinity(0)), context.binding.threads
