@@ -291,9 +291,8 @@ def export_deepseek(
     _check_request(checkpoint_dir, dp, precision)
     config = DeepseekV2Config.from_pretrained(checkpoint_dir)
     check_dp_divides(config, dp)
-    with staged_output(out_dir, force) as staging:
-        manifest = _export_into(checkpoint_dir, staging, config, dp, precision, report)
-    return manifest
+    with staged_output(out_dir, force) as staging:  # published when the block returns
+        return _export_into(checkpoint_dir, staging, config, dp, precision, report)
 
 
 def _export_into(

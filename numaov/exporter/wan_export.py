@@ -151,9 +151,8 @@ def export_wan(
             "WanTransformer3DModel directory (config.json + diffusion_pytorch_model*.safetensors)",
             parameter="checkpoint",
         )
-    with staged_output(out_dir, force) as staging:
-        manifest = _export_into(checkpoint_dir, staging, precision, lowering, timestep, report)
-    return manifest
+    with staged_output(out_dir, force) as staging:  # published when the block returns
+        return _export_into(checkpoint_dir, staging, precision, lowering, timestep, report)
 
 
 def _export_into(

@@ -213,14 +213,19 @@ def _nodes_of(topology: Topology, cpus: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted({n for n in map(topology.node_of, cpus) if n is not None}))
 
 
+_warned_splits: set[str] = set()
+
+
 def plan_for_ranks(
     ranks: int, env: Mapping[str, str] | None = None, topology: Topology | None = None
 ) -> BindingPlan:
     """The plan of a command that starts ``ranks`` workers (`BindingPlan.resolve` on this
-    machine); a warning in the log when the allowed CPUs are split between the ranks."""
+    machine); a warning in the log when the allowed CPUs are split between the ranks, once
+    per process and split (a demo or a service plans the same ranks many times)."""
     topology = read_topology() if topology is None else topology
     plan = BindingPlan.resolve(topology, ranks, env)
-    if plan.source == SPLIT:
+    if plan.source == SPLIT and plan.rank_cpus not in _warned_splits:
+        _warned_splits.add(plan.rank_cpus)
         log.warning(
             "%d rank(s) but %d usable NUMA node(s): the allowed CPUs are split between the "
             "ranks (%s); set %s to choose the CPUs", ranks, len(topology.usable_nodes()),
