@@ -165,7 +165,7 @@ def test_dp2_matches_dp1(
 
 def test_dp_not_dividing_the_sharded_dims_is_a_clear_error(checkpoint: Path) -> None:
     # the tiny model's sharded dims are 128 (dense MLP), 32 (experts), 64 (shared experts)
-    with pytest.raises(ShardError, match=r"--dp 3 does not divide .*moe_intermediate_size=32"):
+    with pytest.raises(ShardError, match=r"dp=3 does not divide .*moe_intermediate_size=32"):
         DeepseekV2.from_pretrained(checkpoint, dp=DataParallelGroup("unused", 0, 3))
 
 

@@ -101,7 +101,7 @@ def test_dp_not_dividing_the_sharded_dims_is_a_clear_cli_error(exported, tmp_pat
     )
     assert proc.returncode == 1
     # the tiny model's sharded dims: 128 (dense MLP), 32 (experts), 64 (shared experts)
-    assert "--dp 3 does not divide" in proc.stderr and "moe_intermediate_size=32" in proc.stderr
+    assert "numaov: error: --dp: dp=3 does not divide" in proc.stderr and "moe_intermediate_size=32" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -116,7 +116,7 @@ def test_checkpoint_that_does_not_fit_its_config_is_a_clear_error(
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"mis-shaped|shape"):
         export_deepseek(broken, tmp_path / "out", dp=2)
-    with pytest.raises(ShardError, match="--dp 3 does not divide"):
+    with pytest.raises(ShardError, match="dp=3 does not divide"):
         export_deepseek(exported["checkpoint"], tmp_path / "out3", dp=3)
 
 

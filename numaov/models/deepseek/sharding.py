@@ -60,7 +60,8 @@ def _sharded_dims(config: DeepseekV2Config) -> list[tuple[str, int, str]]:
 def check_dp_divides(config: DeepseekV2Config, world_size: int) -> None:
     """Raise ShardError unless ``world_size`` divides every dim the MLPs are sharded along."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ShardError(f"--dp is {world_size!r}; expected a positive integer")
+        raise ShardError(f"dp is {world_size!r}; expected a positive integer",
+                         parameter="dp")
     dims = _sharded_dims(config)
     bad = [(key, size, role) for key, size, role in dims if size % world_size]
     if bad:
@@ -68,9 +69,10 @@ def check_dp_divides(config: DeepseekV2Config, world_size: int) -> None:
         valid = [d for d in range(1, common + 1) if common % d == 0]
         listed = ", ".join(f"{key}={size} ({role})" for key, size, role in bad)
         raise ShardError(
-            f"--dp {world_size} does not divide {listed}: the MLP and expert weights are split "
+            f"dp={world_size} does not divide {listed}: the MLP and expert weights are split "
             f"along these dims; expected a dp that divides all of them "
-            f"(possible: {', '.join(map(str, valid[:16]))}{' ...' if len(valid) > 16 else ''})"
+            f"(possible: {', '.join(map(str, valid[:16]))}{' ...' if len(valid) > 16 else ''})",
+            parameter="dp",
         )
 
 
