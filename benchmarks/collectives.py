@@ -1,17 +1,30 @@
-"""Shared-memory collectives versus torch.distributed (gloo), two ranks pinned one core each.
+"""numaov's shared-memory collectives against DeepSpeed's, two ranks pinned one core each.
 
-For each op and message size (4 KiB to 64 MiB) both transports run in the same processes, one
-after the other, and the script prints latency, bandwidth and the speed-up; the single-core
-memcpy bandwidth of the same sizes is measured first as the limit a copy-based transport can
-approach, and so is a cross-core copy (rank 0 writes a shared buffer, rank 1 copies it out: what
-any shared-memory transport must do at least once per byte). Writes
-benchmarks/out/collectives.json and .png (collectives_<dtype>.* for other dtypes).
+The anchor is DeepSpeed's shared-memory all_reduce (``deepspeed.comm.inference_all_reduce``
+with ``DS_ACCELERATOR=cpu``: its JIT-built ``shm_comm`` op; install it with
+``pip install --no-build-isolation -e ".[bench]"``). DeepSpeed has no shared-memory
+all_gather_into_tensor, reduce_scatter_tensor or broadcast (it runs them on gloo), so for
+those ops the anchor is gloo (``torch.distributed``). Without DeepSpeed the script says so and measures all_reduce against
+gloo as well. All competitors run in the same two processes.
+
+The script runs ``--rounds`` rounds. In each round, for every dtype, op and size, a barrier
+probe (the mean time of a numaov barrier, over many) tags the machine's state, then numaov and
+its anchor are timed back to back, in alternating order from round to round. A state is "fast"
+when the probe is within ``--slow-factor`` of the lowest probe of the run, else "slow" (or set
+``--slow-probe-us``). The report gives, per state and dtype, best and median of numaov and the
+anchor and their ratios, the targets, and the probes seen; single-core memcpy of each size is
+measured first, while the other rank blocks, as the bound a copy-based transport approaches.
+Writes benchmarks/out/collectives.json.
+
+Targets: numaov's all_reduce at least 1.2x DeepSpeed's at every size (best and median, every
+dtype, every state seen); no size slower in the slow state than 2x its fast-state time;
+all_gather_into_tensor and reduce_scatter_tensor at 16 MiB at least 60% of single-core memcpy.
 
 Size is the largest buffer of the call (the tensor for all_reduce and broadcast, the output of
-all_gather_into_tensor, the input of reduce_scatter_tensor); bandwidth is size / time.
+all_gather_into_tensor, the input of reduce_scatter_tensor).
 
-    python benchmarks/collectives.py [--dtype float32] [--cpus 0,1] [--budget-s 0.25]
-                                     [--ops all_reduce,...] [--max-size-mib 64]
+    python benchmarks/collectives.py [--dtypes float32,bfloat16] [--cpus 0,1] [--rounds 3]
+                                     [--budget-s 0.1] [--ops all_reduce,...] [--max-size-mib 64]
 """
 
 from __future__ import annotations
@@ -20,6 +33,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import platform
+import socket
+import statistics
+import subprocess
 import tempfile
 import time
 import traceback
@@ -31,19 +48,23 @@ OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadca
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 OUT = Path(__file__).resolve().parent / "out"
 SAMPLE_S, MIN_SAMPLES, MAX_SAMPLES = 1e-3, 5, 200
-# Targets of issue 4.
-SMALL_TARGET, SMALL_LIMIT = 20.0, 64 << 10
-LARGE_TARGET, LARGE_SIZE = 5.0, 16 << 20
-MEMCPY_TARGET = 0.5
+PROBE_BUDGET_S = 0.015  # ~15 samples of ~1 ms of barriers
+ANCHOR_RATIO = 1.2  # numaov's all_reduce against DeepSpeed's, best and median
+SLOW_STATE_LIMIT = 2.0  # slow-state time over fast-state time, every size
+MEMCPY_TARGET, MEMCPY_SIZE = 0.6, 16 << 20  # all_gather / reduce_scatter against memcpy
+# What the rank processes need in their environment before DeepSpeed is imported: its CPU
+# accelerator, one OpenMP thread (its copies are OpenMP loops; each rank has one core), and
+# LOCAL_SIZE == world size, without which it does not use shared memory.
+DEEPSPEED_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 def _seconds_per_call(fn: Any, budget_s: float, sync: Any, agree: Any) -> tuple[float, float]:
     """(best, median) over samples of the mean time per call. `sync` lines the ranks up per
     sample and `agree` makes every rank run the same number of calls (the largest any asks).
 
-    The best sample is the headline: on a shared machine other processes preempt the pinned
-    ranks at random, which inflates medians by milliseconds; samples of about a millisecond,
-    many of them, leave some untouched.
+    Samples of about a millisecond, many of them: on a shared machine other processes preempt
+    the pinned ranks at random, which inflates some samples by milliseconds and leaves others
+    untouched; best and median together say how much.
     """
     fn()
     fn()  # warm-up: page faults, first-touch, caches
@@ -64,13 +85,20 @@ def _seconds_per_call(fn: Any, budget_s: float, sync: Any, agree: Any) -> tuple[
     return samples[0], samples[len(samples) // 2]
 
 
+def _barrier_probe_us(barrier: Any, agree: Any) -> float:
+    """The median time of one barrier, in us: the round trip between the two cores, which is
+    what tells the machine's states apart."""
+    return _seconds_per_call(barrier, PROBE_BUDGET_S, barrier, agree)[1] * 1e6
+
+
 def _buffers(torch: Any, op: str, size: int, dtype: Any, world: int) -> tuple[Any, Any]:
+    # Zeros: repeated sums stay finite (no inf or NaN arithmetic in the timed loop).
     n = size // torch.empty((), dtype=dtype).element_size()
     if op == "all_gather_into_tensor":
-        return torch.empty(n, dtype=dtype), torch.ones(n // world, dtype=dtype)
+        return torch.empty(n, dtype=dtype), torch.zeros(n // world, dtype=dtype)
     if op == "reduce_scatter_tensor":
-        return torch.empty(n // world, dtype=dtype), torch.ones(n, dtype=dtype)
-    return torch.ones(n, dtype=dtype), None
+        return torch.empty(n // world, dtype=dtype), torch.zeros(n, dtype=dtype)
+    return torch.zeros(n, dtype=dtype), None
 
 
 def _call(comm: Any, op: str, a: Any, b: Any) -> Any:
@@ -81,6 +109,16 @@ def _call(comm: Any, op: str, a: Any, b: Any) -> Any:
     return lambda: getattr(comm, op)(a, b)
 
 
+class _DeepSpeedAllReduce:
+    """DeepSpeed's shared-memory all_reduce behind the one method the benchmark calls."""
+
+    def __init__(self, dcomm: Any) -> None:
+        self._dcomm = dcomm
+
+    def all_reduce(self, t: Any) -> None:
+        self._dcomm.inference_all_reduce(t)
+
+
 def _rank_main(rank: int, world: int, args: dict, gate: Any, results: Any) -> None:
     try:
         results.put((rank, _measure(rank, world, args, gate)))
@@ -89,7 +127,27 @@ def _rank_main(rank: int, world: int, args: dict, gate: Any, results: Any) -> No
         raise
 
 
+def _join(rank: int, world: int, args: dict) -> Any:
+    """torch.distributed (gloo) for both ranks, through DeepSpeed when it is used: its
+    shared-memory op joins at the same time. Returns DeepSpeed's comm module or None."""
+    import torch.distributed as dist
+
+    if args["deepspeed"] is None:
+        dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank,
+                                world_size=world)
+        return None
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(args["port"]))
+    import deepspeed
+    import deepspeed.comm as dcomm
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return dcomm
+
+
 def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
+    os.environ.update(DEEPSPEED_ENV)
     os.sched_setaffinity(0, {args["cpus"][rank]})
     import numpy as np
     import torch
@@ -98,187 +156,265 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
     from numaov.custom_ops.collectives import GlooCommunicator, ShmCommunicator
 
     torch.set_num_threads(1)
-    out: dict[str, Any] = {"memcpy": {}, "cross_core": {}, "ours": {}, "gloo": {}}
+    out: dict[str, Any] = {"memcpy": {}, "records": []}
     # 1. Single-core memcpy, while the other rank blocks (not spins) on the gate.
     if rank == 0:
         for size in args["sizes"]:
             src = np.ones(size, np.uint8)
             dst = np.empty_like(src)
-            seconds = _seconds_per_call(lambda s=src, d=dst: np.copyto(d, s), args["budget_s"],
-                                        lambda: None, lambda n: n)
-            out["memcpy"][size] = seconds
+            out["memcpy"][size] = _seconds_per_call(
+                lambda s=src, d=dst: np.copyto(d, s), args["budget_s"], lambda: None,
+                lambda n: n)
     gate.wait()
-    dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank,
-                            world_size=world)
-    transports = {"ours": ShmCommunicator(args["group"], rank, world, job_id=args["group"]),
-                  "gloo": GlooCommunicator(args["group"] + "-gloo", dist.group.WORLD)}
-    dtype = getattr(torch, args["dtype"])
-    ours = transports["ours"]
-    # 2. Cross-core copy: the consumer's pull of lines the producer just wrote.
-    pulled = np.empty(max(args["sizes"]), np.uint8)
-    staged = np.ones_like(pulled)
-    view = np.asarray(np.memmap(args["shared"], np.uint8, "r+", shape=pulled.shape))
-    for size in args["sizes"]:
-        best = float("inf")
-        for _ in range(max(5, min(200, int(args["budget_s"] * 2e7 / size)))):
-            if rank == 0:
-                np.copyto(view[:size], staged[:size])
-            ours.barrier()
-            if rank == 1:
-                start = time.perf_counter()
-                np.copyto(pulled[:size], view[:size])
-                best = min(best, time.perf_counter() - start)
-            ours.barrier()
-        out["cross_core"][size] = best
-    del view
+    dcomm = _join(rank, world, args)
+    ours = ShmCommunicator(args["group"], rank, world, job_id=args["group"])
+    gloo = GlooCommunicator(args["group"] + "-gloo", dist.group.WORLD)
+    anchors = {op: ("gloo", gloo) for op in args["ops"]}
+    if dcomm is not None:
+        anchors["all_reduce"] = ("deepspeed", _DeepSpeedAllReduce(dcomm))
 
     def agree(n: int) -> int:
         value = torch.tensor([n])
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value)
 
-    # 3. Every op and size on both transports, side by side.
-    for op in args["ops"]:
-        for size in args["sizes"]:
-            a, b = _buffers(torch, op, size, dtype, world)
-            for name, comm in transports.items():
-                out[name][f"{op}/{size}"] = _seconds_per_call(
-                    _call(comm, op, a, b), args["budget_s"], comm.barrier, agree)
-    out["isa"] = transports["ours"]._comm.isa
-    out["buffer_bytes"] = transports["ours"]._comm.buffer_bytes
-    out["oneshot_bytes"] = transports["ours"]._comm.oneshot_bytes
-    for comm in transports.values():
-        comm.close()
+    # 2. Both implementations sum alike: a pair of random vectors, once per dtype.
+    checks = {}
+    for dtype_name in args["dtypes"]:
+        dtype = getattr(torch, dtype_name)
+        x = torch.randn(100_003, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        a, b = x.clone(), x.clone()
+        ours.all_reduce(a)
+        anchors["all_reduce"][1].all_reduce(b)
+        checks[dtype_name] = float((a.float() - b.float()).abs().max())
+    out["max_difference"] = checks
+    # 3. Rounds: per dtype, op and size, the probe, then numaov and its anchor back to back.
+    for round_index in range(args["rounds"]):
+        for dtype_name in args["dtypes"]:
+            dtype = getattr(torch, dtype_name)
+            for op in args["ops"]:
+                anchor_name, anchor = anchors[op]
+                for size in args["sizes"]:
+                    a, b = _buffers(torch, op, size, dtype, world)
+                    record = {"round": round_index, "dtype": dtype_name, "op": op, "size": size,
+                              "anchor_name": anchor_name, "probe_us": _barrier_probe_us(ours.barrier, agree)}
+                    order = [("numaov", ours), ("anchor", anchor)]
+                    for name, comm in order[:: 1 if round_index % 2 == 0 else -1]:
+                        record[name] = _seconds_per_call(_call(comm, op, a, b),
+                                                         args["budget_s"], ours.barrier, agree)
+                    out["records"].append(record)
+    out["isa"] = ours._comm.isa
+    out["limits"] = {d: ours.algorithm_limits(d) for d in args["dtypes"]}
+    ours.close()
+    gloo.close()
     dist.destroy_process_group()
     return out
+
+
+def _deepspeed_status() -> tuple[str | None, str]:
+    """(version, "") when DeepSpeed's shared-memory op builds here, else (None, why not).
+    Building it once here, in the parent, keeps the two ranks from compiling it side by side."""
+    os.environ.update(DEEPSPEED_ENV)
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as exc:
+        return None, (f"deepspeed is not installed ({exc}); it is the extra 'bench': "
+                      "pip install --no-build-isolation -e '.[bench]'")
+    try:
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not builder.is_compatible():
+            return None, "DeepSpeed's CPU accelerator has no shared-memory op on this machine"
+        builder.load(verbose=False)
+    except Exception as exc:  # a failed JIT build: report it, measure without the anchor
+        return None, f"DeepSpeed's shared-memory op did not build: {exc}"
+    return deepspeed.__version__, ""
 
 
 def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
 
 
+def _states(records: list[dict], slow_probe_us: float | None, slow_factor: float) -> float:
+    """Tags every record "fast" or "slow" by its probe; returns the probe threshold."""
+    threshold = slow_probe_us or min(r["probe_us"] for r in records) * slow_factor
+    for r in records:
+        r["state"] = "slow" if r["probe_us"] > threshold else "fast"
+    return threshold
+
+
+def _summary(records: list[dict]) -> dict:
+    """Per (state, dtype, op, size): best of the bests, median of the medians, of numaov and
+    its anchor, and how many rounds fell in that state."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["state"], r["dtype"], r["op"], r["size"]), []).append(r)
+    summary = {}
+    for key, rs in groups.items():
+        entry = {"rounds": len(rs), "anchor_name": rs[0]["anchor_name"],
+                 "probe_us": [min(r["probe_us"] for r in rs), max(r["probe_us"] for r in rs)]}
+        for name in ("numaov", "anchor"):
+            entry[name] = {"best": min(r[name][0] for r in rs),
+                           "median": statistics.median(r[name][1] for r in rs),
+                           "medians": sorted(r[name][1] for r in rs)}
+        ratios = [r["anchor"][1] / r["numaov"][1] for r in rs]
+        entry["median_ratio_range"] = [min(ratios), max(ratios)]
+        summary[key] = entry
+    return summary
+
+
 def _report(merged: dict) -> tuple[str, dict]:
-    ops, sizes = merged["ops"], merged["sizes"]
-    lines = [f"2 ranks x 1 core (CPUs {merged['cpus']}), {merged['dtype']}, {merged['isa']} kernels, "
-             f"buffer {_fmt_bytes(merged['buffer_bytes'])} per half, one-shot all_reduce up to "
-             f"{_fmt_bytes(merged['oneshot_bytes'])}; best ~1 ms sample (medians in JSON)",
-             f"{'op':<24}{'size':>8}{'ours us':>11}{'gloo us':>11}{'x gloo':>9}"
-             f"{'ours GB/s':>11}{'memcpy GB/s':>13}{'of memcpy':>11}{'x-core us':>11}"]
-    verdict = {}
-    for op in ops:
-        for size in sizes:
-            ours, gloo = merged["ours"][f"{op}/{size}"], merged["gloo"][f"{op}/{size}"]
-            memcpy = merged["memcpy"][size]
-            speedup, of_memcpy = gloo / ours, memcpy / ours
-            lines.append(f"{op:<24}{_fmt_bytes(size):>8}{ours * 1e6:>11.1f}{gloo * 1e6:>11.1f}"
-                         f"{speedup:>9.1f}{size / ours / 1e9:>11.2f}{size / memcpy / 1e9:>13.2f}"
-                         f"{of_memcpy:>11.0%}{merged['cross_core'][size] * 1e6:>11.1f}")
-            if size <= SMALL_LIMIT:
-                verdict[f"{op}/{size} >= {SMALL_TARGET:.0f}x gloo"] = speedup >= SMALL_TARGET
-            if size == LARGE_SIZE:
-                verdict[f"{op}/{size} >= {LARGE_TARGET:.0f}x gloo"] = speedup >= LARGE_TARGET
-                verdict[f"{op}/{size} >= {MEMCPY_TARGET:.0%} of memcpy"] = (
-                    of_memcpy >= MEMCPY_TARGET)
+    summary, memcpy = merged["summary"], merged["memcpy"]
+    lines = [f"2 ranks x 1 core (CPUs {merged['cpus']}), {merged['cpu_model']}, "
+             f"{merged['isa']} kernels; anchor for all_reduce: {merged['all_reduce_anchor']}; "
+             f"load average {merged['load_before']} -> {merged['load_after']}",
+             f"states: fast = barrier probe <= {merged['threshold_us']:.2f} us, slow above; "
+             f"max |numaov - anchor| of one all_reduce: {merged['max_difference']}"]
+    verdict: dict[str, bool] = {}
+    for state in ("fast", "slow"):
+        for dtype in merged["dtypes"]:
+            keys = [k for k in summary if k[0] == state and k[1] == dtype]
+            if not keys:
+                continue
+            probes = [p for k in keys for p in summary[k]["probe_us"]]
+            lines.append(f"\n{state} state, {dtype} (probe {min(probes):.2f}-{max(probes):.2f} us)")
+            lines.append(f"{'op':<24}{'size':>8}{'rounds':>7}{'numaov us':>16}"
+                         f"{'anchor us':>16}{'x best':>8}{'x med':>7}{'x med range':>13}"
+                         f"{'% memcpy':>10}  anchor")
+            for op in merged["ops"]:
+                for size in merged["sizes"]:
+                    e = summary.get((state, dtype, op, size))
+                    if e is None:
+                        continue
+                    ours, anchor = e["numaov"], e["anchor"]
+                    best = anchor["best"] / ours["best"]
+                    median = anchor["median"] / ours["median"]
+                    of_memcpy = memcpy[size][0] / ours["best"]
+                    low, high = e["median_ratio_range"]
+                    lines.append(
+                        f"{op:<24}{_fmt_bytes(size):>8}{e['rounds']:>7}"
+                        f"{ours['best'] * 1e6:>8.1f}/{ours['median'] * 1e6:<7.1f}"
+                        f"{anchor['best'] * 1e6:>8.1f}/{anchor['median'] * 1e6:<7.1f}"
+                        f"{best:>8.2f}{median:>7.2f}{low:>8.2f}-{high:<4.2f}{of_memcpy:>10.0%}"
+                        f"  {e['anchor_name']}")
+                    name = f"{state} {dtype} {op} {_fmt_bytes(size)}"
+                    if op == "all_reduce" and e["anchor_name"] == "deepspeed":
+                        verdict[f"{name} >= {ANCHOR_RATIO}x DeepSpeed (best, median)"] = (
+                            best >= ANCHOR_RATIO and median >= ANCHOR_RATIO)
+                    if (op in ("all_gather_into_tensor", "reduce_scatter_tensor")
+                            and size == MEMCPY_SIZE):
+                        verdict[f"{name} >= {MEMCPY_TARGET:.0%} of memcpy"] = (
+                            of_memcpy >= MEMCPY_TARGET)
+    for (state, dtype, op, size), e in summary.items():
+        fast = summary.get(("fast", dtype, op, size))
+        if state == "slow" and fast is not None:
+            slowdown = e["numaov"]["best"] / fast["numaov"]["best"]
+            verdict[f"{dtype} {op} {_fmt_bytes(size)} slow/fast {slowdown:.2f} <= "
+                    f"{SLOW_STATE_LIMIT}"] = slowdown <= SLOW_STATE_LIMIT
     missed = [k for k, ok in verdict.items() if not ok]
-    lines.append(f"targets met: {len(verdict) - len(missed)}/{len(verdict)}"
-                 + (f"; missed: {', '.join(missed)}" if missed else ""))
+    lines.append(f"\ntargets met: {len(verdict) - len(missed)}/{len(verdict)}"
+                 + ("".join(f"\n  missed: {k}" for k in missed)))
     return "\n".join(lines), verdict
 
 
-def _plot(merged: dict, path: Path) -> None:
-    import matplotlib
+def _cpu_model() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor()
+    for line in text.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    ops, sizes = merged["ops"], merged["sizes"]
-    fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 7.5), sharex=True,
-                             squeeze=False)
-    for column, op in enumerate(ops):
-        top, bottom = axes[0][column], axes[1][column]
-        for name, style in (("ours", "o-"), ("gloo", "s--")):
-            seconds = [merged[name][f"{op}/{s}"] for s in sizes]
-            top.loglog(sizes, [t * 1e6 for t in seconds], style, label=name)
-            bottom.semilogx(sizes, [s / t / 1e9 for s, t in zip(sizes, seconds, strict=True)],
-                            style, label=name)
-        bottom.semilogx(sizes, [s / merged["memcpy"][s] / 1e9 for s in sizes], "k:",
-                        label="memcpy, 1 core")
-        top.loglog(sizes, [merged["cross_core"][s] * 1e6 for s in sizes], "k:",
-                   label="cross-core copy")
-        top.set_title(op)
-        top.set_ylabel("latency (us)")
-        bottom.set_ylabel("bandwidth (GB/s)")
-        bottom.set_xlabel("message size (bytes)")
-        top.grid(True, which="both", alpha=0.3)
-        bottom.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend()
-    axes[1][0].legend()
-    fig.suptitle(f"numaov shared-memory collectives vs gloo, 2 ranks x 1 core "
-                 f"({merged['dtype']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="comma-separated subset of float32, bfloat16, float16")
     parser.add_argument("--cpus", default="0,1", help="the two CPUs to pin rank 0 and 1 to")
-    parser.add_argument("--budget-s", type=float, default=0.25,
-                        help="measuring time per op, size and transport")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every measurement")
+    parser.add_argument("--budget-s", type=float, default=0.1,
+                        help="measuring time per competitor, op, size and round")
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " +
                         ", ".join(OPS))
+    parser.add_argument("--sizes-kib", default=None,
+                        help="comma-separated message sizes in KiB instead of 4 KiB, 16 KiB, ...")
+    parser.add_argument("--min-size-kib", type=float, default=4.0,
+                        help="smallest message size measured")
     parser.add_argument("--max-size-mib", type=float, default=64.0,
                         help="largest message size measured")
+    parser.add_argument("--slow-factor", type=float, default=1.4,
+                        help="a probe above this times the run's lowest one is the slow state")
+    parser.add_argument("--slow-probe-us", type=float, default=None,
+                        help="a fixed probe threshold of the slow state instead")
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="measure all_reduce against gloo even if DeepSpeed is installed")
     opts = parser.parse_args()
-    ops = opts.ops.split(",")
+    ops, dtypes = opts.ops.split(","), opts.dtypes.split(",")
     if not set(ops) <= set(OPS):
         parser.error(f"--ops {opts.ops!r}; expected a subset of {', '.join(OPS)}")
-    sizes = [s for s in SIZES if s <= opts.max_size_mib * 2**20]
+    if not set(dtypes) <= {"float32", "bfloat16", "float16"}:
+        parser.error(f"--dtypes {opts.dtypes!r}; expected a subset of float32, bfloat16, "
+                     "float16")
+    sizes = ([int(float(k) * 2**10) for k in opts.sizes_kib.split(",")] if opts.sizes_kib
+             else SIZES)
+    sizes = [s for s in sizes if opts.min_size_kib * 2**10 <= s <= opts.max_size_mib * 2**20]
+    version, why = (None, "--no-deepspeed") if opts.no_deepspeed else _deepspeed_status()
+    if version is None:
+        print(f"DeepSpeed is not available ({why}): all_reduce is measured against gloo only, "
+              "and the DeepSpeed targets are not checked")
     cpus = [int(c) for c in opts.cpus.split(",")]
     world = 2
     group = f"bench-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     ctx = mp.get_context("spawn")
     gate, results = ctx.Barrier(world), ctx.Queue()
-    # The cross-core copy's buffer: a /dev/shm file both ranks map.
-    shared = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="numaov-bench-")
-    shared.truncate(max(sizes))
-    with shared, tempfile.TemporaryDirectory() as tmp:
-        args = {"cpus": cpus, "group": group, "store": f"{tmp}/store", "dtype": opts.dtype,
-                "budget_s": opts.budget_s, "ops": ops, "sizes": sizes,
-                "shared": shared.name}
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    with tempfile.TemporaryDirectory() as tmp:
+        args = {"cpus": cpus, "group": group, "store": f"{tmp}/store", "dtypes": dtypes,
+                "budget_s": opts.budget_s, "ops": ops, "sizes": sizes, "rounds": opts.rounds,
+                "deepspeed": version, "port": _free_port()}
         procs = [ctx.Process(target=_rank_main, args=(r, world, args, gate, results))
                  for r in range(world)]
         for p in procs:
             p.start()
-        per_rank = dict(results.get(timeout=3600) for _ in procs)
+        per_rank = dict(results.get(timeout=7200) for _ in procs)
         for p in procs:
             p.join()
     errors = [r["error"] for r in per_rank.values() if "error" in r]
     if errors:
         raise SystemExit("a rank failed:\n" + errors[0])
-    # A collective is as slow as its slowest rank.
-    # Headline: best sample (index 0); medians are kept in the JSON as "<name>_median".
-    merged: dict[str, Any] = {"memcpy": {k: v[0] for k, v in per_rank[0]["memcpy"].items()},
-                              "memcpy_median": {k: v[1] for k, v in per_rank[0]["memcpy"].items()},
-                              "dtype": opts.dtype,
-                              "ops": ops, "sizes": sizes,
-                              "cross_core": per_rank[1]["cross_core"],
-                              "cpus": cpus, "isa": per_rank[0]["isa"],
-                              "buffer_bytes": per_rank[0]["buffer_bytes"],
-                              "oneshot_bytes": per_rank[0]["oneshot_bytes"]}
-    for name in ("ours", "gloo"):
-        for index, suffix in ((0, ""), (1, "_median")):
-            merged[name + suffix] = {k: max(r[name][k][index] for r in per_rank.values())
-                                     for k in per_rank[0][name]}
+    # A collective is as slow as its slowest rank: per record, the slower rank's figures.
+    records = []
+    for r0, r1 in zip(per_rank[0]["records"], per_rank[1]["records"], strict=True):
+        merged_record = dict(r0, probe_us=max(r0["probe_us"], r1["probe_us"]))
+        for name in ("numaov", "anchor"):
+            merged_record[name] = [max(r0[name][i], r1[name][i]) for i in (0, 1)]
+        records.append(merged_record)
+    threshold = _states(records, opts.slow_probe_us, opts.slow_factor)
+    merged: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu_model": _cpu_model(),
+        "cpus": cpus, "isa": per_rank[0]["isa"], "dtypes": dtypes, "ops": ops, "sizes": sizes,
+        "all_reduce_anchor": f"DeepSpeed {version} shm" if version else "gloo",
+        "deepspeed": version, "load_before": load_before,
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "memcpy": per_rank[0]["memcpy"], "limits": per_rank[0]["limits"],
+        "max_difference": per_rank[0]["max_difference"], "threshold_us": threshold,
+        "records": records, "summary": _summary(records)}
     text, verdict = _report(merged)
     print(text)
     OUT.mkdir(exist_ok=True)
     merged["targets"] = verdict
-    merged["date"] = time.strftime("%Y-%m-%d")
-    stem = "collectives" if opts.dtype == "float32" else f"collectives_{opts.dtype}"
-    (OUT / f"{stem}.json").write_text(json.dumps(merged, indent=1, default=str))
-    _plot(merged, OUT / f"{stem}.png")
-    print(f"wrote {OUT / stem}.json and {OUT / stem}.png")
+    merged["summary"] = {"/".join(map(str, k)): v for k, v in merged["summary"].items()}
+    path = OUT / "collectives.json"
+    path.write_text(json.dumps(merged, indent=1, default=str))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

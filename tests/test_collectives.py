@@ -346,6 +346,17 @@ def _numpy_sum(blocks: list) -> np.ndarray:
         return acc.astype(blocks[0].dtype)
 
 
+def _all_reduce_problems(comm: Any, rank: int, world: int, seed: int, case: int, n: int,
+                         dtype_name: str) -> list[str]:
+    """all_reduce of n random elements against the exact sum: [] or the one problem."""
+    xs = _numpy_inputs(seed, case, world, n, _numpy_dtype(dtype_name))
+    got = xs[rank].copy()
+    comm.all_reduce(got)
+    if got.tobytes() != _numpy_sum(xs).tobytes():
+        return [f"all_reduce {dtype_name} n={n}: differs from the exact reference"]
+    return []
+
+
 def _eight_worker(rank: int, world: int, args: dict) -> list[str]:
     from numaov.custom_ops.collectives import ShmCommunicator
 
@@ -376,12 +387,8 @@ def _eight_worker(rank: int, world: int, args: dict) -> list[str]:
                          for op, value in got.items() if value.tobytes() != want[op].tobytes()]
         # all_reduce past its chunk: 8 unequal cache-line slices per chunk.
         case += 1
-        n = limits["all_reduce_chunk"] + 1
-        xs = _numpy_inputs(args["seed"], case, world, n, dtype)
-        got_sum = xs[rank].copy()
-        comm.all_reduce(got_sum)
-        if got_sum.tobytes() != _numpy_sum(xs).tobytes():
-            problems.append(f"all_reduce {dtype_name} n={n}: differs from the exact reference")
+        problems += _all_reduce_problems(comm, rank, world, args["seed"], case,
+                                         limits["all_reduce_chunk"] + 1, dtype_name)
     comm.barrier()
     comm.close()
     return problems
@@ -392,6 +399,54 @@ def test_eight_ranks_all_ops_exact() -> None:
     print(f"seed={seed}")
     group = unique_name("eight")
     results = run_ranks(8, _eight_worker, {"group": group, "job": group, "seed": seed})
+    assert [p for problems in results.values() for p in problems] == []
+    assert shm_leftovers(group) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# all_reduce at its algorithm boundaries: one-shot limit per dtype, chunks, and the blocks of
+# the reduction that writes both the shared buffer and the output.
+# ---------------------------------------------------------------------------------------------
+
+ONESHOT_BYTES = 64 << 10  # a non-default one-shot limit (f32), set on every rank
+SECOND_COPY_BLOCK_BYTES = 8 << 10  # kSecondCopyBlockBytes in csrc/reduce_kernels.cpp
+
+
+def _boundary_worker(rank: int, world: int, args: dict) -> list[str]:
+    from numaov.custom_ops.collectives import ShmCommunicator
+
+    os.environ["NUMAOV_COLL_ONESHOT_BYTES"] = str(ONESHOT_BYTES)
+    os.environ["NUMAOV_COLL_BUFFER_BYTES"] = str(64 << 10)  # many chunks per message
+    comm = ShmCommunicator(args["group"], rank, world, job_id=args["job"], timeout_s=60)
+    problems: list[str] = []
+    case = 0
+    for dtype_name in DTYPE_NAMES:
+        dtype = _numpy_dtype(dtype_name)
+        limits = comm.algorithm_limits(dtype_name)
+        # 16-bit messages run one-shot up to a sixteenth of the f32 limit (in bytes).
+        expected = ONESHOT_BYTES // (4 if dtype_name == "float32" else 16 * 2)
+        if limits["oneshot_elements"] != expected:
+            problems.append(f"{dtype_name}: one-shot limit {limits['oneshot_elements']} "
+                            f"elements, expected {expected}")
+        one, chunk = limits["oneshot_elements"], limits["all_reduce_chunk"]
+        block = SECOND_COPY_BLOCK_BYTES // dtype.itemsize
+        sizes = {one - 1, one, one + 1, chunk - 1, chunk + 1, 3 * chunk - 7}
+        # A rank's slice of one chunk at, just under and just over a whole number of blocks.
+        sizes |= {world * block * k + d for k in (1, 2) for d in (-1, 0, 1)}
+        for n in sorted(sizes):
+            case += 1
+            problems += _all_reduce_problems(comm, rank, world, args["seed"], case, n, dtype_name)
+    comm.barrier()
+    comm.close()
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_is_exact_at_every_algorithm_boundary(world: int) -> None:
+    seed = SEED + 200 + world
+    print(f"seed={seed}")
+    group = unique_name(f"boundary-{world}")
+    results = run_ranks(world, _boundary_worker, {"group": group, "job": group, "seed": seed})
     assert [p for problems in results.values() for p in problems] == []
     assert shm_leftovers(group) == []
 

@@ -68,6 +68,8 @@ _NUMPY_CODES = {"float32": _F32, "bfloat16": _BF16, "float16": _F16}
 # torch.dtype -> code, filled on first use (torch is not imported here).
 _TORCH_CODES: dict[Any, int] = {}
 _EXPECTED_DTYPES = "float32, bfloat16 or float16"
+# numaov::kOneshot16Divisor: 16-bit all_reduces run one-shot up to oneshot_bytes / this.
+_ONESHOT_16_DIVISOR = 16
 
 
 @functools.cache
@@ -249,7 +251,9 @@ class ShmCommunicator(Communicator):
         code = _NUMPY_CODES.get(dtype)
         if code is None:
             raise CollectiveError(f"dtype {dtype!r}; expected {_EXPECTED_DTYPES}")
-        limits = {"oneshot_elements": self._comm.oneshot_bytes // (4 if code == _F32 else 2)}
+        # The 16-bit limit is the f32 one over kOneshot16Divisor (csrc/shm_communicator.hpp).
+        oneshot_bytes = self._comm.oneshot_bytes // (1 if code == _F32 else _ONESHOT_16_DIVISOR)
+        limits = {"oneshot_elements": oneshot_bytes // (4 if code == _F32 else 2)}
         for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
             limits[f"{op}_chunk"] = self._comm.chunk_elements(op, code)
         return limits

@@ -444,8 +444,10 @@ void ShmCommunicator::all_reduce(void* data, uint64_t count, DType dtype) {
         auto* bytes = static_cast<uint8_t*>(data);
         const uint64_t size = count * dtype_size(dtype);
         if (world_ == 1) return;
-        if (size > oneshot_bytes_) return all_reduce_two_shot(bytes, call);
-        // One shot: everyone copies in, then everyone sums everything.
+        if (size > oneshot_limit(dtype)) return all_reduce_two_shot(bytes, call);
+        // One shot: everyone copies in, then everyone sums everything. One
+        // round instead of two; above oneshot_limit the two-shot algorithm's
+        // halved summing and halved copy-in win.
         kernels::copy(next_half(), bytes, size, false);
         publish(call);
         wait_all(call);
@@ -458,13 +460,24 @@ void ShmCommunicator::all_reduce(void* data, uint64_t count, DType dtype) {
 // cache-line-aligned slice per rank. Round j carries, in my half: the raw
 // slices of chunk j that the other ranks reduce, and the finished slice of
 // chunk j-1 that I reduced; so K chunks take K + 1 rounds.
+//
+//   my half, round j:  | raw slices of chunk j (mine left empty) | my reduced slice of j-1 |
+//                      0                                 chunk * es
+//
+// Every byte crosses cores once each way (my raw slices out, the others'
+// reduced slices in); that cross-core traffic, not the arithmetic, bounds
+// the time (the ranks spend only a few percent of it waiting for each
+// other). So the reduction writes its result to my half and, block by block
+// while it is still in L1, to my output (no second pass over it), and
+// results are written with ordinary stores whatever the size: the output is
+// the input, whose lines this rank has just read, so a non-temporal store
+// would only evict them to memory first.
 void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
     const uint64_t es = dtype_size(call.dtype);
     const uint64_t chunk = chunk_elements(Op::all_reduce, call.dtype);
     const uint64_t reduced_offset = chunk * es;
     const uint64_t count = call.count;
-    const uint64_t chunks = ceil_div(count, chunk);  // count > oneshot_bytes_ >= 0: at least 1
-    const bool stream = streams(count * es);
+    const uint64_t chunks = ceil_div(count, chunk);  // count > oneshot limit >= 0: at least 1
 
     auto produce_raw = [&](uint64_t j) {
         const uint64_t n = chunk_length(count, chunk, j);
@@ -488,7 +501,7 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
                 if (p == rank_) continue;
                 const Slice s = slice_of(n, world_, p, es);
                 kernels::copy(data + ((j - 1) * chunk + s.offset) * es,
-                              peer_half(p) + reduced_offset, s.length * es, stream);
+                              peer_half(p) + reduced_offset, s.length * es, false);
             }
         }
         if (j < chunks) {
@@ -500,9 +513,8 @@ void ShmCommunicator::all_reduce_two_shot(uint8_t* data, const Call& call) {
             for (int p = 0; p < world_; ++p) {
                 sources_[size_t(p)] = p == rank_ ? out : peer_half(p) + mine.offset * es;
             }
-            uint8_t* reduced = next_half() + reduced_offset;
-            kernels::reduce_sum(reduced, sources_.data(), world_, mine.length, call.dtype, isa_);
-            kernels::copy(out, reduced, mine.length * es, stream);
+            kernels::reduce_sum(next_half() + reduced_offset, sources_.data(), world_,
+                                mine.length, call.dtype, isa_, out);
             if (j + 1 < chunks) produce_raw(j + 1);
         }
     }

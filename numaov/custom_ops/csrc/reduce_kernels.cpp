@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 // Each vector kernel is compiled for its own instruction set, so the library
 // itself needs no -march flag and runs on any x86-64.
@@ -474,13 +475,14 @@ void copy(void* dst, const void* src, uint64_t bytes, bool stream) {
     }
 }
 
-void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t count, DType dtype,
+namespace {
+
+// Blocks of the two-destination reduction: small enough that the copy to the
+// second destination reads the first one from L1.
+constexpr uint64_t kSecondCopyBlockBytes = 8 << 10;
+
+void reduce_one(void* dst, const void* const* srcs, int n_srcs, uint64_t count, DType dtype,
                 Isa isa) {
-    if (count == 0 || n_srcs <= 0) return;
-    if (isa > best_isa()) {
-        throw CollectiveError(std::string("instruction set ") + isa_name(isa) +
-                              " is not available on this CPU; best is " + isa_name(best_isa()));
-    }
     switch (isa) {
         case Isa::avx512:
             switch (dtype) {
@@ -506,6 +508,30 @@ void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t count, 
     }
     throw CollectiveError("unsupported dtype code " + std::to_string(uint32_t(dtype)) +
                           "; expected f32 (0), bf16 (1) or f16 (2)");
+}
+
+}  // namespace
+
+void reduce_sum(void* dst, const void* const* srcs, int n_srcs, uint64_t count, DType dtype,
+                Isa isa, void* dst2) {
+    if (count == 0 || n_srcs <= 0) return;
+    if (isa > best_isa()) {
+        throw CollectiveError(std::string("instruction set ") + isa_name(isa) +
+                              " is not available on this CPU; best is " + isa_name(best_isa()));
+    }
+    if (dst2 == nullptr) return reduce_one(dst, srcs, n_srcs, count, dtype, isa);
+    const uint64_t es = dtype_size(dtype);
+    const uint64_t block = kSecondCopyBlockBytes / es;
+    std::vector<const void*> block_srcs(srcs, srcs + n_srcs);
+    for (uint64_t i = 0; i < count; i += block) {
+        const uint64_t n = std::min(block, count - i);
+        for (int p = 0; p < n_srcs; ++p) {
+            block_srcs[p] = static_cast<const uint8_t*>(srcs[p]) + i * es;
+        }
+        uint8_t* out = static_cast<uint8_t*>(dst) + i * es;
+        reduce_one(out, block_srcs.data(), n_srcs, n, dtype, isa);
+        std::memcpy(static_cast<uint8_t*>(dst2) + i * es, out, n * es);
+    }
 }
 
 }  // namespace numaov::kernels

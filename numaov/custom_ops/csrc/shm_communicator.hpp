@@ -28,7 +28,12 @@ const char* op_name(Op op);
 // Defaults of the environment knobs (README "Environment variables").
 constexpr double kDefaultTimeoutSeconds = 60.0;
 constexpr uint64_t kDefaultBufferBytes = uint64_t(2) << 20;   // per rank and half
-constexpr uint64_t kDefaultOneshotBytes = uint64_t(32) << 10;  // all_reduce one-shot limit
+constexpr uint64_t kDefaultOneshotBytes = uint64_t(88) << 10;  // all_reduce one-shot limit (f32)
+// 16-bit all_reduces run one-shot only up to oneshot_bytes / this: one-shot
+// has every rank sum the whole message, and widening and narrowing 16-bit
+// values makes that sum cost more per byte than the f32 one, while the
+// two-shot algorithm halves it (see oneshot_limit).
+constexpr uint64_t kOneshot16Divisor = 16;
 constexpr uint64_t kDefaultStreamBytes = uint64_t(8) << 20;    // non-temporal result stores
 
 class ShmCommunicator final : public Communicator {
@@ -67,9 +72,13 @@ public:
     uint64_t seq() const;
     uint64_t buffer_bytes() const { return buffer_bytes_; }
     uint64_t oneshot_bytes() const { return oneshot_bytes_; }
+    // Largest all_reduce of `dtype`, in bytes, that runs one-shot.
+    uint64_t oneshot_limit(DType dtype) const {
+        return dtype == DType::f32 ? oneshot_bytes_ : oneshot_bytes_ / kOneshot16Divisor;
+    }
     const char* isa() const { return kernels::isa_name(isa_); }
     // Elements per chunk (one round) of `op` for `dtype`; for all_reduce, of
-    // the reduce-scatter + all-gather algorithm used above oneshot_bytes.
+    // the reduce-scatter + all-gather algorithm used above oneshot_limit.
     uint64_t chunk_elements(Op op, DType dtype) const;
     const std::vector<std::string>& notes() const { return notes_; }
 
