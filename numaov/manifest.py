@@ -35,6 +35,12 @@ Fields:
 - ``collective_group``: for a model exported for several ranks, the group name written into its
   ``numaov.collective`` nodes; the runtime creates its communicators under that name.
 - ``notes``: what the export did not check and why (e.g. ONNX Runtime cannot run collectives).
+- ``components``: for a pipeline export (kind ``"wan-pipeline"``), the subdirectories that hold
+  one exported graph each, with its own ``manifest.json`` (inputs, ranks, parity, files):
+  ``text_encoder``, ``transformer``, ``transformer_2``, ``vae_decoder/first_frame``, ... (names as
+  in the diffusers pipeline directory). A pipeline manifest has no ``ranks`` of its own; its
+  ``files`` are the ones beside the components (tokenizer, scheduler config, model index).
+  Empty for a single graph.
 """
 
 from __future__ import annotations
@@ -57,6 +63,21 @@ PRECISIONS = ("f32", "bf16")
 LOWERINGS = ("decomposed", "opset23")
 TIMESTEP_KINDS = ("scalar", "per-frame")
 ATTENTION_KERNELS = ("numaov", "openvino")
+# A pipeline export's kind: its components are exported graphs in subdirectories.
+PIPELINE_KIND = "wan-pipeline"
+# A Wan pipeline export's components: subdirectory (named as in diffusers' pipeline directory)
+# and the kind of the manifest there. transformer_2 (Wan 2.2 A14B's second expert) is optional.
+TEXT_ENCODER_KIND = "umt5-encoder"
+VAE_FIRST_FRAME_KIND = "wan-vae-decoder-first-frame"
+VAE_NEXT_FRAME_KIND = "wan-vae-decoder-next-frame"
+WAN_COMPONENTS = {
+    "text_encoder": TEXT_ENCODER_KIND,
+    "transformer": "wan",
+    "transformer_2": "wan",
+    "vae_decoder/first_frame": VAE_FIRST_FRAME_KIND,
+    "vae_decoder/next_frame": VAE_NEXT_FRAME_KIND,
+}
+OPTIONAL_COMPONENTS = ("transformer_2",)
 # Files are hashed in pieces of this size, so a 30 GB IR never sits in memory twice.
 _HASH_CHUNK = 16 << 20
 
@@ -133,6 +154,7 @@ class ExportManifest:
     collective_group: str | None = None
     timestep: str | None = None
     notes: list[str] = field(default_factory=list)
+    components: list[str] = field(default_factory=list)
     world_size: int = 1
     format_version: int = FORMAT_VERSION
 
@@ -217,7 +239,21 @@ class ExportManifest:
                 raise ModelDirError(
                     f"{where}: {key} {getattr(self, key)!r} is not one of {PRECISIONS}"
                 )
-        if sorted(r.rank for r in self.ranks) != list(range(self.world_size)):
+        if not isinstance(self.components, list) or not all(
+            isinstance(c, str) and c and not c.startswith(("/", ".")) for c in self.components
+        ):
+            raise ModelDirError(f"{where}: components {self.components!r} are not subdirectories")
+        if (self.kind == PIPELINE_KIND) != bool(self.components):
+            raise ModelDirError(
+                f"{where}: kind {self.kind!r} with components {self.components}; expected "
+                f"components exactly for kind {PIPELINE_KIND!r}: re-export the model"
+            )
+        if self.components and self.ranks:
+            raise ModelDirError(f"{where}: a pipeline manifest lists ranks; expected none")
+        # A pipeline's graphs are in its components' own manifests.
+        if not self.components and sorted(r.rank for r in self.ranks) != list(
+            range(self.world_size)
+        ):
             raise ModelDirError(
                 f"{where}: ranks {[r.rank for r in self.ranks]} do not cover world_size "
                 f"{self.world_size}"
@@ -285,6 +321,7 @@ class ExportManifest:
                  for key in ("onnx", "ir_xml", "ir_bin")]
         if manifest.reference_sample is not None:
             named.append((None, "reference sample", manifest.reference_sample))
+        named += [(None, "component manifest", f"{c}/{MANIFEST_NAME}") for c in manifest.components]
         for rank, what, name in named:
             if not (directory / name).is_file():
                 label = what if rank is None else f"rank {rank} {what}"

@@ -8,6 +8,10 @@
 - ``reference_sample.npz``: one parity input set and PyTorch's output on it;
 - ``manifest.json``, written last, with every other file's size and digest.
 
+A diffusers pipeline directory (``model_index.json``) is exported whole instead: text encoder,
+transformer and VAE decoder, each in its own subdirectory as above, with one pipeline manifest
+(``wan_pipeline_export``).
+
 The files are written into a staging directory that replaces ``out_dir`` only once parity
 passed (``output_dir.staged_output``): a failed export leaves nothing behind, a re-export
 no stale file.
@@ -45,6 +49,11 @@ from numaov.exporter.output_dir import (
     write_reference_sample,
 )
 from numaov.exporter.parity import check_parity, parity_attention, torch_reference
+from numaov.exporter.wan_pipeline_export import (
+    export_pipeline_into,
+    is_pipeline_dir,
+    read_model_index,
+)
 from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
 
 logger = logging.getLogger(__name__)
@@ -148,9 +157,15 @@ def export_wan(
     if not checkpoint_dir.is_dir():
         raise WanExportError(
             f"checkpoint {str(checkpoint_dir)!r} is not a directory; expected a diffusers "
-            "WanTransformer3DModel directory (config.json + diffusion_pytorch_model*.safetensors)",
+            "WanTransformer3DModel directory (config.json + diffusion_pytorch_model*.safetensors) "
+            "or a diffusers Wan pipeline directory (model_index.json)",
             parameter="checkpoint",
         )
+    if is_pipeline_dir(checkpoint_dir):
+        read_model_index(checkpoint_dir)  # a missing component is named before any work
+        with staged_output(out_dir, force) as staging:
+            return export_pipeline_into(checkpoint_dir, staging, precision, lowering, timestep,
+                                        report, _export_into)
     with staged_output(out_dir, force) as staging:  # published when the block returns
         return _export_into(checkpoint_dir, staging, precision, lowering, timestep, report)
 

@@ -10,7 +10,8 @@ no VAE): text embeddings come from a ``.npy`` file, the final latents go to one.
   each passed through Wan's shift ``sigma' = s*sigma / (1 + (s-1)*sigma)``, then a
   terminal 0. The model is given ``timestep = 1000 * sigma``. Wan 2.1 T2V uses ``s = 5``.
 - Step: ``x <- x + (sigma_next - sigma) * v`` with ``v = v_uncond + g * (v_cond - v_uncond)``,
-  all in f32.
+  all in f32. A request carrying a diffusers scheduler config (a pipeline export's, see
+  ``wan_video``) is stepped by that diffusers scheduler instead (``DiffusersSchedule``).
 - Guidance: the conditional and unconditional predictions come from one batch of two
   (``[cond, uncond]``) on one worker, or from two workers (one branch each) whose halves
   are joined every step by the shared-memory ``all_gather_into_tensor``. The loop does not
@@ -114,6 +115,20 @@ class WanSampleRequest:
     guidance: float
     seed: int
     shift: float = DEFAULT_SHIFT
+    # A diffusers scheduler config (a pipeline's scheduler/scheduler_config.json): when set,
+    # that scheduler steps the latents instead of flow-matching Euler with ``shift``.
+    scheduler: dict[str, Any] | None = None
+    # Two experts (Wan 2.2 A14B): steps at timesteps below ``boundary_timestep`` run the
+    # second transformer with guidance ``guidance_2`` (default: ``guidance``).
+    boundary_timestep: float | None = None
+    guidance_2: float | None = None
+
+    def expert(self, timestep: float) -> int:
+        """0 (the first transformer, high noise) or 1 (the second, low noise)."""
+        return int(self.boundary_timestep is not None and timestep < self.boundary_timestep)
+
+    def guidance_at(self, expert: int) -> float:
+        return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
 
 
 def latent_shape(config: dict[str, Any], frames: int, height: int, width: int) -> tuple[int, ...]:
@@ -237,6 +252,82 @@ def _check_against_manifest(manifest: ModelManifest, feeds: dict[str, tuple[int,
                 f"input {name!r} would have shape {list(shape)} but the model was exported for "
                 f"{expected} (names are dynamic axes)"
             )
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+_GIB = 1 << 30
+# What the compiled model holds beside its IR weights (measured 1.2-1.5x, README).
+COMPILED_WEIGHTS_FACTOR = 1.5
+# Live f32 activations per video token and sample: about six hidden-width tensors (residual,
+# norm, q, k, v, attention output) plus one feed-forward column block (FFN_COLUMN_BLOCK at
+# export); measured 2.1-2.8 GiB for Wan 1.3B at 32,760 tokens, batch 2 (README).
+ACTIVATION_WIDTHS = 6
+FFN_BLOCK = 2048
+# Latent-sized f32 arrays alive in the loop: noise, latents, the guidance batch, predictions,
+# the scheduler's history.
+LATENT_COPIES = 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a run will hold, estimated before anything is allocated (bytes per part)."""
+
+    tokens: int
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {value / _GIB:.2f} GiB" for name, value in self.parts.items())
+        return f"{self.tokens:,} video tokens, about {self.total / _GIB:.2f} GiB ({parts})"
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def graph_weight_bytes(manifest: ModelManifest) -> int:
+    return sum(d.size for name, d in manifest.record.files.items() if name.endswith(".bin"))
+
+
+def estimate_memory(
+    experts: Sequence[ModelManifest], shape: Sequence[int], text_length: int, workers: int,
+    extra: dict[str, int] | None = None,
+) -> MemoryEstimate:
+    """The transformers' part of a run of ``shape`` latents; ``extra`` adds other parts."""
+    config = experts[0].config
+    tokens = video_tokens(config, shape)
+    width = int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 1))
+    ffn = min(int(config.get("ffn_dim", width)), FFN_BLOCK)
+    per_sample = (tokens * (ACTIVATION_WIDTHS * width + ffn) + 2 * text_length * width) * 4
+    parts = {
+        "weights": int(sum(graph_weight_bytes(m) for m in experts) * COMPILED_WEIGHTS_FACTOR)
+        * workers,
+        "activations": 2 * per_sample,
+        "latents": int(np.prod(shape)) * 4 * LATENT_COPIES,
+        **(extra or {}),
+    }
+    return MemoryEstimate(tokens=tokens, parts=parts)
+
+
+def check_memory(estimate: MemoryEstimate, available: int | None = None) -> None:
+    """Refuse a run the machine cannot hold, with the numbers."""
+    available = available_memory() if available is None else available
+    if available is not None and estimate.total > available:
+        raise SamplerInputError(
+            f"this video needs {estimate.describe()}, but {available / _GIB:.2f} GiB of memory "
+            "is available; expected a smaller video (fewer frames, height or width)"
+        )
 
 
 # -- backends ---------------------------------------------------------------------------------
@@ -450,6 +541,70 @@ class GatheredGuidance(GuidedPredictor):
         return both[0:1], both[1:2]
 
 
+# -- schedules --------------------------------------------------------------------------------
+
+
+class Schedule:
+    """The timesteps of a run and the update from one to the next."""
+
+    timesteps: list[float]
+
+    def step(self, velocity: np.ndarray, index: int, latents: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class EulerSchedule(Schedule):
+    """Flow-matching Euler with Wan's shift, in numpy (``flow_match_sigmas``)."""
+
+    def __init__(self, steps: int, shift: float) -> None:
+        self._sigmas = flow_match_sigmas(steps, shift)
+        self.timesteps = [float(s * np.float32(NUM_TRAIN_TIMESTEPS)) for s in self._sigmas[:-1]]
+
+    def step(self, velocity: np.ndarray, index: int, latents: np.ndarray) -> np.ndarray:
+        dt = self._sigmas[index + 1] - self._sigmas[index]
+        return (latents + dt * velocity).astype(np.float32)
+
+
+class DiffusersSchedule(Schedule):
+    """diffusers' own scheduler class, built from a pipeline's ``scheduler_config.json``.
+
+    Wan's pipelines ship ``UniPCMultistepScheduler`` (a multistep predictor-corrector with
+    ``flow_shift``); running that class rather than a copy of it keeps numaov's schedule the
+    one diffusers' ``WanPipeline`` steps with, whatever options the config sets. It works on
+    the latents only, a negligible cost beside the transformer.
+    """
+
+    def __init__(self, steps: int, config: dict[str, Any]) -> None:
+        import diffusers
+        import torch
+
+        name = str(config.get("_class_name", ""))
+        cls = getattr(diffusers, name, None) if name.endswith("Scheduler") else None
+        if cls is None or not hasattr(cls, "from_config"):
+            raise SamplerInputError(
+                f"scheduler class {name!r} is not a diffusers scheduler; expected e.g. "
+                "UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler"
+            )
+        self._torch = torch
+        self._scheduler = cls.from_config(config)
+        self._scheduler.set_timesteps(steps)
+        self._scheduler.set_begin_index(0)
+        self._steps = [t for t in self._scheduler.timesteps]
+        self.timesteps = [float(t) for t in self._steps]
+
+    def step(self, velocity: np.ndarray, index: int, latents: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        out = self._scheduler.step(torch.from_numpy(velocity), self._steps[index],
+                                   torch.from_numpy(latents), return_dict=False)[0]
+        return out.numpy().astype(np.float32)
+
+
+def make_schedule(request: WanSampleRequest) -> Schedule:
+    if request.scheduler is not None:
+        return DiffusersSchedule(request.steps, request.scheduler)
+    return EulerSchedule(request.steps, request.shift)
+
+
 # -- the loop ---------------------------------------------------------------------------------
 
 
@@ -503,27 +658,31 @@ class TimestepLayout:
 
 
 def sample(
-    predictor: GuidedPredictor,
+    predictors: Sequence[GuidedPredictor],
     shape: Sequence[int],
     request: WanSampleRequest,
     progress: Progress = None,
     layout: TimestepLayout = TimestepLayout(),
 ) -> tuple[np.ndarray, list[float]]:
-    """Run the Euler loop from seeded noise; returns the final latents and per-step seconds."""
+    """Run the schedule's loop from seeded noise; returns the final latents and per-step
+    seconds. ``predictors`` holds one predictor per expert (``request.expert`` picks it).
+    Progress says each step's time, the time so far and an estimate of the rest."""
     report = progress or (lambda _msg: None)
-    sigmas = flow_match_sigmas(request.steps, request.shift)
+    schedule = make_schedule(request)
     latents = initial_noise(shape, request.seed)
-    guidance = np.float32(request.guidance)
     seconds = []
-    for i in range(request.steps):
+    for i, timestep in enumerate(schedule.timesteps):
         start = time.perf_counter()
-        sigma, sigma_next = sigmas[i], sigmas[i + 1]
-        timestep = float(sigma * np.float32(NUM_TRAIN_TIMESTEPS))
-        cond, uncond = predictor(layout.condition(latents), layout.timestep(timestep))
+        expert = request.expert(timestep)
+        guidance = np.float32(request.guidance_at(expert))
+        cond, uncond = predictors[expert](layout.condition(latents), layout.timestep(timestep))
         velocity = uncond + guidance * (cond - uncond)
-        latents = (latents + (sigma_next - sigma) * velocity).astype(np.float32)
+        latents = schedule.step(velocity, i, latents)
         seconds.append(time.perf_counter() - start)
-        report(f"step {i + 1}/{request.steps} (t={timestep:.1f}) {seconds[-1]:.2f} s")
+        elapsed = sum(seconds)
+        remaining = elapsed / len(seconds) * (request.steps - len(seconds))
+        report(f"step {i + 1}/{request.steps} (t={timestep:.1f}) {seconds[-1]:.2f} s, "
+               f"elapsed {elapsed:.1f} s, remaining ~{remaining:.1f} s")
     return layout.condition(latents), seconds
 
 
@@ -531,7 +690,7 @@ def sample(
 class _RankJob:
     """What a guidance worker needs; plain data, so it pickles into a spawned process."""
 
-    model_dir: str
+    model_dirs: tuple[str, ...]  # one per expert
     backend: str
     branch_text: np.ndarray
     shape: tuple[int, ...]
@@ -543,16 +702,18 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
     """Worker body: this rank's branch, every step joined with the other rank's."""
     from numaov.custom_ops.collectives import find_communicator
 
-    manifest = read_manifest(job.model_dir, expected_kind="wan")
-    denoiser = open_denoiser(manifest, job.backend, context.openvino_config())
+    denoisers = [open_denoiser(read_manifest(d, expected_kind="wan"), job.backend,
+                               context.openvino_config()) for d in job.model_dirs]
+    communicator = find_communicator(context.group)
     try:
-        predictor = GatheredGuidance(denoiser, job.branch_text, find_communicator(context.group))
-        return sample(predictor, job.shape, job.request, layout=job.layout)
+        predictors = [GatheredGuidance(d, job.branch_text, communicator) for d in denoisers]
+        return sample(predictors, job.shape, job.request, layout=job.layout)
     finally:
-        denoiser.close()
+        for denoiser in denoisers:
+            denoiser.close()
 
 
-def _validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
+def validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
     if backend not in BACKENDS:
         raise _unknown_backend(backend)
     if workers not in (1, MAX_WORKERS):
@@ -562,11 +723,13 @@ def _validate_request(request: WanSampleRequest, backend: str, workers: int) -> 
         )
     if not isinstance(request.steps, int) or request.steps < 1:
         raise SamplerInputError(f"steps={request.steps!r}; expected a positive integer")
-    if not (math.isfinite(request.guidance) and request.guidance >= 1.0):
-        raise SamplerInputError(
-            f"guidance={request.guidance}; expected a finite number >= 1 (1 disables guidance; "
-            "Wan uses 5)"
-        )
+    for name in ("guidance", "guidance_2"):
+        value = getattr(request, name)
+        if value is not None and not (math.isfinite(value) and value >= 1.0):
+            raise SamplerInputError(
+                f"{name}={value}; expected a finite number >= 1 (1 disables guidance; Wan uses "
+                "5)", parameter=name
+            )
     if not isinstance(request.seed, int) or not 0 <= request.seed < 2**63:
         raise SamplerInputError(f"seed={request.seed!r}; expected an integer in [0, 2**63)")
 
@@ -593,7 +756,12 @@ def run_wan(
     model exported with ``timestep="per-frame"``.
     """
     report = progress or (lambda _msg: None)
-    _validate_request(request, backend, workers)
+    validate_request(request, backend, workers)
+    if request.guidance_2 is not None:
+        raise SamplerInputError(
+            f"guidance_2={request.guidance_2} is the second expert's guidance; expected it only "
+            "with a prompt on a Wan 2.2 two-expert pipeline export", parameter="guidance_2"
+        )
     # The placement is checked before any file is read.
     plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
     if plan is None:
@@ -646,59 +814,67 @@ def run_wan(
             "encoder_hidden_states": (batch, *text.shape),
         },
     )
-    report(
-        f"sampling latents {list(shape)} ({request.steps} steps, guidance {request.guidance}) on "
-        f"{backend} with {workers} worker(s)"
-    )
-    if workers == 1:
-        start = time.perf_counter()
-        denoiser = open_denoiser(manifest, backend)
-        attention = getattr(denoiser, "attention", None)
-        report(
-            f"loaded the model on {backend}"
-            + (f" (attention: {attention}'s)" if attention else "")
-            + f" in {time.perf_counter() - start:.1f} s"
-        )
-        try:
-            latents, seconds = sample(
-                BatchedGuidance(denoiser, text, negative), shape, request, progress, layout
-            )
-        finally:
-            denoiser.close()
-    else:
-        latents, seconds = _sample_on_workers(
-            plan, manifest, backend, text, negative, shape, request, layout
-        )
-    report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
+    check_memory(estimate_memory([manifest], shape, text.shape[0], workers))
+    latents, seconds = denoise([manifest], plan, backend, text, negative, shape, request, layout,
+                               progress)
     if out_path is not None:
         np.save(out_path, latents)
         report(f"wrote {out_path}")
     return SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=seconds)
 
 
-def _sample_on_workers(
-    plan: BindingPlan,
-    manifest: ModelManifest,
+def denoise(
+    experts: Sequence[ModelManifest],
+    plan: BindingPlan | None,
     backend: str,
     text: np.ndarray,
     negative: np.ndarray,
     shape: tuple[int, ...],
     request: WanSampleRequest,
     layout: TimestepLayout,
+    progress: Progress = None,
 ) -> tuple[np.ndarray, list[float]]:
-    from numaov.runtime.workers import run_on_ranks
-
-    jobs = [
-        _RankJob(str(manifest.directory), backend, branch, tuple(shape), request, layout)
-        for branch in (text, negative)
-    ]
-    results = run_on_ranks(plan, _guidance_rank, jobs)
-    (latents, seconds), (other, _) = results
-    # Both ranks apply the same update to the same gathered predictions, so they must agree
-    # exactly; a difference would mean the gather mixed up rows or steps.
-    if not np.array_equal(latents, other):
-        raise GuidanceSplitError(
-            "the two guidance workers ended with different latents; expected identical latents "
-            "from the same gathered predictions"
+    """The sampling loop on one worker (``plan`` None: in this process, both guidance
+    branches in one batch) or on the plan's two workers (one branch each); ``experts`` are the
+    transformers (one, or Wan 2.2's two)."""
+    report = progress or (lambda _msg: None)
+    workers = 1 if plan is None else MAX_WORKERS
+    report(
+        f"sampling latents {list(shape)} ({request.steps} steps, guidance {request.guidance}) on "
+        f"{backend} with {workers} worker(s)"
+    )
+    if workers == 1:
+        start = time.perf_counter()
+        denoisers = [open_denoiser(manifest, backend) for manifest in experts]
+        attention = getattr(denoisers[0], "attention", None)
+        report(
+            f"loaded {len(denoisers)} transformer(s) on {backend}"
+            + (f" (attention: {attention}'s)" if attention else "")
+            + f" in {time.perf_counter() - start:.1f} s"
         )
+        try:
+            latents, seconds = sample(
+                [BatchedGuidance(d, text, negative) for d in denoisers], shape, request,
+                progress, layout
+            )
+        finally:
+            for denoiser in denoisers:
+                denoiser.close()
+    else:
+        from numaov.runtime.workers import run_on_ranks
+
+        jobs = [
+            _RankJob(tuple(str(m.directory) for m in experts), backend, branch, tuple(shape),
+                     request, layout)
+            for branch in (text, negative)
+        ]
+        (latents, seconds), (other, _) = run_on_ranks(plan, _guidance_rank, jobs)
+        # Both ranks apply the same update to the same gathered predictions, so they must
+        # agree exactly; a difference would mean the gather mixed up rows or steps.
+        if not np.array_equal(latents, other):
+            raise GuidanceSplitError(
+                "the two guidance workers ended with different latents; expected identical "
+                "latents from the same gathered predictions"
+            )
+    report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
     return latents, seconds

@@ -1,0 +1,211 @@
+"""Wan text to video end to end: numaov on OpenVINO bf16 against diffusers' WanPipeline eager
+bf16, in the same run, split per component (text encoder, denoising, VAE decode).
+
+The pipeline is built here with random weights at a small but real width: the transformer at
+Wan 2.1 1.3B width (hidden 1536, 12 heads, FFN 8960, text dim 4096) with 2 blocks, the VAE at
+its published channel sizes (``AutoencoderKLWan``'s defaults, which are Wan 2.1's), UMT5 at
+its published width (d_model 4096, 64 heads, FFN 10240) with 2 layers and a 32k vocabulary
+(the embedding lookup's cost does not depend on the vocabulary; the published 256k would add
+4 GiB of f32 weights to the export), a word-level tokenizer. It is saved in diffusers' layout,
+exported by ``numaov export wan`` at bf16, and both pipelines run the same prompt, seed and
+scheduler (UniPC, flow_shift 3) for ``--steps`` steps:
+
+- 17 frames at 256x256 (5 latent frames of 32x32: 1,280 video tokens);
+- 33 frames at 480x832 (9 latent frames of 60x104: 14,040 video tokens), with ``--large``.
+
+Per component the best of ``--rounds`` runs (round-robin: numaov, then diffusers); numaov's
+loading and compiling is timed apart ("load"), as diffusers' models are loaded before the run
+and its timers see only the forward calls; "total" is each run's whole wall time. With
+``--large`` the VAE decode also runs tiled (diffusers' tiling defaults) on one worker and on
+two workers of the binding plan (on a one-node machine the cores are split between them).
+
+    python benchmarks/wan_pipeline.py [--steps 2] [--rounds 2] [--large]
+
+Writes benchmarks/out/wan_pipeline.json. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from numaov.exporter.wan_export import export_wan
+from numaov.runtime.binding import plan_for_ranks
+from numaov.runtime.wan_pipeline import WanSampleRequest
+from numaov.runtime.wan_vae import VaeDecoder, VaeTiling, decode_tiles_on_workers, decode_video
+from numaov.runtime.wan_video import (
+    VAE_FIRST_FRAME,
+    VAE_NEXT_FRAME,
+    read_pipeline,
+    run_wan_pipeline,
+)
+
+OUT = Path(__file__).resolve().parent / "out" / "wan_pipeline.json"
+SEED = 0
+PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
+CONFIGS = {"17x256x256": (17, 256, 256), "33x480x832": (33, 480, 832)}
+
+
+def build(directory: Path):
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(SEED)
+    words = ["<pad>", "</s>", "<unk>", *(f"w{i}" for i in range(1000))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>",
+                                                       special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                        unk_token="<unk>", model_max_length=512)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=2, num_heads=64,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)).eval()
+    vae = AutoencoderKLWan().eval()
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads").eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae,
+                       transformer=transformer, scheduler=scheduler)
+    pipe.save_pretrained(directory)
+    return pipe
+
+
+class _Timer:
+    """Seconds spent in a module's forward (or a method), summed over a run."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def run_diffusers(pipe, size, steps: int) -> dict[str, float]:
+    timers = {"text_encoder": _Timer(), "denoise": _Timer(), "vae_decode": _Timer()}
+    originals = (pipe.text_encoder.forward, pipe.transformer.forward, pipe.vae.decode)
+    pipe.text_encoder.forward = timers["text_encoder"].wrap(originals[0])
+    pipe.transformer.forward = timers["denoise"].wrap(originals[1])
+    pipe.vae.decode = timers["vae_decode"].wrap(originals[2])
+    try:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            pipe(PROMPT, num_frames=size[0], height=size[1], width=size[2],
+                 num_inference_steps=steps, guidance_scale=5.0,
+                 generator=torch.Generator().manual_seed(SEED), output_type="np")
+        total = time.perf_counter() - start
+    finally:
+        pipe.text_encoder.forward, pipe.transformer.forward, pipe.vae.decode = originals
+    return {**{k: t.seconds for k, t in timers.items()}, "total": total}
+
+
+def run_numaov(export: Path, size, steps: int, out: Path) -> dict[str, float]:
+    request = WanSampleRequest(frames=size[0], height=size[1], width=size[2], steps=steps,
+                               guidance=5.0, seed=SEED)
+    start = time.perf_counter()
+    result = run_wan_pipeline(export, request, PROMPT, out)
+    return {**result.seconds, "total": time.perf_counter() - start}
+
+
+def vae_workers(export: Path, size) -> dict[str, float]:
+    """Tiled VAE decode of random latents on one worker (this process) and on two."""
+    pipeline = read_pipeline(export)
+    first, following = pipeline.components[VAE_FIRST_FRAME], pipeline.components[VAE_NEXT_FRAME]
+    latents = np.random.default_rng(SEED).standard_normal(
+        (1, 16, (size[0] - 1) // 4 + 1, size[1] // 8, size[2] // 8), dtype=np.float32)
+    tiling = VaeTiling()
+    start = time.perf_counter()
+    one = decode_video(VaeDecoder(first, following, "openvino"), latents, tiling)
+    seconds = {"tiled_one_worker": time.perf_counter() - start}
+    start = time.perf_counter()
+    two = decode_video(None, latents, tiling,
+                       decode_tiles_on_workers(plan_for_ranks(2), first, following, "openvino"))
+    seconds["tiled_two_workers"] = time.perf_counter() - start
+    seconds["max_abs_difference"] = float(np.max(np.abs(one - two)))
+    return seconds
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--large", action="store_true", help="also 33 frames at 480x832")
+    parser.add_argument("--work", type=Path, help="keep the pipeline and its export here "
+                        "(reused when present; default: a temporary directory)")
+    args = parser.parse_args()
+    configs = dict(CONFIGS) if args.large else {"17x256x256": CONFIGS["17x256x256"]}
+    results: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+        "steps": args.steps, "rounds": args.rounds, "configs": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.work or Path(tmp)
+        print("building and exporting the pipeline (bf16)", file=sys.stderr)
+        pipe = build(root / "pipeline")
+        if not (root / "export" / "manifest.json").is_file():
+            start = time.perf_counter()
+            export_wan(root / "pipeline", root / "export", precision="bf16")
+            results["export_seconds"] = round(time.perf_counter() - start, 1)
+        pipe.to(torch.bfloat16)
+        for name, size in configs.items():
+            rows: dict[str, list[dict[str, float]]] = {"numaov": [], "diffusers": []}
+            for r in range(args.rounds):
+                print(f"{name}: round {r + 1}/{args.rounds}", file=sys.stderr)
+                rows["numaov"].append(run_numaov(root / "export", size, args.steps,
+                                                 root / f"{name}.mp4"))
+                rows["diffusers"].append(run_diffusers(pipe, size, args.steps))
+            best = {who: {k: min(run[k] for run in runs) for k in runs[0]}
+                    for who, runs in rows.items()}
+            entry: dict[str, object] = {"best_seconds": best, "speedup": {
+                k: best["diffusers"][k] / best["numaov"][k] for k in best["numaov"]
+                if k in best["diffusers"]}}
+            if name == "33x480x832":
+                entry["vae_workers"] = vae_workers(root / "export", size)
+            results["configs"][name] = entry
+            print(f"{name}:")
+            for key, ratio in entry["speedup"].items():
+                print(f"  {key:13s} numaov {best['numaov'][key]:8.2f} s  diffusers "
+                      f"{best['diffusers'][key]:8.2f} s  {ratio:.2f}x")
+            print(f"  numaov load and compile {best['numaov']['load']:.2f} s")
+            if "vae_workers" in entry:
+                print(f"  tiled VAE: {entry['vae_workers']}")
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""Export a diffusers Wan pipeline directory: every component a graph with its own parity.
+
+A diffusers pipeline directory (``model_index.json`` beside ``transformer/``, ``text_encoder/``,
+``vae/``, ``tokenizer/``, ``scheduler/``) becomes one staged export:
+
+- ``text_encoder/``: UMT5's encoder (``numaov.models.wan_components.TextEncoderGraph``);
+- ``transformer/``: the DiT, exactly as ``export_wan`` exports a bare transformer directory;
+  ``transformer_2/`` likewise for Wan 2.2 A14B's second expert (the pipeline's
+  ``boundary_ratio`` stays in the model index, read by the runtime);
+- ``vae_decoder/first_frame/`` and ``vae_decoder/next_frame/``: the VAE decoder's two loop
+  bodies with their frame caches as inputs and outputs (``VaeFirstFrameGraph``,
+  ``VaeNextFrameGraph``);
+- ``tokenizer/``, ``scheduler/`` and ``model_index.json``, copied as they are;
+- ``manifest.json`` of kind ``"wan-pipeline"`` naming the components (each subdirectory has
+  its own manifest with inputs, parity figures and file digests) and, in ``config``, what the
+  runtime needs from the pipeline: the model index and the VAE's latent statistics.
+
+Each graph goes through the exporter's pieces: ``export_onnx`` (torch.export with dynamic axes),
+PyTorch's outputs on the parity inputs, ``convert_to_ir`` and ``check_parity`` against
+ONNX Runtime and OpenVINO at the export's precision, at shapes other than the example's.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from numaov import NumaovError
+from numaov.exporter.onnx_export import export_onnx
+from numaov.exporter.openvino_convert import INFERENCE_PRECISION, convert_to_ir
+from numaov.exporter.output_dir import (
+    digest_export,
+    library_versions,
+    write_reference_sample,
+)
+from numaov.exporter.parity import check_parity, parity_attention, torch_reference
+from numaov.manifest import (
+    PIPELINE_KIND,
+    TEXT_ENCODER_KIND,
+    VAE_FIRST_FRAME_KIND,
+    VAE_NEXT_FRAME_KIND,
+    ExportManifest,
+    RankFiles,
+)
+from numaov.models.wan_components import (
+    GraphInputs,
+    VaeFirstFrameGraph,
+    VaeNextFrameGraph,
+    load_text_encoder,
+    load_vae,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_INDEX_NAME = "model_index.json"
+PIPELINE_CLASSES = ("WanPipeline",)
+# Directories copied into the export as they are (read by the runtime with their libraries).
+COPIED = ("tokenizer", "scheduler")
+TEXT_ENCODER_DIR = "text_encoder"
+TRANSFORMER_DIR = "transformer"
+TRANSFORMER_2_DIR = "transformer_2"  # Wan 2.2 A14B's low-noise expert
+VAE_FIRST_FRAME_DIR = "vae_decoder/first_frame"
+VAE_NEXT_FRAME_DIR = "vae_decoder/next_frame"
+# Text: at least 2 tokens (torch.export specialises a length of 1; the runtime pads a 1-token
+# batch with a masked pad token, which changes no real token's output).
+_MAX_BATCH = 64
+_MAX_TEXT = 4096
+_MAX_LATENT = 1024
+TEXT_EXAMPLE = (2, 7)
+TEXT_PARITY = ((1, 5), (2, 13))
+# Latent (batch, height, width): the example, and parity shapes differing on every axis.
+VAE_EXAMPLE = (2, 6, 10)
+VAE_PARITY = ((1, 4, 6), (3, 5, 3))
+PARITY_SEED = 0
+# The VAE decoder is exported at f32 whatever the precision asked for: OpenVINO 2026.4's CPU
+# plugin crashes (segmentation fault) running the bf16 next-frame graph at latent sizes of 24
+# and more (the Wan 1.3B VAE's channels; found by benchmarks/wan_pipeline.py), while f32 runs.
+VAE_PRECISION = "f32"
+VAE_NOTE = ("the VAE decoder is exported and run at f32 whatever the export's precision: "
+            "OpenVINO 2026.4's bf16 CPU kernels crash on its next-frame graph at latent sizes "
+            ">= 24")
+
+
+class PipelineExportError(NumaovError):
+    """A pipeline directory that cannot be exported (a missing or unknown component)."""
+
+
+def is_pipeline_dir(directory: Path) -> bool:
+    return (directory / MODEL_INDEX_NAME).is_file()
+
+
+def has_second_expert(index: dict[str, Any]) -> bool:
+    entry = index.get(TRANSFORMER_2_DIR)
+    return isinstance(entry, list) and bool(entry) and bool(entry[0])
+
+
+def read_model_index(directory: Path) -> dict[str, Any]:
+    """``model_index.json``, checked: a Wan pipeline class and the components it needs."""
+    path = directory / MODEL_INDEX_NAME
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineExportError(f"cannot read {str(path)!r} as JSON ({exc})",
+                                  parameter="checkpoint") from exc
+    cls = index.get("_class_name") if isinstance(index, dict) else None
+    if cls not in PIPELINE_CLASSES:
+        raise PipelineExportError(
+            f"{str(path)!r} describes a {cls!r}; expected one of {', '.join(PIPELINE_CLASSES)}",
+            parameter="checkpoint",
+        )
+    for name in ("text_encoder", "tokenizer", "transformer", "vae", "scheduler"):
+        entry = index.get(name)
+        if not (isinstance(entry, list) and entry and entry[0]) or not (directory / name).is_dir():
+            raise PipelineExportError(
+                f"pipeline directory {str(directory)!r} has no {name!r} component; expected "
+                f"{name}/ and its entry in {MODEL_INDEX_NAME}, as diffusers' save_pretrained "
+                "writes them",
+                parameter="checkpoint",
+            )
+    if has_second_expert(index):
+        if not (directory / TRANSFORMER_2_DIR).is_dir():
+            raise PipelineExportError(
+                f"{str(path)!r} names a transformer_2 but {str(directory)!r} has no "
+                f"{TRANSFORMER_2_DIR}/; expected both experts of a Wan 2.2 pipeline",
+                parameter="checkpoint",
+            )
+        if index.get("boundary_ratio") is None:
+            raise PipelineExportError(
+                f"{str(path)!r} has a transformer_2 but no boundary_ratio; expected the "
+                "timestep ratio where the second expert takes over (Wan 2.2 A14B: 0.875)",
+                parameter="checkpoint",
+            )
+    if index.get("expand_timesteps"):
+        raise PipelineExportError(
+            f"{str(path)!r} sets expand_timesteps (Wan 2.2 TI2V); this numaov exports Wan 2.1 "
+            "text-to-video pipelines", parameter="checkpoint"
+        )
+    return index
+
+
+def export_pipeline_into(
+    pipeline_dir: Path,
+    out_dir: Path,
+    precision: str,
+    lowering: str,
+    timestep: str,
+    report: Callable[[str], None],
+    export_transformer: Callable[..., ExportManifest],
+) -> ExportManifest:
+    """Export every component of ``pipeline_dir`` into the staging directory ``out_dir``."""
+    index = read_model_index(pipeline_dir)
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+    parts: list[ExportManifest] = []
+
+    report("text encoder (UMT5)")
+    parts.append(_export_text_encoder(pipeline_dir / "text_encoder", out_dir / TEXT_ENCODER_DIR,
+                                      precision, lowering, report))
+    timings["text_encoder"] = time.perf_counter() - start
+
+    report("transformer")
+    start = time.perf_counter()
+    (out_dir / TRANSFORMER_DIR).mkdir()
+    parts.append(export_transformer(pipeline_dir / "transformer", out_dir / TRANSFORMER_DIR,
+                                    precision, lowering, timestep, report))
+    timings["transformer"] = time.perf_counter() - start
+    experts = [TRANSFORMER_DIR]
+    if has_second_expert(index):
+        report("transformer_2 (the low-noise expert)")
+        start = time.perf_counter()
+        (out_dir / TRANSFORMER_2_DIR).mkdir()
+        parts.append(export_transformer(pipeline_dir / TRANSFORMER_2_DIR,
+                                        out_dir / TRANSFORMER_2_DIR, precision, lowering,
+                                        timestep, report))
+        timings["transformer_2"] = time.perf_counter() - start
+        experts.append(TRANSFORMER_2_DIR)
+
+    report("VAE decoder")
+    start = time.perf_counter()
+    vae = load_vae(pipeline_dir / "vae")
+    vae_config = dict(vae.config)
+    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, VAE_PRECISION, lowering,
+                                 report)
+    del vae
+    gc.collect()
+    timings["vae_decoder"] = time.perf_counter() - start
+
+    for name in COPIED:
+        shutil.copytree(pipeline_dir / name, out_dir / name)
+    shutil.copy2(pipeline_dir / MODEL_INDEX_NAME, out_dir / MODEL_INDEX_NAME)
+    components = [TEXT_ENCODER_DIR, *experts, VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
+    files = {name: digest for name, digest in digest_export(out_dir).items()
+             if not any(name.startswith(f"{c}/") for c in components)}
+    manifest = ExportManifest(
+        kind=PIPELINE_KIND,
+        config={
+            "model_index": index,
+            "vae": {key: _plain(vae_config[key]) for key in
+                    ("z_dim", "latents_mean", "latents_std", "scale_factor_temporal",
+                     "scale_factor_spatial", "base_dim", "dim_mult") if key in vae_config},
+        },
+        inputs=[],
+        outputs=[],
+        precision=precision,
+        inference_precision=INFERENCE_PRECISION[precision],
+        lowering=lowering,
+        ranks=[],
+        versions=library_versions(),
+        parity=[dict(figure, component=c) for c, part in zip(components, parts, strict=True)
+                for figure in part.parity],
+        source_checkpoint=str(pipeline_dir.resolve()),
+        export_seconds={k: round(v, 3) for k, v in timings.items()},
+        components=components,
+        files=files,
+        notes=[VAE_NOTE] if precision != VAE_PRECISION else [],
+    )
+    manifest.write_and_report(out_dir, timings, report)
+    return manifest
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# -- one component ----------------------------------------------------------------------------
+
+
+def _export_graph(
+    module: torch.nn.Module,
+    kind: str,
+    example: dict[str, Any],
+    dynamic_shapes: dict[str, Any],
+    input_sets: Sequence[dict[str, np.ndarray]],
+    output_names: list[str],
+    out_dir: Path,
+    precision: str,
+    lowering: str,
+    report: Callable[[str], None],
+    source: Path,
+    config: dict[str, Any],
+) -> ExportManifest:
+    """export_onnx -> PyTorch reference -> IR -> parity -> ``out_dir/manifest.json``."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    graph = export_onnx(module, (), example, dynamic_shapes, out_dir / "model.onnx", lowering,
+                        report, output_names=output_names)
+    timings["onnx_export"] = time.perf_counter() - start
+    start = time.perf_counter()
+    reference = torch_reference(GraphInputs(module), input_sets)
+    timings["torch_reference"] = time.perf_counter() - start
+    start = time.perf_counter()
+    xml_path = convert_to_ir(graph.path, out_dir / "model.xml", precision, report)
+    timings["openvino_convert"] = time.perf_counter() - start
+    start = time.perf_counter()
+    figures = check_parity(input_sets, reference, output_names, graph.path, xml_path,
+                           openvino_precision=INFERENCE_PRECISION[precision], progress=report)
+    timings["parity"] = time.perf_counter() - start
+    write_reference_sample(out_dir / "reference_sample.npz", input_sets[0],
+                           dict(zip(output_names, reference[0], strict=True)))
+    manifest = ExportManifest(
+        kind=kind,
+        config=config,
+        inputs=graph.inputs,
+        outputs=graph.outputs,
+        precision=precision,
+        inference_precision=INFERENCE_PRECISION[precision],
+        lowering=lowering,
+        ranks=[RankFiles(rank=0, onnx="model.onnx", ir_xml="model.xml",
+                         ir_bin=xml_path.with_suffix(".bin").name)],
+        versions=library_versions(),
+        parity=[f.as_dict() for f in figures],
+        source_checkpoint=str(source.resolve()),
+        export_seconds={k: round(v, 3) for k, v in timings.items()},
+        reference_sample="reference_sample.npz",
+        parity_attention=parity_attention(figures),
+        files=digest_export(out_dir),
+    )
+    manifest.write_and_report(out_dir, timings, report)
+    return manifest
+
+
+def _export_text_encoder(
+    source: Path, out_dir: Path, precision: str, lowering: str, report: Callable[[str], None]
+) -> ExportManifest:
+    module = load_text_encoder(source)
+    config = module.encoder.config
+    vocab = int(config.vocab_size)
+    rng = np.random.default_rng(PARITY_SEED)
+
+    def inputs(batch: int, length: int) -> dict[str, np.ndarray]:
+        mask = np.ones((batch, length), dtype=np.int64)
+        mask[-1, length // 2:] = 0  # the shorter prompt of a batch is padded and masked
+        return {"input_ids": rng.integers(0, vocab, (batch, length), dtype=np.int64),
+                "attention_mask": mask}
+
+    dim = torch.export.Dim
+    batch = dim("batch", min=1, max=_MAX_BATCH)
+    text = dim("text_length", min=2, max=_MAX_TEXT)
+    example = {k: torch.from_numpy(v) for k, v in inputs(*TEXT_EXAMPLE).items()}
+    out_dir.mkdir(parents=True)
+    return _export_graph(
+        module, TEXT_ENCODER_KIND, example,
+        {"input_ids": {0: batch, 1: text}, "attention_mask": {0: batch, 1: text}},
+        [inputs(*sizes) for sizes in TEXT_PARITY], ["last_hidden_state"],
+        out_dir, precision, lowering, report, source,
+        {"d_model": int(config.d_model), "vocab_size": vocab},
+    )
+
+
+def _export_vae_decoder(
+    vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
+    report: Callable[[str], None],
+) -> list[ExportManifest]:
+    z_dim = int(vae.config.z_dim)
+    rng = np.random.default_rng(PARITY_SEED)
+    first, following = VaeFirstFrameGraph(vae).eval(), VaeNextFrameGraph(vae).eval()
+
+    def latents(batch: int, height: int, width: int) -> np.ndarray:
+        return rng.standard_normal((batch, z_dim, 1, height, width), dtype=np.float32)
+
+    dim = torch.export.Dim
+    batch = dim("batch", min=1, max=_MAX_BATCH)
+    height = dim("latent_height", min=1, max=_MAX_LATENT)
+    width = dim("latent_width", min=1, max=_MAX_LATENT)
+    _, h0, w0 = VAE_EXAMPLE
+
+    def axes(shape: Sequence[int]) -> dict[int, Any]:
+        fh, fw = shape[3] // h0, shape[4] // w0
+        return {0: batch, 3: height if fh == 1 else fh * height,
+                4: width if fw == 1 else fw * width}
+
+    example = torch.from_numpy(latents(*VAE_EXAMPLE))
+    slots = first.cache_slots(example)
+    cache_names = [f"cache_{i}" for i in range(len(slots))]
+    config = {"z_dim": z_dim, "cache_slots": len(slots),
+              "spatial_factors": [int(c.shape[3]) // h0 for c in slots]}
+    manifests = []
+
+    report("VAE decoder, first frame")
+    first_sets = [{"latents": latents(*sizes)} for sizes in VAE_PARITY]
+    (out_dir / VAE_FIRST_FRAME_DIR).mkdir(parents=True)
+    manifests.append(_export_graph(
+        first, VAE_FIRST_FRAME_KIND, {"latents": example}, {"latents": axes(example.shape)},
+        first_sets, ["frames", *cache_names], out_dir / VAE_FIRST_FRAME_DIR, precision,
+        lowering, report, source, config,
+    ))
+
+    report("VAE decoder, next frames")
+    next_sets = []
+    for feeds in first_sets:
+        # Real caches (the first frame's), so parity runs on the values the loop passes.
+        caches = first.cache_slots(torch.from_numpy(feeds["latents"]))
+        next_sets.append({"latents": latents(*feeds["latents"].shape[:1],
+                                             *feeds["latents"].shape[3:]),
+                          **{f"caches_{i}": c.numpy() for i, c in enumerate(caches)}})
+    (out_dir / VAE_NEXT_FRAME_DIR).mkdir(parents=True)
+    manifests.append(_export_graph(
+        following, VAE_NEXT_FRAME_KIND, {"latents": example, "caches": slots},
+        {"latents": axes(example.shape), "caches": [axes(c.shape) for c in slots]},
+        next_sets, ["frames", *cache_names], out_dir / VAE_NEXT_FRAME_DIR, precision,
+        lowering, report, source, config,
+    ))
+    return manifests

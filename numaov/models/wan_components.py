@@ -1,0 +1,155 @@
+"""The Wan pipeline's other components as graphs: the UMT5 text encoder and the VAE decoder.
+
+Both wrap the reference implementations as published (transformers' ``UMT5EncoderModel``,
+diffusers' ``AutoencoderKLWan``), loaded from a diffusers pipeline directory's
+``text_encoder/`` and ``vae/``, so the exported graphs and the PyTorch backend compute what
+diffusers' ``WanPipeline`` does.
+
+- ``TextEncoderGraph(input_ids [B, S], attention_mask [B, S]) -> [B, S, D]``: UMT5's last
+  hidden state.
+- The VAE decoder runs one latent frame at a time with a cache of the last two frames each
+  causal convolution saw (diffusers' ``_decode`` loop). The loop is the runtime's; the graphs
+  are its two bodies, the cache made explicit:
+
+  - ``VaeFirstFrameGraph(latents [B, C, 1, h, w]) -> (frames [B, 3, 1, 8h, 8w], cache_0, ...)``
+  - ``VaeNextFrameGraph(latents [B, C, 1, h, w], cache_0, ...) -> (frames [B, 3, 4, 8h, 8w],
+    cache_0, ...)``
+
+  Every cache is ``[B, C_l, 2, h_l, w_l]``. diffusers' first chunk leaves one frame in most
+  caches and the marker ``"Rep"`` (no cache: zero padding) in the temporal upsamplers; both
+  are the same as two frames with zeros in front, because a causal convolution pads with
+  zeros, so the graphs always pass two frames and the next-frame graph is one graph for every
+  later frame. The latents come in as the transformer sees them; the graphs de-normalise
+  them (``z * std + mean``, diffusers' pipeline before ``vae.decode``). The output is not
+  clamped: tiles are blended before diffusers clamps, so the runtime clamps at the end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from numaov.manifest import TEXT_ENCODER_KIND, VAE_FIRST_FRAME_KIND, VAE_NEXT_FRAME_KIND
+
+
+class TextEncoderGraph(torch.nn.Module):
+    """UMT5's encoder as one graph: token ids and mask in, last hidden state out."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def load_text_encoder(directory: str | Path) -> TextEncoderGraph:
+    """``text_encoder/`` of a pipeline directory (transformers ``UMT5EncoderModel``), in f32.
+
+    Eager attention: the same math as the default, and what ``torch.export`` captures whole.
+    """
+    from transformers import UMT5EncoderModel
+
+    model = UMT5EncoderModel.from_pretrained(
+        str(directory), torch_dtype=torch.float32, attn_implementation="eager"
+    )
+    return TextEncoderGraph(model.eval()).eval()
+
+
+class _VaeFrameGraph(torch.nn.Module):
+    first = False
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+        config = vae.config
+        z_dim = int(config.z_dim)
+        self.register_buffer("latents_mean", torch.tensor(config.latents_mean).view(1, z_dim, 1, 1, 1))
+        self.register_buffer("latents_std", torch.tensor(config.latents_std).view(1, z_dim, 1, 1, 1))
+        self._slots = int(vae._cached_conv_counts["decoder"])
+        # Inputs of the temporal upsamplers in the first frame: their "Rep" becomes zeros.
+        self._upsampler_shapes: dict[int, tuple[Any, ...]] = {}
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+
+        for module in vae.decoder.modules():
+            if isinstance(module, WanResample) and module.mode == "upsample3d":
+                module.register_forward_pre_hook(self._record_upsampler_input, with_kwargs=True)
+
+    def _record_upsampler_input(self, _module: Any, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs["x"]
+        self._upsampler_shapes[kwargs["feat_idx"][0]] = tuple(x.shape)
+
+    def _decode(
+        self, latents: torch.Tensor, caches: list[torch.Tensor | None]
+    ) -> tuple[torch.Tensor, ...]:
+        z = latents * self.latents_std + self.latents_mean
+        x = self.vae.post_quant_conv(z)
+        cache: list[Any] = caches + [None] * (self._slots - len(caches))
+        used = [0]
+        self._upsampler_shapes.clear()
+        frames = self.vae.decoder(x, feat_cache=cache, feat_idx=used, first_chunk=self.first)
+        out = []
+        for slot, entry in enumerate(cache[: used[0]]):
+            if isinstance(entry, str):  # "Rep": no cache yet, i.e. zeros
+                b, c, _, h, w = self._upsampler_shapes[slot]
+                entry = frames.new_zeros(b, c, 2, h, w)
+            elif entry.shape[2] == 1:  # [B, C, 1, h, w] -> zeros in front
+                entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
+            out.append(entry)
+        return (frames, *out)
+
+    def cache_slots(self, latents: torch.Tensor) -> list[torch.Tensor]:
+        """The caches the first frame leaves for ``latents`` (to size the next-frame graph)."""
+        with torch.no_grad():
+            return list(VaeFirstFrameGraph(self.vae)(latents[:, :, :1])[1:])
+
+
+class VaeFirstFrameGraph(_VaeFrameGraph):
+    """The first latent frame: 1 video frame and the caches for the next."""
+
+    first = True
+
+    def forward(self, latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._decode(latents, [])
+
+
+class VaeNextFrameGraph(_VaeFrameGraph):
+    """Every later latent frame: 4 video frames and the updated caches."""
+
+    def forward(self, latents: torch.Tensor, caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return self._decode(latents, list(caches))
+
+
+class GraphInputs(torch.nn.Module):
+    """A graph module called with its ONNX graph's flat input names: the next-frame graph's
+    cache list is ``caches_0``, ``caches_1``, ... there (and ``cache_0``, ... among outputs)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, **feeds: torch.Tensor) -> Any:
+        if not isinstance(self.module, VaeNextFrameGraph):
+            return self.module(**feeds)
+        caches = [feeds[f"caches_{i}"] for i in range(len(feeds) - 1)]
+        return self.module(feeds["latents"], caches)
+
+
+def load_vae(directory: str | Path) -> torch.nn.Module:
+    """``vae/`` of a pipeline directory (diffusers ``AutoencoderKLWan``), in f32."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan.from_pretrained(str(directory), torch_dtype=torch.float32).eval()
+
+
+def load_component(kind: str, directory: str | Path) -> torch.nn.Module:
+    """The PyTorch module exported as a component of ``kind`` from ``directory``."""
+    if kind == TEXT_ENCODER_KIND:
+        return load_text_encoder(directory)
+    if kind == VAE_FIRST_FRAME_KIND:
+        return VaeFirstFrameGraph(load_vae(directory)).eval()
+    if kind == VAE_NEXT_FRAME_KIND:
+        return VaeNextFrameGraph(load_vae(directory)).eval()
+    raise ValueError(f"unknown component kind {kind!r}")

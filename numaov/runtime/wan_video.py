@@ -1,0 +1,274 @@
+"""Wan text-to-video: a prompt in, a video file out, every model on the chosen backend.
+
+The pipeline is diffusers' ``WanPipeline`` on an export of a pipeline directory
+(``numaov export wan --checkpoint PIPELINE_DIR``, manifest kind ``"wan-pipeline"``):
+
+1. **Tokenize** with the exported ``tokenizer/`` (transformers ``AutoTokenizer``, as diffusers
+   loads it), after diffusers' own ``prompt_clean``. A prompt longer than the pipeline's
+   ``MAX_TEXT_TOKENS`` (512, WanPipeline's ``max_sequence_length``) is refused, not truncated.
+2. **Encode** prompt and negative prompt in one batch on the text encoder graph, padded to
+   the longer one with the mask off (padding changes no real token's output), then each
+   embedding is cut at its own length and zero-padded to 512 tokens, as diffusers does.
+3. **Denoise** with the sampling loop of ``wan_pipeline`` (one or two guidance workers),
+   stepped by diffusers' scheduler built from the exported ``scheduler/scheduler_config.json``.
+4. **Decode** with the VAE decoder's two graphs, one latent frame at a time with their caches
+   (``numaov.models.wan_components``), clamp to [-1, 1] and map to [0, 1] frames as diffusers'
+   ``VideoProcessor`` does; then write the file (``video_output``).
+
+Everything is checked before any model is loaded: the request, the output path, the prompt
+lengths and a memory estimate (transformer weights and activations, latents, VAE caches and
+the decoded video) against the memory available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numaov import NumaovError
+from numaov.manifest import OPTIONAL_COMPONENTS, PIPELINE_KIND, WAN_COMPONENTS
+from numaov.runtime.binding import check_bind_string, plan_for_ranks
+from numaov.runtime.graph_runner import GraphRunner
+from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
+from numaov.runtime.video_output import (
+    DEFAULT_FPS,
+    LATENTS_FORMAT,
+    output_format,
+    write_video,
+)
+from numaov.runtime.wan_pipeline import (
+    MAX_WORKERS,
+    Progress,
+    SampleResult,
+    SamplerInputError,
+    TimestepLayout,
+    WanSampleRequest,
+    check_memory,
+    denoise,
+    estimate_memory,
+    latent_shape,
+    validate_request,
+)
+from numaov.runtime.wan_vae import (
+    VaeDecoder,
+    VaeTiling,
+    decode_tiles_on_workers,
+    decode_video,
+    to_frames,
+    vae_memory,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: the embeddings' length
+TEXT_ENCODER = "text_encoder"
+TRANSFORMER = "transformer"
+TRANSFORMER_2 = "transformer_2"  # optional: Wan 2.2 A14B's low-noise expert
+VAE_FIRST_FRAME = "vae_decoder/first_frame"
+VAE_NEXT_FRAME = "vae_decoder/next_frame"
+
+
+class PromptError(NumaovError):
+    """A prompt the text encoder cannot take."""
+
+
+@dataclass(frozen=True)
+class WanPipelineExport:
+    """An exported pipeline directory: its manifest and every component's."""
+
+    directory: Path
+    record: Any
+    components: dict[str, ModelManifest]
+
+    @property
+    def experts(self) -> list[ModelManifest]:
+        """The transformer, and Wan 2.2's second expert when there is one."""
+        return [self.components[n] for n in (TRANSFORMER, TRANSFORMER_2) if n in self.components]
+
+    def boundary_timestep(self, scheduler: dict[str, Any]) -> float | None:
+        """diffusers' ``boundary_ratio * num_train_timesteps`` for two experts, else None."""
+        ratio = self.record.config.get("model_index", {}).get("boundary_ratio")
+        if ratio is None or TRANSFORMER_2 not in self.components:
+            return None
+        return float(ratio) * float(scheduler.get("num_train_timesteps", 1000))
+
+    @property
+    def scheduler_config(self) -> dict[str, Any]:
+        import json
+
+        path = self.directory / "scheduler" / "scheduler_config.json"
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelDirError(f"cannot read the scheduler config {str(path)!r} ({exc})") from exc
+
+
+def read_pipeline(model_dir: str | Path) -> WanPipelineExport:
+    """Read and check a pipeline export and each of its components' manifests."""
+    top = read_manifest(model_dir, expected_kind=PIPELINE_KIND)
+    components = {}
+    for name, kind in WAN_COMPONENTS.items():
+        if name not in top.record.components:
+            if name in OPTIONAL_COMPONENTS:
+                continue
+            raise ModelDirError(
+                f"pipeline export {str(top.directory)!r} has no {name!r} component; expected "
+                f"{', '.join(WAN_COMPONENTS)}: re-export the pipeline directory"
+            )
+        components[name] = read_manifest(top.directory / name, expected_kind=kind)
+    return WanPipelineExport(directory=top.directory, record=top.record, components=components)
+
+
+# -- text -------------------------------------------------------------------------------------
+
+
+def tokenize(tokenizer_dir: Path, prompts: dict[str, str]) -> tuple[dict[str, list[int]], int]:
+    """Token ids of each prompt (keyed by the parameter that gave it), as WanPipeline
+    tokenizes them, and the pad token's id; a prompt over ``MAX_TEXT_TOKENS`` tokens is
+    refused."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = {}
+    for parameter, prompt in prompts.items():
+        if not isinstance(prompt, str):
+            raise PromptError(f"{parameter}={prompt!r}; expected text", parameter=parameter)
+        # verbose=False: the length is checked here, in one line, instead of a warning.
+        tokens = tokenizer(prompt_clean(prompt), add_special_tokens=True, verbose=False)["input_ids"]
+        if len(tokens) > MAX_TEXT_TOKENS:
+            raise PromptError(
+                f"the {parameter.replace('_', ' ')} is {len(tokens)} tokens; the text encoder "
+                f"takes at most {MAX_TEXT_TOKENS} (Wan's max_sequence_length): expected a "
+                "shorter prompt", parameter=parameter,
+            )
+        ids[parameter] = list(tokens)
+    pad = tokenizer.pad_token_id
+    return ids, int(pad) if pad is not None else 0
+
+
+def encode(runner: GraphRunner, token_ids: list[list[int]], pad_id: int) -> list[np.ndarray]:
+    """``[MAX_TEXT_TOKENS, D]`` f32 embeddings per prompt: its tokens' outputs, then zeros."""
+    length = max(2, *(len(t) for t in token_ids))  # the graph takes 2 tokens or more
+    ids = np.full((len(token_ids), length), pad_id, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for i, tokens in enumerate(token_ids):
+        ids[i, : len(tokens)], mask[i, : len(tokens)] = tokens, 1
+    (hidden,) = runner({"input_ids": ids, "attention_mask": mask})
+    out = []
+    for i, tokens in enumerate(token_ids):
+        embedding = np.zeros((MAX_TEXT_TOKENS, hidden.shape[-1]), dtype=np.float32)
+        embedding[: len(tokens)] = hidden[i, : len(tokens)]
+        out.append(embedding)
+    return out
+
+
+# -- the pipeline -----------------------------------------------------------------------------
+
+
+@dataclass
+class VideoResult:
+    sample: SampleResult
+    frames: np.ndarray | None
+    seconds: dict[str, float]
+
+    def summary(self, out: str | Path) -> str:
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+        what = (f"{self.frames.shape[0]} frames of {self.frames.shape[2]}x{self.frames.shape[1]}"
+                if self.frames is not None else f"latents {list(self.sample.latents.shape)}")
+        return (f"wrote {out}: {what} on {self.sample.backend} with {self.sample.workers} "
+                f"worker(s) in {sum(self.seconds.values()):.2f} s ({parts})")
+
+
+def run_wan_pipeline(
+    model_dir: str | Path,
+    request: WanSampleRequest,
+    prompt: str,
+    out: str | Path,
+    *,
+    negative_prompt: str = "",
+    backend: str = "openvino",
+    workers: int = 1,
+    fps: int = DEFAULT_FPS,
+    vae_tiling: VaeTiling | None = None,
+    progress: Progress = None,
+) -> VideoResult:
+    """Text to video with an exported pipeline; writes ``out`` by its extension (``.npy``:
+    the final latents, without decoding).
+
+    ``workers=2`` runs the guidance branches on two workers and, with ``vae_tiling``
+    (diffusers' tiled VAE decoding), the tiles too, every other tile on each worker."""
+    report = progress or (lambda _msg: None)
+    validate_request(request, backend, workers)
+    if vae_tiling is not None:
+        vae_tiling.check()
+    plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
+    if plan is None:
+        check_bind_string("sampling with workers=1")
+    kind = output_format(out)
+    pipeline = read_pipeline(model_dir)
+    transformer = pipeline.components[TRANSFORMER]
+    shape = latent_shape(transformer.config, request.frames, request.height, request.width)
+    token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
+                         {"prompt": prompt, "negative_prompt": negative_prompt})
+    extra = ({} if kind == LATENTS_FORMAT
+             else vae_memory(pipeline.components[VAE_NEXT_FRAME], shape, vae_tiling))
+    estimate = estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra)
+    check_memory(estimate)
+    report(f"{estimate.describe()}")
+    scheduler = pipeline.scheduler_config
+    boundary = pipeline.boundary_timestep(scheduler)
+    if request.guidance_2 is not None and boundary is None:
+        raise SamplerInputError(
+            f"guidance_2={request.guidance_2} is the second expert's guidance, but the pipeline "
+            f"in {str(pipeline.directory)!r} has one transformer: expected no guidance_2",
+            parameter="guidance_2",
+        )
+    request = dataclasses.replace(request, scheduler=scheduler, boundary_timestep=boundary)
+    # Loading and compiling ("load") apart from each model's compute.
+    seconds: dict[str, float] = {"load": 0.0}
+
+    start = time.perf_counter()
+    encoder = GraphRunner(pipeline.components[TEXT_ENCODER], backend)
+    seconds["load"] += time.perf_counter() - start
+    start = time.perf_counter()
+    text, negative = encode(encoder, [token_ids["prompt"], token_ids["negative_prompt"]],
+                            pad_id)
+    del encoder
+    seconds["text_encoder"] = time.perf_counter() - start
+    report(f"encoded the prompts in {seconds['text_encoder']:.2f} s")
+
+    start = time.perf_counter()
+    latents, steps = denoise(pipeline.experts, plan, backend, text, negative, shape, request,
+                             TimestepLayout(), progress)
+    seconds["denoise"] = sum(steps)
+    seconds["load"] += time.perf_counter() - start - sum(steps)
+    sample = SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=steps)
+    if kind == LATENTS_FORMAT:
+        np.save(out, latents)
+        return VideoResult(sample=sample, frames=None, seconds=seconds)
+
+    start = time.perf_counter()
+    first, following = pipeline.components[VAE_FIRST_FRAME], pipeline.components[VAE_NEXT_FRAME]
+    tiled = vae_tiling is not None and vae_tiling.applies(*shape[3:])
+    if tiled and plan is not None:  # each worker loads its own (counted as decoding here)
+        video = decode_video(None, latents, vae_tiling,
+                             decode_tiles_on_workers(plan, first, following, backend))
+    else:
+        decoder = VaeDecoder(first, following, backend)
+        seconds["load"] += time.perf_counter() - start
+        start = time.perf_counter()
+        video = decode_video(decoder, latents, vae_tiling)
+    frames = to_frames(video)
+    seconds["vae_decode"] = time.perf_counter() - start
+    where = f"in tiles on {workers} worker(s)" if tiled else "whole"
+    report(f"decoded {frames.shape[0]} frames ({where}) in {seconds['vae_decode']:.2f} s")
+    write_video(frames, out, fps)
+    return VideoResult(sample=sample, frames=frames, seconds=seconds)
+
