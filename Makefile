@@ -41,11 +41,14 @@ test-fast: $(STAMP)
 
 # Each benchmark prints ratios and writes benchmarks/out/<name>.json; run them on a quiet machine.
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet "deepspeed>=0.19"  # the `bench` extra: collectives' anchor
 	$(BIN)/python benchmarks/fallback_ops.py
 	$(BIN)/python benchmarks/collectives.py
 	$(BIN)/python benchmarks/dit.py
 	$(BIN)/python benchmarks/dit_pairs.py
 	$(BIN)/python benchmarks/moe.py
+	$(BIN)/python benchmarks/wan_pipeline.py
+	$(BIN)/python benchmarks/lm_engine.py  # optimum-intel side by side: run benchmarks/optimum_venv.sh once
 
 clean:
 	rm -rf build $(VENV)

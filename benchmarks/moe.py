@@ -153,7 +153,7 @@ def run_model(kind: str, model_dir: Path, dp: int, prompts: list[list[int]], new
     # The placement group of run_on_ranks carries the shared-memory communicator; the gloo
     # run registers its own communicator under the model's group name instead.
     group = "deepseek" if kind != "torch-gloo" else "bench-placement"
-    plan, placement = plan_for_ranks(dp, split_cpus=True)
+    plan, placement = plan_for_ranks(dp)
     jobs = [_Job(kind, str(model_dir), share, new_tokens, str(tmp / f"gloo-{kind}-{dp}"))
             for share in split_prompts(prompts, dp)]
     log(f"  {kind} dp={dp} ({placement})")

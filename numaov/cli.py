@@ -164,9 +164,10 @@ def cmd_export_wan(args: argparse.Namespace) -> int:
 
 
 def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("wan", help="export a diffusers Wan transformer checkpoint")
+    p = sub.add_parser("wan", help="export a diffusers Wan pipeline or transformer directory")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="diffusers WanTransformer3DModel directory (config.json + safetensors)")
+                   help="diffusers Wan pipeline directory (model_index.json), or a "
+                   "WanTransformer3DModel directory (config.json + safetensors)")
     p.add_argument("--out", required=True, metavar="DIR", help="where ONNX, IR and manifest go")
     p.add_argument("--precision", choices=PRECISIONS, default="f32",
                    help="IR weights and inference precision (default f32)")
@@ -183,9 +184,36 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_run_wan(args: argparse.Namespace) -> int:
     from numaov.runtime.wan_pipeline import WanSampleRequest, run_wan
 
+    if (args.prompt is None) == (args.text_embeddings is None):
+        raise NumaovError("expected exactly one of --prompt (text to video with a pipeline "
+                          "export) and --text-embeddings (latents from your own embeddings)")
+    # Flags of the other mode would be ignored: refuse them instead.
+    other = ({"--shift": args.shift, "--negative-embeddings": args.negative_embeddings,
+              "--first-frame-latents": args.first_frame_latents} if args.prompt is not None
+             else {"--negative-prompt": args.negative_prompt, "--fps": args.fps,
+                   "--vae-tiling": args.vae_tiling or None})
+    given = [flag for flag, value in other.items() if value is not None]
+    if given:
+        mode = "--prompt" if args.prompt is not None else "--text-embeddings"
+        raise NumaovError(f"{', '.join(given)}: not used with {mode}; expected only the "
+                          "flags of one mode (see `numaov run wan --help`)")
     request = WanSampleRequest(frames=args.frames, height=args.height, width=args.width,
                                steps=args.steps, guidance=args.guidance, seed=args.seed,
-                               shift=args.shift)
+                               guidance_2=args.guidance_2,
+                               **({} if args.shift is None else {"shift": args.shift}))
+    if args.prompt is not None:
+        from numaov.runtime.video_output import DEFAULT_FPS
+        from numaov.runtime.wan_vae import VaeTiling
+        from numaov.runtime.wan_video import run_wan_pipeline
+
+        video = run_wan_pipeline(args.model_dir, request, args.prompt, args.out,
+                                 negative_prompt=args.negative_prompt or "",
+                                 backend=args.backend,
+                                 workers=args.workers, fps=DEFAULT_FPS if args.fps is None else args.fps,
+                                 vae_tiling=VaeTiling() if args.vae_tiling else None,
+                                 progress=_progress(args))
+        print(video.summary(args.out))
+        return 0
     result = run_wan(args.model_dir, request, args.text_embeddings, args.out,
                      negative_embeddings=args.negative_embeddings,
                      first_frame_latents=args.first_frame_latents, backend=args.backend,
@@ -195,30 +223,46 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
 
 
 def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("wan", help="sample video latents with an exported Wan model")
+    p = sub.add_parser("wan", help="text to video (pipeline export) or latents with a Wan model")
     p.add_argument("--model-dir", required=True, metavar="DIR",
                    help="output of `numaov export wan`")
+    p.add_argument("--prompt", metavar="TEXT",
+                   help="text to video: needs an export of a diffusers pipeline directory")
+    p.add_argument("--negative-prompt", metavar="TEXT",
+                   help="with --prompt: the unconditional branch's prompt (default empty)")
+    p.add_argument("--fps", type=int, help="with --prompt: frame rate of a video --out "
+                   "(default 16)")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="with --prompt: decode in overlapping tiles as diffusers' "
+                   "vae.enable_tiling() (256-pixel tiles every 192); with --workers 2 the "
+                   "tiles are spread over both workers")
     p.add_argument("--frames", type=int, required=True, help="video frames, 4k+1 (e.g. 81)")
     p.add_argument("--height", type=int, required=True,
                    help="video height in pixels, multiple of 16")
     p.add_argument("--width", type=int, required=True, help="video width in pixels, multiple of 16")
-    p.add_argument("--steps", type=int, required=True, help="Euler steps")
+    p.add_argument("--steps", type=int, required=True, help="denoising steps")
     p.add_argument("--guidance", type=float, required=True, help="classifier-free guidance scale")
     p.add_argument("--seed", type=int, required=True, help="seed of the initial noise")
-    p.add_argument("--text-embeddings", required=True, metavar="FILE.npy",
-                   help="text encoder output, [S, D] or [1, S, D]")
+    p.add_argument("--guidance-2", type=float, metavar="G2",
+                   help="Wan 2.2 two experts: guidance of the low-noise expert (default "
+                   "--guidance)")
+    p.add_argument("--text-embeddings", metavar="FILE.npy",
+                   help="instead of --prompt: text encoder output, [S, D] or [1, S, D]")
     p.add_argument("--negative-embeddings", metavar="FILE.npy",
                    help="unconditional embeddings, same shape (default zeros)")
     p.add_argument("--first-frame-latents", metavar="FILE.npy",
                    help="image-to-video: normalised VAE latents of the first frame, [C, 1, H/8, "
                    "W/8] or [1, C, 1, H/8, W/8]; needs an export with --timestep per-frame")
-    p.add_argument("--out", required=True, metavar="FILE.npy", help="final latents [1, C, F, H, W]")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="with --prompt: .mp4, .webp, .gif, a directory (PNG frames) or .npy "
+                   "(latents); with --text-embeddings: .npy, the final latents [1, C, F, H, W]")
     p.add_argument("--backend", choices=wan_pipeline.BACKENDS, default="openvino",
-                   help="what runs the transformer (default openvino)")
+                   help="what runs the models (default openvino)")
     p.add_argument("--workers", type=int, default=1,
                    help="2 runs the two guidance branches on two pinned workers (default 1)")
-    p.add_argument("--shift", type=float, default=5.0,
-                   help="timestep shift (default 5.0, Wan 2.1 T2V; 3.0 for 480p)")
+    p.add_argument("--shift", type=float,
+                   help="with --text-embeddings: timestep shift (default 5.0, Wan 2.1 T2V; 3.0 "
+                   "for 480p); with --prompt the pipeline's scheduler config sets it")
     _add_common(p)
     p.set_defaults(func=cmd_run_wan)
 
@@ -256,6 +300,7 @@ def _add_export_deepseek_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_run_deepseek(args: argparse.Namespace) -> int:
     from numaov.runtime.lm_engine import (
         GenerationInputError,
+        SamplingParams,
         encode_prompts,
         format_generation,
         load_tokenizer,
@@ -275,15 +320,41 @@ def cmd_run_deepseek(args: argparse.Namespace) -> int:
         prompts = encode_prompts(tokenizer, args.prompt)
     else:
         prompts = parse_prompt_ids(args.prompt_ids)
+    params = SamplingParams(
+        args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop_token_ids=tuple(args.stop_token_ids), stop=tuple(args.stop),
+        logprobs=args.logprobs, ignore_eos=args.ignore_eos)
     result = run_deepseek(args.model_dir, prompts, args.max_new_tokens, args.backend,
+                          params=params, cache_tokens=args.cache_tokens,
+                          prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
                           progress=_progress(args))
     print(format_generation(result, prompts, tokenizer))
     return 0
 
 
+def _token_id_list(text: str) -> list[int]:
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() for t in items):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token ids; expected "
+                                         "comma-separated non-negative integers: '1,2'")
+    return [int(t) for t in items]
+
+
+def _add_lm_engine_options(p: argparse.ArgumentParser) -> None:
+    from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
+    from numaov.runtime.lm_scheduler import DEFAULT_PREFILL_CHUNK
+
+    p.add_argument("--cache-tokens", type=int, default=None, metavar="N",
+                   help="KV cache capacity per rank, in tokens (default "
+                   f"{DEFAULT_CACHE_TOKENS}; checked against the node's free memory)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="prompt tokens per rank per step; longer prompts are read over several "
+                   f"steps while the others decode (default {DEFAULT_PREFILL_CHUNK})")
+
+
 def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("deepseek", help="greedy generation with an exported DeepSeek-V2, one "
-                       "worker per DP rank")
+    p = sub.add_parser("deepseek", help="generation with an exported DeepSeek-V2 (greedy or "
+                       "sampled, continuous batching), one worker per DP rank")
     p.add_argument("--model-dir", required=True, metavar="DIR",
                    help="output of `numaov export deepseek`")
     p.add_argument("--prompt-ids", metavar="IDS",
@@ -293,7 +364,24 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="a prompt as text (needs --tokenizer; repeat for several prompts)")
     p.add_argument("--max-new-tokens", type=int, required=True, metavar="N",
-                   help="tokens to generate per prompt")
+                   help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); above 0, sample from the logits divided by it")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches P")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens "
+                   "(0 = all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of each prompt's sampler (the same seed, the same tokens)")
+    p.add_argument("--stop-token-ids", type=_token_id_list, default=[], metavar="IDS",
+                   help="token ids that end a prompt's generation: '1,2'")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="text that ends a prompt's generation (needs --tokenizer; repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the model's end-of-sequence token")
+    p.add_argument("--logprobs", action="store_true",
+                   help="print the log-probability of every generated token")
+    _add_lm_engine_options(p)
     _add_lm_backend(p)
     _add_common(p)
     p.set_defaults(func=cmd_run_deepseek)
@@ -311,12 +399,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
     name = args.model_name or Path(args.model_dir).resolve().name
+    from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
+
+    cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
     with listen(args.host, args.port) as sock, \
-            LMService(args.model_dir, args.backend, progress=_progress(args)) as service:
+            LMService(args.model_dir, args.backend, cache_tokens=cache_tokens,
+                      prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
+                      progress=_progress(args)) as service:
         host, port = sock.getsockname()[:2]
         app = build_app(service, name, tokenizer)
-        say(f"{name!r} ({service.world_size} rank(s), {args.backend}) on http://{host}:{port}  "
-            "(POST /v1/completions, GET /v1/models, GET /health)")
+        say(f"{name!r} ({service.world_size} rank(s), {args.backend}, KV cache "
+            f"{cache_tokens} tokens per rank) on http://{host}:{port}  "
+            "(POST /v1/completions, GET /v1/models, GET /stats, GET /health)")
         serve_forever(app, sock, say)
         say("stopped")
     return 0
@@ -342,6 +436,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the "
                    "model directory's name)")
+    _add_lm_engine_options(p)
     _add_lm_backend(p)
     _add_common(p)
     p.set_defaults(func=cmd_serve)

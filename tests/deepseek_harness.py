@@ -2,7 +2,9 @@
 
 The builtin model is exported once per test session through the CLI (which also runs the
 export's own parity check with the two rank graphs in two worker processes), with torch dp=1
-references for a few prompt scenarios.
+references for a few prompt scenarios. The references come from :func:`greedy_reference`:
+every token recomputed from the whole sequence with no cache at all, so they share nothing
+with the engine's cache, scheduler or sampler.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def two_cpu_bind_string() -> str | None:
 def export_tiny_dp2(root: Path, bind: str) -> dict[str, Any]:
     """Build, export (dp=2, through the CLI) and take torch dp=1 references."""
     from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
-    from numaov.models.deepseek import DeepseekV2, generate_greedy
+    from numaov.models.deepseek import DeepseekV2
 
     print(f"tiny DeepSeek-V2 seed: {SEED}")
     checkpoint = build_tiny_deepseek(root / "checkpoint", seed=SEED)
@@ -49,8 +51,7 @@ def export_tiny_dp2(root: Path, bind: str) -> dict[str, Any]:
     model = DeepseekV2.from_pretrained(checkpoint)
     references = {}
     for name, prompts in SCENARIOS.items():
-        out = generate_greedy(model, prompts, MAX_NEW_TOKENS)
-        references[name] = (out.tokens, out.logits)
+        references[name] = greedy_reference(model, prompts, MAX_NEW_TOKENS)
     return {"root": root, "checkpoint": checkpoint, "model_dir": model_dir, "export": proc,
             "references": references}
 
@@ -67,3 +68,32 @@ def tiny_tokenizer(directory: Path) -> Any:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     return tokenizer
+
+
+def greedy_reference(model: Any, prompts: list[list[int]], max_new_tokens: int,
+                     eos: int | None = None) -> tuple[list[list[int]], Any]:
+    """Greedy tokens and the logits ``[B, steps, V]`` they were chosen from, each step a full
+    forward of every prompt with its tokens so far (left-padded, no cache). Exactly
+    ``max_new_tokens`` forwards, also for an empty batch, so DP ranks stay in lockstep; with
+    ``eos``, each prompt's tokens are cut before its first ``eos``."""
+    import torch
+
+    tokens: list[list[int]] = [[] for _ in prompts]
+    kept = []
+    for _ in range(max_new_tokens):
+        rows = [list(p) + t for p, t in zip(prompts, tokens, strict=True)]
+        longest = max((len(r) for r in rows), default=1)
+        ids = torch.zeros((len(rows), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, longest - len(row):] = torch.tensor(row)
+            mask[i, longest - len(row):] = 1
+        with torch.no_grad():
+            last = model(ids, mask)[:, -1].float()
+        kept.append(last)
+        for i, token in enumerate(last.argmax(-1).tolist()):
+            tokens[i].append(token)
+    logits = torch.stack(kept, 1) if prompts else torch.zeros((0, max_new_tokens, 0))
+    if eos is not None:
+        tokens = [t[:t.index(eos)] if eos in t else t for t in tokens]
+    return tokens, logits

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
+from deepseek_harness import greedy_reference
 
 from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, build_tiny_deepseek
 from numaov.models.deepseek import (
     DataParallelGroup,
     DeepseekV2,
     ShardError,
-    generate_greedy,
     shard_state_dict,
 )
 
@@ -75,10 +75,10 @@ def _rank_main(
             checkpoint, dp=DataParallelGroup(group, rank, WORLD)
         )
         for name, prompts in SCENARIOS.items():
-            out = generate_greedy(model, _share(prompts, rank), MAX_NEW_TOKENS)
+            tokens, logits = greedy_reference(model, _share(prompts, rank), MAX_NEW_TOKENS)
             # numpy pickles by value; a torch tensor would be sent as a shared fd that dies
             # with this process
-            results.put((rank, name, out.tokens, out.logits.numpy()))
+            results.put((rank, name, tokens, logits.numpy()))
         comm.close()
         results.put((rank, "done", None, None))
     except BaseException:  # report anything, including a failing import, to the parent
@@ -144,8 +144,7 @@ def reference(checkpoint: Path) -> dict[str, Any]:
     model = DeepseekV2.from_pretrained(checkpoint)
     out = {}
     for name, prompts in SCENARIOS.items():
-        result = generate_greedy(model, prompts, MAX_NEW_TOKENS)
-        out[name] = (result.tokens, result.logits)
+        out[name] = greedy_reference(model, prompts, MAX_NEW_TOKENS)
     return out
 
 

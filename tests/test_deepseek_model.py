@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from deepseek_harness import greedy_reference
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config as HFConfig
 from transformers import DeepseekV2ForCausalLM
@@ -21,8 +22,7 @@ from numaov.models.deepseek import (
     DeepseekV2,
     DeepseekV2Config,
     DeepseekV2Experts,
-    ModelInputError,
-    generate_greedy,
+    DeepseekV2Step,
 )
 
 SEED = 1234
@@ -101,31 +101,48 @@ def test_logits_and_greedy_tokens_match_transformers(hf_checkpoint) -> None:
     torch.testing.assert_close(model(ids), expected, atol=ATOL, rtol=RTOL)
 
     # batched and left-padded here, one prompt at a time in transformers
-    ours = generate_greedy(model, PROMPTS, MAX_NEW_TOKENS)
+    tokens, logits = greedy_reference(model, PROMPTS, MAX_NEW_TOKENS)
     for i, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             out = hf.generate(
                 torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                 output_logits=True, return_dict_in_generate=True, pad_token_id=0,
             )
-        assert ours.tokens[i] == out.sequences[0, len(prompt):].tolist(), f"prompt {i}"
+        assert tokens[i] == out.sequences[0, len(prompt):].tolist(), f"prompt {i}"
         torch.testing.assert_close(
-            ours.logits[i], torch.cat(out.logits).float(), atol=ATOL, rtol=RTOL
+            logits[i], torch.cat(out.logits).float(), atol=ATOL, rtol=RTOL
         )
 
 
-def test_kv_cache_decode_equals_full_recompute() -> None:
+def test_pooled_step_with_chunked_prefill_equals_full_recompute() -> None:
+    """The exported step over a token pool: the prompt read in two chunks, then one token per
+    step, the new entries written at scattered slots of the pool; the last logits of every
+    step equal a forward of the whole sequence with no cache."""
     model = DeepseekV2.empty(TINY_DEEPSEEK_CONFIG)
     from numaov.models.builtin.deepseek_tiny import init_tiny_weights
 
     init_tiny_weights(model, torch.Generator().manual_seed(SEED))
-    out = generate_greedy(model, PROMPTS, MAX_NEW_TOKENS)
-    # Recompute every step from scratch: each prompt with its generated tokens, no cache.
-    for i, prompt in enumerate(PROMPTS):
-        full = torch.tensor([prompt + out.tokens[i]])
+    step = DeepseekV2Step(model)
+    c = TINY_DEEPSEEK_CONFIG
+    pool = torch.randn(c.num_hidden_layers, 64, c.kv_cache_dim)  # garbage in unused slots
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(SEED))[:20]
+    sequence = list(PROMPTS[0])
+    chunks = [sequence[:3], sequence[3:]]
+    cached = 0
+    for _ in range(MAX_NEW_TOKENS):
+        chunk = chunks.pop(0) if chunks else sequence[-1:]
+        n = len(chunk)
         with torch.no_grad():
-            logits = model(full)[0, len(prompt) - 1:-1]
-        torch.testing.assert_close(out.logits[i], logits, atol=ATOL, rtol=RTOL)
+            logits, new = step(
+                torch.tensor([chunk]), torch.arange(cached, cached + n)[None],
+                torch.ones(1, cached + n, dtype=torch.long), pool, slots[None, :cached])
+            full = model(torch.tensor([sequence[:cached + n]]))[:, -1]
+        torch.testing.assert_close(logits, full, atol=ATOL, rtol=RTOL)
+        assert new.shape == (c.num_hidden_layers, 1, n, c.kv_cache_dim)
+        pool[:, slots[cached:cached + n]] = new[:, 0]
+        cached += n
+        if not chunks and cached == len(sequence):
+            sequence.append(int(logits.argmax()))
 
 
 def test_bf16_load_keeps_the_router_in_fp32(tmp_path: Path) -> None:
@@ -224,18 +241,6 @@ def test_missing_directory_and_weights(tmp_path: Path, tiny_dir: Path) -> None:
         DeepseekV2.from_pretrained(tiny_dir)
 
 
-def test_generation_inputs_are_checked(tiny_dir: Path) -> None:
-    model = DeepseekV2.from_pretrained(tiny_dir)
-    with pytest.raises(ModelInputError, match="prompt 1 is empty"):
-        generate_greedy(model, [[1], []], 2)
-    with pytest.raises(ModelInputError, match=r"token id\(s\) \[512\] outside"):
-        generate_greedy(model, [[1, 512]], 2)
-    with pytest.raises(ModelInputError, match="max_new_tokens is 0"):
-        generate_greedy(model, [[1]], 0)
-    with pytest.raises(ModelInputError, match="exceeds max_position_embeddings=256"):
-        generate_greedy(model, [[1] * 250], 10)
-
-
 def test_stacked_expert_layout_and_auto_dtype_load(tiny_dir: Path, tmp_path: Path) -> None:
     """transformers' in-memory layout (experts.gate_up_proj / experts.down_proj stacks) loads
     as well as DeepSeek's per-expert files."""
@@ -279,7 +284,6 @@ def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
     import onnxruntime as ort
 
     from numaov.custom_ops import onnx_translation_table
-    from numaov.models.deepseek import DeepseekV2Step
 
     model = DeepseekV2.from_pretrained(tiny_dir)
     step = DeepseekV2Step(model).eval()
@@ -289,25 +293,28 @@ def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
         gen = torch.Generator().manual_seed(b * 100 + t * 10 + p)
         mask = torch.ones(b, p + t, dtype=torch.long)
         mask[0, 0] = 0 if p + t > 1 else 1  # a left-padded first row
+        pool = b * p + 3
         return {
             "input_ids": torch.randint(0, TINY_DEEPSEEK_CONFIG.vocab_size, (b, t), generator=gen),
             "position_ids": (torch.arange(p, p + t) - 1).clamp(min=0).expand(b, t).contiguous(),
             "attention_mask": mask,
-            "past_key_values": torch.randn(layers, b, p, width, generator=gen),
+            "kv_cache": torch.randn(layers, pool, width, generator=gen),
+            "past_slots": torch.randperm(pool, generator=gen)[: b * p].reshape(b, p),
         }
 
     batch = torch.export.Dim("batch", min=1, max=64)
     seq = torch.export.Dim("seq", min=1, max=256)
     past = torch.export.Dim("past", min=0, max=256)
     total = torch.export.Dim("total", min=1, max=512)
+    pool = torch.export.Dim("pool", min=1, max=4096)
     example = inputs(2, 3, 4)
     path = tmp_path / "step.onnx"
     torch.onnx.export(
         step, tuple(example.values()), str(path), dynamo=True,
-        input_names=list(example), output_names=["logits", "present_key_values"],
+        input_names=list(example), output_names=["logits", "new_key_values"],
         dynamic_shapes={"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq},
-                        "attention_mask": {0: batch, 1: total},
-                        "past_key_values": {1: batch, 2: past}},
+                        "attention_mask": {0: batch, 1: total}, "kv_cache": {1: pool},
+                        "past_slots": {0: batch, 1: past}},
         custom_translation_table=onnx_translation_table("decomposed"),
     )
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -316,8 +323,8 @@ def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
     for b, t, p in ((1, 5, 0), (3, 1, 7), (1, 40, 0), (2, 2, 3)):
         feed = inputs(b, t, p)
         with torch.no_grad():
-            logits, present = step(*feed.values())
+            logits, new = step(*feed.values())
         got = session.run(None, {k: v.numpy() for k, v in feed.items()})
         # float32 graph vs float32 eager; same tolerance and reason as the transformers parity
         torch.testing.assert_close(torch.from_numpy(got[0]), logits, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(torch.from_numpy(got[1]), present, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(torch.from_numpy(got[1]), new, atol=ATOL, rtol=RTOL)

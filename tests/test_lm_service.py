@@ -4,6 +4,7 @@ references, for every prompt form, concurrent clients, bad requests and shutdown
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -18,12 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, tiny_tokenizer
+from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, greedy_reference, tiny_tokenizer
 
-from numaov.models.deepseek import DeepseekV2, generate_greedy
+from numaov.models.deepseek import DeepseekV2
 from numaov.runtime.lm_service import (
     CompletionRequestError,
-    completion_choice,
+    SamplingParams,
     parse_completion_request,
 )
 
@@ -147,7 +148,7 @@ def test_text_prompts_go_through_the_tokenizer(served) -> None:
     response = served["client"].post("/v1/completions", json={"prompt": texts, "max_tokens": 4})
     assert response.status_code == 200, response.text
     model = DeepseekV2.from_pretrained(served["exported"]["checkpoint"])
-    expected = generate_greedy(model, [tokenizer.encode(t).ids for t in texts], 4).tokens
+    expected, _ = greedy_reference(model, [tokenizer.encode(t).ids for t in texts], 4)
     for choice, tokens in zip(response.json()["choices"], expected, strict=True):
         kept, _ = _expected_choice(list(tokens))
         assert choice["token_ids"] == kept
@@ -169,7 +170,7 @@ def test_concurrent_clients_each_get_their_own_answer(served) -> None:
     one_by_one = [ask(i) for i in range(len(prompts))]
     assert together == one_by_one
     model = DeepseekV2.from_pretrained(served["exported"]["checkpoint"])
-    expected = generate_greedy(model, prompts, 5).tokens
+    expected, _ = greedy_reference(model, prompts, 5)
     assert together == [_expected_choice(list(t))[0] for t in expected]
 
 
@@ -180,16 +181,24 @@ def test_models_and_health(served) -> None:
     assert health.status_code == 200
     assert health.json() == {"status": "ok", "model": MODEL_NAME, "ranks": 2,
                              "backend": "openvino"}
+    stats = client.get("/stats").json()
+    assert len(stats["running"]) == len(stats["cache_used_tokens"]) == 2
+    assert stats["cache_capacity_tokens"][0] > 0 and stats["queue_depth"] >= 0
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
-    ({"prompt": [1, 2], "temperature": 0.7}, 400, "temperature", "decodes greedily"),
-    ({"prompt": [1, 2], "n": 2}, 400, "n", "decodes greedily"),
-    ({"prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty", "decodes greedily"),
+    ({"prompt": [1, 2], "temperature": -0.5}, 400, "temperature", "expected a number >= 0"),
+    ({"prompt": [1, 2], "top_p": 0}, 400, "top_p", r"expected a number in \(0, 1\]"),
+    ({"prompt": [1, 2], "top_k": -1}, 400, "top_k", "expected an integer >= 0"),
+    ({"prompt": [1, 2], "seed": "x"}, 400, "seed", "expected an integer"),
+    ({"prompt": [1, 2], "logprobs": 5}, 400, "logprobs", "expected 0 or 1"),
+    ({"prompt": [1, 2], "stop_token_ids": [1, 900]}, 400, "stop_token_ids",
+     "outside the vocabulary"),
+    ({"prompt": [[1, 2], [3]], "stream": True}, 400, "stream", "takes one prompt"),
+    ({"prompt": [1, 2], "n": 2}, 400, "n", "one answer per prompt"),
+    ({"prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty", "without penalties"),
     ({"prompt": [1, 2], "temperature": "0"}, 400, "temperature", "expected a number"),
     ({"prompt": [1, 2], "logit_bias": {"5": -100}}, 400, "logit_bias", "not supported"),
-    ({"prompt": [1, 2], "stream": True}, 400, "stream", "not supported"),
-    ({"prompt": [1, 2], "stop": ["\n"]}, 400, "stop", "not supported"),
     ({"prompt": [1, 2], "max_token": 3}, 400, "max_token", "unknown field"),
     ({"max_tokens": 2}, 400, "prompt", "prompt is missing"),
     ({"prompt": []}, 400, "prompt", "prompt is an empty list"),
@@ -236,7 +245,8 @@ def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, p
     response = served["client"].request(method, path, json={"prompt": [1]})
     assert response.status_code == status
     error = response.json()["error"]
-    assert "POST /v1/completions, GET /v1/models and GET /health" in error["message"]
+    assert ("POST /v1/completions, GET /v1/models, GET /stats and GET /health"
+            in error["message"])
 
 
 def test_a_body_that_is_not_json_is_a_400(served) -> None:
@@ -253,8 +263,50 @@ def test_text_prompt_without_a_tokenizer_says_to_start_with_one() -> None:
         parse_completion_request({"prompt": "hello"}, config, None)
     assert parse_completion_request({"prompt": [[4, 5], [6]], "max_tokens": 3}, config
                                     ).prompts == [[4, 5], [6]]
-    # the end-of-sequence token ends a choice and is not returned
-    assert completion_choice(0, [7, 1, 9], {1}, None)["token_ids"] == [7]
+    with pytest.raises(CompletionRequestError, match="without a tokenizer; expected "
+                       "stop_token_ids"):
+        parse_completion_request({"prompt": [4], "stop": "\n"}, config, None)
+    parsed = parse_completion_request({"prompt": [4], "temperature": 0.5, "seed": 3,
+                                       "top_k": 4, "logprobs": 1, "stop_token_ids": [7]}, config)
+    assert parsed.params == SamplingParams(16, temperature=0.5, seed=3, top_k=4, logprobs=True,
+                                           stop_token_ids=(7,))
+
+
+def _stream(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):])["choices"][0])
+    return chunks
+
+
+def test_streaming_yields_exactly_the_final_text(served) -> None:
+    client = served["client"]
+    body = {"prompt": "the cat sat on a mat", "max_tokens": 6, "temperature": 0.9, "seed": 11,
+            "logprobs": 1}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    chunks = _stream(client, body)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert [v for c in chunks for v in (c["logprobs"] or {}).get("token_logprobs", [])] == (
+        whole["logprobs"]["token_logprobs"])
+    assert chunks[-1]["finish_reason"] == whole["finish_reason"] is not None
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_among_others(served) -> None:
+    client = served["client"]
+    sampled = {"prompt": [9, 8, 7], "max_tokens": 6, "temperature": 1.0, "top_p": 0.9,
+               "seed": 5, "ignore_eos": True}
+    alone = client.post("/v1/completions", json=sampled).json()["choices"][0]["token_ids"]
+    others = [{"prompt": [30 + i] * (i + 1), "max_tokens": 4 + i, "temperature": 0.8,
+               "seed": i} for i in range(4)]
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(lambda b: client.post("/v1/completions", json=b).json(),
+                                [*others, sampled]))
+    assert answers[-1]["choices"][0]["token_ids"] == alone
+    assert len(alone) == 6
 
 
 def test_serve_errors_are_one_line_and_fast(deepseek_exported, deepseek_bind: str,

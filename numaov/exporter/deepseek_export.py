@@ -16,11 +16,15 @@ no stale file.
 
 Graph inputs: ``input_ids``, ``position_ids`` ``[batch, new_tokens]`` (int64),
 ``attention_mask`` ``[batch, total_tokens]`` (int64, 1 = real token; cached and new tokens),
-``past_key_values`` ``[layers, batch, past_tokens, kv_lora_rank + qk_rope_head_dim]`` (f32).
-Outputs: ``logits [batch, new_tokens, vocab]`` and ``present_key_values`` (the past with this
-step's tokens appended). Every named axis is dynamic; ``batch`` may be 0 when ``dp > 1`` (a
-rank with no sequences still runs every step). ``total_tokens`` has its own axis: torch.export
-refuses ``past_tokens + new_tokens`` as an input's shape.
+``kv_cache`` ``[layers, cache_tokens, kv_lora_rank + qk_rope_head_dim]`` (f32: the rank's token
+pool, which the runtime owns and passes without a copy) and ``past_slots``
+``[batch, past_tokens]`` (int64: the pool slot of each cached token of each row). Outputs:
+``logits [batch, vocab]`` (the last new token of each row) and ``new_key_values
+[layers, batch, new_tokens, kv_lora_rank + qk_rope_head_dim]``: this step's entries only,
+which the runtime writes into its pool (:class:`numaov.models.deepseek.DeepseekV2Step`). Every
+named axis is dynamic; ``batch`` may be 0 when ``dp > 1`` (a rank with no sequences still runs
+every step). ``total_tokens`` has its own axis: torch.export refuses ``past_tokens +
+new_tokens`` as an input's shape.
 
 ``new_tokens`` is declared ``Dim.DYNAMIC`` rather than a named ``Dim``: reshapes in the
 attention make torch.export ask whether the axis is 1 (the answer only decides whether a
@@ -79,8 +83,8 @@ logger = logging.getLogger(__name__)
 #: The group name baked into the collective nodes; the runtime's workers join this group.
 COLLECTIVE_GROUP = "deepseek"
 LOWERING = "decomposed"
-INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "past_key_values")
-OUTPUT_NAMES = ("logits", "present_key_values")
+INPUT_NAMES = ("input_ids", "position_ids", "attention_mask", "kv_cache", "past_slots")
+OUTPUT_NAMES = ("logits", "new_key_values")
 ONNX_NAME = "model.onnx"
 IR_NAME = "model.xml"
 REFERENCE_SAMPLE_NAME = "reference_sample.npz"
@@ -102,9 +106,10 @@ AXIS_NAMES: dict[str, list[str | None]] = {
     "input_ids": ["batch", "new_tokens"],
     "position_ids": ["batch", "new_tokens"],
     "attention_mask": ["batch", "total_tokens"],
-    "past_key_values": [None, "batch", "past_tokens", None],
-    "logits": ["batch", "new_tokens", None],
-    "present_key_values": [None, "batch", "total_tokens", None],
+    "kv_cache": [None, "cache_tokens", None],
+    "past_slots": ["batch", "past_tokens"],
+    "logits": ["batch", None],
+    "new_key_values": [None, "batch", "new_tokens", None],
 }
 _MAX_BATCH = 4096
 PARITY_TIMEOUT_S = 900.0
@@ -117,10 +122,12 @@ class DeepseekExportError(NumaovError):
 def _step_inputs(
     config: Any, shape: tuple[int, int, int], rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
-    """One step's inputs for ``shape = (batch, new tokens, cached tokens)``, as the engine
-    feeds them: the first sequence left-padded by two tokens when it has room, positions
-    counted from each sequence's first real token, a random (f32) cache."""
+    """One step's inputs for ``shape = (batch, new tokens, cached tokens)``: the first
+    sequence left-padded by two tokens when it has room, positions counted from each
+    sequence's first real token, a random (f32) pool with spare slots and each row's cached
+    tokens at shuffled slots of it, as the engine's pool holds them."""
     batch, new, past = shape
+    pool = batch * past + 5
     total = past + new
     mask = np.ones((batch, total), dtype=np.int64)
     if batch and total > 3:
@@ -130,9 +137,10 @@ def _step_inputs(
         "input_ids": rng.integers(0, config.vocab_size, (batch, new), dtype=np.int64),
         "position_ids": np.ascontiguousarray(positions, dtype=np.int64),
         "attention_mask": mask,
-        "past_key_values": rng.standard_normal(
-            (config.num_hidden_layers, batch, past, config.kv_cache_dim), dtype=np.float32
+        "kv_cache": rng.standard_normal(
+            (config.num_hidden_layers, pool, config.kv_cache_dim), dtype=np.float32
         ),
+        "past_slots": rng.permutation(pool)[: batch * past].reshape(batch, past),
     }
 
 
@@ -156,11 +164,13 @@ def _dynamic_shapes(config: Any, dp: int) -> dict[str, dict[int, Any]]:
     positions = config.max_position_embeddings
     past = dim("past_tokens", min=0, max=positions)
     total = dim("total_tokens", min=1, max=positions)
+    pool = dim("cache_tokens", min=1, max=2**31 - 1)
     return {
         "input_ids": {0: batch, 1: dim.DYNAMIC},
         "position_ids": {0: batch, 1: dim.DYNAMIC},
         "attention_mask": {0: batch, 1: total},
-        "past_key_values": {1: batch, 2: past},
+        "kv_cache": {1: pool},
+        "past_slots": {0: batch, 1: past},
     }
 
 

@@ -4,9 +4,9 @@
   round-robin (so load from other processes hits them alike); best and median seconds per
   backend, speed-up against the first backend listed, and each backend's largest difference
   from the first one's output (relative to its largest magnitude).
-- ``bench_deepseek``: greedy generation of a batch of seeded random prompts with each backend
-  on long-lived rank workers of the binding plan (``numaov serve``'s), after a warm-up
-  generation: prefill and decode time per step of the fastest round, tokens/s, and whether the
+- ``bench_deepseek``: greedy generation of a batch of seeded random prompts (each its full
+  length) with each backend on the LM engine's long-lived rank workers (``numaov serve``'s),
+  after a warm-up generation: prefill and decode time per step of the fastest round, tokens/s, and whether the
   backends generated the same tokens.
 
 Model loading and compiling are not timed. The repository's ``benchmarks/`` compare numaov
@@ -167,7 +167,7 @@ def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "o
     (``numaov serve``'s): one untimed warm-up generation, then ``rounds`` timed ones. The
     backends run one after the other, so only one backend's workers hold the model at a
     time."""
-    from numaov.runtime.lm_engine import BACKENDS, open_lm_manifest
+    from numaov.runtime.lm_engine import BACKENDS, SamplingParams, open_lm_manifest
     from numaov.runtime.lm_service import LMService
 
     if "onnxruntime" in [b.strip() for b in backends]:
@@ -183,10 +183,12 @@ def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "o
     prompts = rng.integers(0, vocab, size=(batch, prompt_length)).tolist()
     rows = {b: BenchRow(b) for b in chosen}
     tokens: dict[str, list[list[int]]] = {}
+    # every prompt runs its full length, end-of-sequence tokens or not
+    params = SamplingParams(max_new_tokens, ignore_eos=True)
     for backend in chosen:
         with LMService(model_dir, backend, progress=progress) as service:
-            tokens[backend] = service.generate(prompts, max_new_tokens).tokens  # warm-up
-            results = [service.generate(prompts, max_new_tokens) for _ in range(rounds)]
+            tokens[backend] = service.generate(prompts, max_new_tokens, params).tokens  # warm-up
+            results = [service.generate(prompts, max_new_tokens, params) for _ in range(rounds)]
         row = rows[backend]
         row.seconds = [sum(r.step_seconds) for r in results]
         fastest = min(results, key=lambda r: sum(r.step_seconds))

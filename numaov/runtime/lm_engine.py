@@ -1,36 +1,44 @@
-"""Greedy generation with an exported DeepSeek-V2, one worker process per DP rank.
+"""The LM engine: continuous batching over the DP ranks of an exported DeepSeek-V2.
 
-``run_deepseek(model_dir, prompts, max_new_tokens)`` reads the manifest written by
-``numaov export deepseek``, starts one worker per rank of the binding plan (world size = the
-export's ``dp``), and returns the new tokens of every prompt in the caller's order.
+The one generation loop of numaov: ``numaov run deepseek`` (:func:`run_deepseek`), ``numaov
+serve`` (:mod:`numaov.runtime.lm_service`) and ``numaov bench deepseek`` all go through
+:class:`LMEngine`, split as follows (the way openvino.genai's continuous batching is split):
 
-- **Placement.** The binding rule (:mod:`numaov.runtime.binding`): ``NUMAOV_CPU_BIND`` (one
-  CPU list per rank), else one rank per NUMA node, else the allowed CPUs split between the
-  ranks; a bind string with another number of CPU lists than the model's ``dp`` is an error
-  that says so (:func:`plan_for_ranks`). Each worker pins itself, binds its memory, joins the
-  shared-memory group the model's collective nodes name, and compiles its rank's IR with one
-  inference thread per core.
-- **Sequences.** Prompt ``i`` goes to rank ``i % dp`` (round-robin, so a single prompt lands on
-  rank 0 and the other ranks are idle). Each rank left-pads its own prompts into one batch and
-  keeps its own KV cache; a rank with no prompts still runs every step with a batch of 0 rows,
-  because the collectives inside the graph need every rank at every step. Results come back
-  tagged by rank and are put back in prompt order by the same round-robin rule.
-- **Steps.** Every rank runs exactly ``max_new_tokens`` steps (step 1 is the prefill of the
-  whole prompt, then one token per step): there is no early stop at an end-of-sequence token,
-  so the ranks agree on the step count by construction and no extra exchange is needed.
-- **KV cache.** The simplest correct one: the graph returns the past with this step's entries
-  appended (``present_key_values``), which becomes the next step's ``past_key_values``; the
-  attention mask grows by one column per step.
-- **Backends** behind one interface (:class:`StepModel`): ``openvino`` runs the rank's IR;
-  ``torch`` runs ``numaov.models.deepseek`` on the source checkpoint with the same shard and
-  the same collectives (by group name), the reference the IR is checked against.
+- sequence state and sampling settings: :mod:`numaov.runtime.lm_sequence`;
+- the scheduler (admission, least-loaded rank, decode and chunked prefill phases):
+  :mod:`numaov.runtime.lm_scheduler`;
+- the cache manager (the in-place token pool of every rank, capacity, free on cancel):
+  :mod:`numaov.runtime.lm_cache`;
+- the model runner per rank (one step of the rank's graph, writing the new cache entries,
+  sampling): :mod:`numaov.runtime.lm_runner`, with the sampler in
+  :mod:`numaov.runtime.lm_sampler`;
+- the transports to the ranks (in process, or one pinned worker per rank):
+  :mod:`numaov.runtime.lm_ranks`;
+- text deltas for streaming: :mod:`numaov.runtime.lm_text`.
+
+The front end talks to the engine only through :meth:`LMEngine.submit`, :meth:`~LMEngine.stream`
+(or :meth:`~LMEngine.result`), :meth:`~LMEngine.cancel` and :meth:`~LMEngine.stats`. One thread
+runs the loop: when some rank has work it asks the scheduler for a step, sends every rank its
+part (the ranks run in lockstep: the same phases, 0 rows where idle), and applies what comes
+back: each sampled token is checked against its sequence's own stop rules (end-of-sequence,
+stop ids, stop strings, max new tokens); a finished sequence frees its cache at once and its
+stream ends. With no work the loop waits on a condition, so an idle engine does not step.
+
+Placement: the binding rule (:mod:`numaov.runtime.binding`): ``NUMAOV_CPU_BIND`` (one CPU list
+per rank), else one rank per NUMA node, else the allowed CPUs split between the ranks; a bind
+string with another number of CPU lists than the model's ``dp`` is an error that says so.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
+import queue as queue_module
+import secrets
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,24 +48,52 @@ import numpy as np
 from numaov import NumaovError
 from numaov.runtime import binding
 from numaov.runtime.binding import BIND_ENV, BindingPlan, RankCountError
+from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS, CacheManager, check_capacity, pool_bytes
+from numaov.runtime.lm_ranks import InProcessRanks, RankWorkersError, WorkerRanks, cache_shape
+from numaov.runtime.lm_runner import (
+    BACKENDS,
+    OpenVINOStep,
+    RankGeneration,
+    RankRunner,
+    RankStepResult,
+    StepModel,
+    TorchStep,
+    generate_on_rank,
+    open_step_model,
+    unknown_backend,
+)
+from numaov.runtime.lm_scheduler import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK, Scheduler
+from numaov.runtime.lm_sequence import (
+    GenerationInputError,
+    SamplingParams,
+    check_prompt,
+    end_of_sequence_ids,
+)
+from numaov.runtime.lm_sequence import (
+    Sequence as SequenceState,
+)
+from numaov.runtime.lm_text import TextStream
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
+
+__all__ = [
+    "BACKENDS", "Completion", "EngineStats", "GenerationInputError", "GenerationResult",
+    "LMEngine", "OpenVINOStep", "RankGeneration", "RankPlanError", "SamplingParams",
+    "StepModel", "StreamEvent", "TorchStep", "generate_on_rank", "open_step_model",
+    "run_deepseek",
+]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("openvino", "torch")
 KIND = "deepseek"
-# Pad ids are masked out of attention, so any valid id works; 0 is valid in every vocabulary.
-PAD_TOKEN_ID = 0
-# A generation that has not finished in this time is stuck (a peer died mid-collective).
-GENERATION_TIMEOUT_S = 3600.0
 _CONFIG_KEYS = ("vocab_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
                 "max_position_embeddings")
+# Steps over which stats() measures each rank's tokens/s.
+STATS_WINDOW_STEPS = 64
+# The loop finishes the step in flight before it stops.
+CLOSE_TIMEOUT_S = 600.0
+_POLL_S = 0.2
 
 Progress = Callable[[str], None] | None
-
-
-class GenerationInputError(NumaovError):
-    """Prompts, token ids or generation arguments the model cannot take."""
 
 
 class RankPlanError(NumaovError):
@@ -98,35 +134,11 @@ def check_prompts(
     prompts: Sequence[Sequence[int]], config: Mapping[str, Any], max_new_tokens: int
 ) -> list[list[int]]:
     """The prompts as lists of ints, after checking them against the model's config."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationInputError(
-            f"max_new_tokens is {max_new_tokens!r}; expected a positive integer",
-            parameter="max_new_tokens",
-        )
+    params = SamplingParams(max_new_tokens)
     if not prompts:
-        raise GenerationInputError("no prompts given; expected at least one prompt")
-    vocab = int(config["vocab_size"])
-    limit = int(config["max_position_embeddings"])
-    out = []
-    for i, prompt in enumerate(prompts):
-        ids = list(prompt)
-        if not ids:
-            raise GenerationInputError(f"prompt {i} is empty; expected at least one token id")
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
-            raise GenerationInputError(f"prompt {i} holds non-integer token ids; expected ints")
-        bad = [int(t) for t in ids if not 0 <= int(t) < vocab]
-        if bad:
-            raise GenerationInputError(
-                f"prompt {i} holds token id(s) {bad[:8]} outside the vocabulary; expected ids in "
-                f"0 .. {vocab - 1} (vocab_size {vocab})"
-            )
-        if len(ids) + max_new_tokens > limit:
-            raise GenerationInputError(
-                f"prompt {i} has {len(ids)} tokens; with {max_new_tokens} new tokens that is more "
-                f"than the model's max_position_embeddings={limit}"
-            )
-        out.append([int(t) for t in ids])
-    return out
+        raise GenerationInputError("no prompts given; expected at least one prompt",
+                                   parameter="prompt")
+    return [check_prompt(p, config, params, f"prompt {i}") for i, p in enumerate(prompts)]
 
 
 def load_tokenizer(directory: str | Path) -> Any:
@@ -183,297 +195,10 @@ def plan_for_ranks(
     return plan, plan.placement
 
 
-# -- backends ---------------------------------------------------------------------------------
-
-
-class StepModel:
-    """One rank's cached step: numpy in, ``(last-token logits [B, V] f32, present f32)`` out."""
-
-    name = "base"
-
-    def step(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release the compiled model / weights."""
-
-
-class OpenVINOStep(StepModel):
-    name = "openvino"
-
-    def __init__(self, manifest: ModelManifest, rank: int, config: Mapping[str, Any]) -> None:
-        self._compiled = manifest.compile_rank(rank, config)
-        self._request = self._compiled.create_infer_request()
-
-    def step(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        self._request.infer(feeds)
-        logits = self._request.get_output_tensor(0).data
-        # Copies: the request reuses its output buffers at the next step.
-        return np.array(logits[:, -1], dtype=np.float32), np.array(
-            self._request.get_output_tensor(1).data, dtype=np.float32
-        )
-
-    def close(self) -> None:
-        self._request = None
-        self._compiled = None
-
-
-class TorchStep(StepModel):
-    name = "torch"
-
-    def __init__(self, manifest: ModelManifest, rank: int) -> None:
-        import torch
-
-        from numaov.models.deepseek import DataParallelGroup, DeepseekV2
-
-        source = manifest.source_checkpoint_dir("openvino")
-        dp = None
-        if manifest.world_size > 1:
-            dp = DataParallelGroup(str(manifest.collective_group), rank, manifest.world_size)
-        dtype = torch.bfloat16 if manifest.precision == "bf16" else torch.float32
-        self._torch = torch
-        self._model = DeepseekV2.from_pretrained(source, dtype=dtype, dp=dp)
-        self._dtype = dtype
-
-    def step(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        torch = self._torch
-        with torch.inference_mode():
-            logits, present = self._model.step(
-                torch.from_numpy(feeds["input_ids"]),
-                torch.from_numpy(feeds["position_ids"]),
-                torch.from_numpy(feeds["attention_mask"]),
-                torch.from_numpy(feeds["past_key_values"]).to(self._dtype),
-            )
-        return logits[:, -1].float().numpy(), present.float().numpy()
-
-    def close(self) -> None:
-        self._model = None
-
-
-def _unknown_backend(backend: str) -> GenerationInputError:
-    return GenerationInputError(
-        f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", parameter="backend"
-    )
-
-
-def open_step_model(
-    manifest: ModelManifest, backend: str, rank: int, openvino_config: Mapping[str, Any]
-) -> StepModel:
-    if backend == "openvino":
-        return OpenVINOStep(manifest, rank, openvino_config)
-    if backend == "torch":
-        return TorchStep(manifest, rank)
-    raise _unknown_backend(backend)
-
-
-# -- one rank's generation --------------------------------------------------------------------
-
-
-@dataclass
-class RankGeneration:
-    """What one rank generated for its own prompts (in the order it was given them)."""
-
-    rank: int
-    tokens: list[list[int]]
-    # [prompts, steps, vocab] f32: the logits each token was chosen from (when asked for).
-    logits: np.ndarray | None
-    step_seconds: list[float]
-    load_seconds: float
-
-
-def generate_on_rank(
-    model: StepModel,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    layers: int,
-    cache_width: int,
-    keep_logits: bool = False,
-    rank: int = 0,
-) -> RankGeneration:
-    """Greedy decoding of this rank's prompts, left-padded into one batch (possibly empty)."""
-    b = len(prompts)
-    longest = max((len(p) for p in prompts), default=1)
-    ids = np.full((b, longest), PAD_TOKEN_ID, dtype=np.int64)
-    mask = np.zeros((b, longest), dtype=np.int64)
-    for i, prompt in enumerate(prompts):
-        ids[i, longest - len(prompt):] = prompt
-        mask[i, longest - len(prompt):] = 1
-    # Left-padded rows count positions from their first real token.
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    past = np.zeros((layers, b, 0, cache_width), dtype=np.float32)
-    chosen, kept, seconds = [], [], []
-    for _ in range(max_new_tokens):
-        start = time.perf_counter()
-        logits, past = model.step({
-            "input_ids": ids,
-            "position_ids": np.ascontiguousarray(positions),
-            "attention_mask": mask,
-            "past_key_values": past,
-        })
-        token = logits.argmax(axis=-1).astype(np.int64)  # [B]
-        chosen.append(token)
-        if keep_logits:
-            kept.append(logits)
-        # next step: one new token per row, at the next position
-        positions = mask.sum(axis=1, keepdims=True)
-        ids = token[:, None]
-        mask = np.concatenate([mask, np.ones((b, 1), dtype=np.int64)], axis=1)
-        seconds.append(time.perf_counter() - start)
-    tokens = np.stack(chosen, axis=1).tolist() if b else []
-    logits_all = None
-    if keep_logits:
-        logits_all = np.stack(kept, axis=1) if b else np.zeros((0, max_new_tokens, 0), np.float32)
-    return RankGeneration(rank, tokens, logits_all, seconds, 0.0)
-
-
-@dataclass(frozen=True)
-class _RankJob:
-    """What a generation worker needs; plain data, so it pickles into a spawned process."""
-
-    model_dir: str
-    backend: str
-    prompts: list[list[int]]
-    max_new_tokens: int
-    keep_logits: bool
-
-
-class RankModel:
-    """One rank's loaded step model and the cache sizes generation needs (a worker's state)."""
-
-    def __init__(self, context: Any, model_dir: str, backend: str) -> None:
-        manifest = read_manifest(model_dir, expected_kind=KIND)
-        config = manifest.config
-        self.rank = context.rank
-        self.layers = int(config["num_hidden_layers"])
-        self.cache_width = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
-        start = time.perf_counter()
-        self.model = open_step_model(manifest, backend, context.rank, context.openvino_config())
-        self.load_seconds = time.perf_counter() - start
-
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 keep_logits: bool = False) -> RankGeneration:
-        result = generate_on_rank(self.model, prompts, max_new_tokens, self.layers,
-                                  self.cache_width, keep_logits, self.rank)
-        result.load_seconds = self.load_seconds
-        return result
-
-    def close(self) -> None:
-        self.model.close()
-
-
-def _generate_rank(context: Any, job: _RankJob) -> RankGeneration:
-    """Worker body: load this rank's model, generate for its prompts in lockstep with the rest."""
-    model = RankModel(context, job.model_dir, job.backend)
-    try:
-        return model.generate(job.prompts, job.max_new_tokens, job.keep_logits)
-    finally:
-        model.close()
-
-
-# -- the run ----------------------------------------------------------------------------------
-
-
-@dataclass
-class GenerationResult:
-    """New tokens per prompt (the caller's order) and how long it took."""
-
-    tokens: list[list[int]]
-    backend: str
-    world_size: int
-    placement: str
-    # Slowest rank per step (the ranks run in lockstep); step 0 is the prefill, including the
-    # first inference's one-time work (OpenVINO allocates and picks kernels on first use).
-    step_seconds: list[float]
-    # Slowest rank's model load / compile.
-    load_seconds: float
-    # Per prompt, [steps, vocab] f32 logits each token was chosen from (keep_logits=True).
-    logits: list[np.ndarray] | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_ranks(cls, results: Sequence[RankGeneration], count: int, backend: str,
-                   placement: str) -> GenerationResult:
-        """The ranks' generations (by rank) put back in prompt order; per step the slowest
-        rank's time, since the ranks run in lockstep."""
-        logits = None
-        if any(r.logits is not None for r in results):
-            logits = merge_rank_outputs(
-                [list(r.logits) if r.logits is not None else [] for r in results], count
-            )
-        steps = [max(step) for step in zip(*(r.step_seconds for r in results), strict=True)]
-        return cls(
-            tokens=merge_rank_outputs([r.tokens for r in results], count), backend=backend,
-            world_size=len(results), placement=placement, step_seconds=steps,
-            load_seconds=max(r.load_seconds for r in results), logits=logits,
-        )
-
-    @property
-    def prefill_seconds(self) -> float:
-        return self.step_seconds[0]
-
-    @property
-    def decode_seconds(self) -> list[float]:
-        return self.step_seconds[1:]
-
-    @property
-    def tokens_per_second(self) -> float:
-        """All prompts' new tokens over the whole generation (prefill included)."""
-        return sum(len(t) for t in self.tokens) / max(sum(self.step_seconds), 1e-12)
-
-    @property
-    def decode_tokens_per_second(self) -> float | None:
-        """Tokens per second of the decode steps alone (one token per prompt per step)."""
-        if not self.decode_seconds:
-            return None
-        return len(self.tokens) * len(self.decode_seconds) / max(sum(self.decode_seconds), 1e-12)
-
-    def timings(self) -> dict[str, Any]:
-        decode = self.decode_seconds
-        return {
-            "load_s": self.load_seconds,
-            "prefill_s": self.prefill_seconds,
-            "decode_step_s": decode,
-            "decode_step_mean_s": sum(decode) / len(decode) if decode else None,
-            "tokens_per_s": self.tokens_per_second,
-            "decode_tokens_per_s": self.decode_tokens_per_second,
-        }
-
-    def summary(self) -> str:
-        """One line for the CLI."""
-        decode = self.decode_seconds
-        per_step = f", decode {1000 * sum(decode) / len(decode):.1f} ms/step" if decode else ""
-        return (
-            f"{len(self.tokens)} prompt(s) x {len(self.step_seconds)} new tokens on "
-            f"{self.backend} with {self.world_size} rank(s): prefill "
-            f"{1000 * self.prefill_seconds:.1f} ms{per_step}, {self.tokens_per_second:.1f} "
-            f"tokens/s (load {self.load_seconds:.1f} s)"
-        )
-
-
-def split_prompts(prompts: Sequence[Sequence[int]], world_size: int) -> list[list[list[int]]]:
-    """Rank r's prompts: every ``world_size``-th prompt starting at ``r``."""
-    return [[list(p) for p in prompts[r::world_size]] for r in range(world_size)]
-
-
-def merge_rank_outputs(per_rank: Sequence[Sequence[Any]], count: int) -> list[Any]:
-    """The inverse of :func:`split_prompts`: items of every rank back in prompt order."""
-    world = len(per_rank)
-    merged: list[Any] = [None] * count
-    for rank, items in enumerate(per_rank):
-        expected = len(range(rank, count, world))
-        if len(items) != expected:
-            raise NumaovError(
-                f"rank {rank} returned {len(items)} results for {expected} prompts; expected "
-                "one per prompt it was given"
-            )
-        for j, item in enumerate(items):
-            merged[rank + j * world] = item
-    return merged
-
-
 def open_lm_manifest(model_dir: str | Path, backend: str) -> ModelManifest:
     """The manifest of a ``numaov export deepseek`` directory, checked for ``backend``."""
     if backend not in BACKENDS:
-        raise _unknown_backend(backend)
+        raise unknown_backend(backend)
     manifest = read_manifest(model_dir, expected_kind=KIND)
     missing = [key for key in _CONFIG_KEYS if key not in manifest.config]
     if missing:
@@ -499,6 +224,398 @@ def resolve_plan(manifest: ModelManifest, plan: BindingPlan | None) -> tuple[Bin
     return plan, plan.placement
 
 
+
+# -- the engine -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What one step added to a request: its new token (none in the last event), the text
+    that token completed, the token's log-probability (when asked for), and, in the last
+    event, why the request ended."""
+
+    request_id: int
+    tokens: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request: its new tokens (a stopping token excluded), text (with a
+    tokenizer), log-probabilities (when asked for) and why it ended."""
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    text: str
+    logprobs: list[float] | None
+    finish_reason: str
+    logits: np.ndarray | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    queue_depth: int
+    running: list[int]  # per rank
+    cache_used_tokens: list[int]  # per rank
+    cache_capacity_tokens: list[int]  # per rank
+    cache_bytes: int  # each rank's pool
+    tokens_per_second: list[float]  # per rank, over the last STATS_WINDOW_STEPS steps
+    steps: int
+    # Per rank: phases it ran with 0 rows (in lockstep with a busy rank).
+    idle_phases: list[int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class LMEngine:
+    """Continuous batching over the ranks of ``ranks``; thread-safe."""
+
+    def __init__(self, ranks: Any, config: Mapping[str, Any], *,
+                 cache_tokens: int = DEFAULT_CACHE_TOKENS, tokenizer: Any = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_running: int = DEFAULT_MAX_RUNNING, backend: str = "openvino",
+                 placement: str = "", load_seconds: float = 0.0) -> None:
+        self.config = config
+        self.backend, self.placement, self.load_seconds = backend, placement, load_seconds
+        self.world_size = ranks.world_size
+        self.tokenizer = tokenizer
+        self._ranks = ranks
+        layers, width = cache_shape(config)
+        self.cache_bytes = pool_bytes(layers, width, cache_tokens)
+        self._caches = [CacheManager(cache_tokens) for _ in range(self.world_size)]
+        self._scheduler = Scheduler(self._caches, prefill_chunk, max_running)
+        self._eos = end_of_sequence_ids(config)
+        self._cond = threading.Condition()
+        self._sequences: dict[int, SequenceState] = {}
+        self._texts: dict[int, TextStream] = {}
+        self._events: dict[int, queue_module.Queue] = {}
+        self._completions: dict[int, Completion] = {}
+        self._next_id = 0
+        self._closed = False
+        self._failure: str | None = None
+        self.step_seconds: list[float] = []
+        # Per step and rank: (seconds in the graph, seconds of the whole step on the rank).
+        self.rank_seconds: list[list[tuple[float, float]]] = []
+        self._window: collections.deque = collections.deque(maxlen=STATS_WINDOW_STEPS)
+        self._idle_phases = [0] * self.world_size
+        self._thread = threading.Thread(target=self._loop, name="numaov-lm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, model_dir: str | Path, backend: str = "openvino", *,
+              plan: BindingPlan | None = None, cache_tokens: int = DEFAULT_CACHE_TOKENS,
+              tokenizer: Any = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+              max_running: int = DEFAULT_MAX_RUNNING, progress: Progress = None) -> LMEngine:
+        """An engine over one pinned worker per rank of ``model_dir``'s export."""
+        report = progress or (lambda _msg: None)
+        manifest = open_lm_manifest(model_dir, backend)
+        check_capacity(cache_tokens)
+        Scheduler([CacheManager(1)], prefill_chunk, max_running)  # checks both, before loading
+        plan, placement = resolve_plan(manifest, plan)
+        layers, width = cache_shape(manifest.config)
+        report(f"starting {manifest.world_size} worker(s) on {backend} ({placement}); KV cache "
+               f"{cache_tokens} tokens = {pool_bytes(layers, width, cache_tokens) / 2**20:.1f} "
+               "MiB per rank")
+        ranks = WorkerRanks(manifest, backend, plan, cache_tokens)
+        engine = cls(ranks, manifest.config, cache_tokens=cache_tokens, tokenizer=tokenizer,
+                     prefill_chunk=prefill_chunk, max_running=max_running, backend=backend,
+                     placement=placement, load_seconds=ranks.load_seconds)
+        report(f"workers ready (model loaded and compiled in {ranks.load_seconds:.1f} s)")
+        return engine
+
+    @classmethod
+    def in_process(cls, model: StepModel, config: Mapping[str, Any], *,
+                   cache_tokens: int = DEFAULT_CACHE_TOKENS, **options: Any) -> LMEngine:
+        """An engine over a single rank's step model in this process (dp=1)."""
+        layers, width = cache_shape(config)
+        ranks = InProcessRanks(RankRunner(model, layers, width, check_capacity(cache_tokens)))
+        return cls(ranks, config, cache_tokens=cache_tokens, backend=model.name,
+                   placement="in this process", **options)
+
+    # -- the interface ------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *,
+               keep_logits: bool = False) -> int:
+        """Queue one request; returns its id. Bad input, or a request larger than a rank's
+        whole cache, is a :class:`GenerationInputError` here, before anything runs."""
+        if not isinstance(params, SamplingParams):
+            raise GenerationInputError(f"params is {params!r}; expected SamplingParams",
+                                       parameter="params")
+        ids = check_prompt(prompt, self.config, params)
+        if params.stop and self.tokenizer is None:
+            raise GenerationInputError("stop strings need a tokenizer to read the text; "
+                                       "expected stop_token_ids instead", parameter="stop")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        with self._cond:
+            self._check_running()
+            self._next_id += 1
+            seq = SequenceState(self._next_id, ids, params, seed)
+            self._scheduler.add(seq, keep_logits)
+            self._sequences[seq.request_id] = seq
+            self._texts[seq.request_id] = TextStream(self.tokenizer, params.stop)
+            self._events[seq.request_id] = queue_module.Queue()
+            self._cond.notify_all()
+        return seq.request_id
+
+    def stream(self, request_id: int) -> Iterator[StreamEvent]:
+        """The request's events as they are produced; the last one has its finish_reason."""
+        events = self._event_queue(request_id)
+        while True:
+            try:
+                event = events.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                continue
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def astream(self, request_id: int) -> AsyncIterator[StreamEvent]:
+        """:meth:`stream` for asyncio: waits off the event loop."""
+        events = self._event_queue(request_id)
+        while True:
+            event = await asyncio.to_thread(events.get)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self, request_id: int) -> Completion:
+        """Wait for the request to finish; its completion (each request's once, whether or
+        not it was streamed)."""
+        with self._cond:
+            if request_id not in self._events:
+                raise self._unknown(request_id)
+            while request_id not in self._completions:
+                self._cond.wait()
+            self._events.pop(request_id)
+            return self._completions.pop(request_id)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 keep_logits: bool = False) -> list[Completion]:
+        """Submit every prompt, wait for all; completions in prompt order."""
+        ids = [self.submit(p, params, keep_logits=keep_logits) for p in prompts]
+        return [self.result(i) for i in ids]
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop the request now: its cache slots are free when this returns. False when it
+        had already finished."""
+        with self._cond:
+            seq = self._sequences.get(request_id)
+            if seq is None:
+                return False
+            self._finish(seq, "cancelled")
+            return True
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            waiting, running = self._scheduler.counts()
+            seconds = sum(w for w, _ in self._window)
+            per_rank = [sum(t[r] for _, t in self._window) for r in range(self.world_size)]
+            return EngineStats(
+                queue_depth=waiting, running=running,
+                cache_used_tokens=[c.used for c in self._caches],
+                cache_capacity_tokens=[c.capacity for c in self._caches],
+                cache_bytes=self.cache_bytes,
+                tokens_per_second=[n / seconds if seconds else 0.0 for n in per_rank],
+                steps=len(self.step_seconds), idle_phases=list(self._idle_phases))
+
+    def failure(self) -> str | None:
+        return self._failure or self._ranks.failure()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            for seq in list(self._sequences.values()):
+                self._finish(seq, "cancelled")
+            self._cond.notify_all()
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        self._ranks.close()
+
+    def __enter__(self) -> LMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._closed:
+            raise RankWorkersError("the engine was closed; expected a running engine")
+        failure = self.failure()
+        if failure is not None:
+            raise RankWorkersError(f"the rank workers failed earlier: {failure}")
+
+    @staticmethod
+    def _unknown(request_id: int) -> GenerationInputError:
+        return GenerationInputError(f"request {request_id!r} is not known (or its result was "
+                                    "already taken); expected an id from submit()",
+                                    parameter="request_id")
+
+    def _event_queue(self, request_id: int) -> queue_module.Queue:
+        with self._cond:
+            events = self._events.get(request_id)
+        if events is None:
+            raise self._unknown(request_id)
+        return events
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._scheduler.has_work():
+                    self._cond.wait()
+                if self._closed:
+                    return
+                steps = self._scheduler.schedule()
+            if steps is None:
+                continue
+            start = time.perf_counter()
+            try:
+                results = self._ranks.step(steps)
+            except Exception as exc:  # noqa: BLE001 - every waiting request is told
+                logger.error("the engine stopped: %s", exc)
+                with self._cond:
+                    self._failure = str(exc)
+                    for seq in list(self._sequences.values()):
+                        self._finish(seq, "error")
+                    self._closed = True
+                return
+            wall = time.perf_counter() - start
+            with self._cond:
+                for rank, step in enumerate(steps):
+                    self._idle_phases[rank] += sum(1 for rows in step.phases if not rows)
+                self._apply(results, wall)
+
+    def _apply(self, results: list[RankStepResult], wall: float) -> None:
+        self.step_seconds.append(wall)
+        self.rank_seconds.append([(r.forward_seconds, r.seconds) for r in results])
+        self._window.append((wall, [len(r.sampled) for r in results]))
+        for result in results:
+            for sampled in result.sampled:
+                seq = self._sequences.get(sampled.request_id)
+                if seq is None:  # cancelled while the step ran
+                    continue
+                token = sampled.token
+                if token in seq.params.stop_token_ids or (
+                        token in self._eos and not seq.params.ignore_eos):
+                    self._finish(seq, "stop")
+                    continue
+                seq.tokens.append(token)
+                if sampled.logprob is not None:
+                    seq.logprobs.append(sampled.logprob)
+                if sampled.logits is not None:
+                    seq.logits.append(sampled.logits)
+                text = self._texts[seq.request_id]
+                delta = text.add(seq.tokens)
+                self._events[seq.request_id].put(StreamEvent(
+                    seq.request_id, [token], delta,
+                    [sampled.logprob] if sampled.logprob is not None else []))
+                if text.stopped:
+                    self._finish(seq, "stop")
+                elif len(seq.tokens) >= seq.params.max_new_tokens:
+                    self._finish(seq, "length")
+
+    def _finish(self, seq: SequenceState, reason: str) -> None:
+        seq.finish_reason = reason
+        self._scheduler.remove(seq)
+        text = self._texts.pop(seq.request_id)
+        delta = text.finish()
+        del self._sequences[seq.request_id]
+        logits = np.stack(seq.logits) if seq.logits else None
+        self._completions[seq.request_id] = Completion(
+            seq.request_id, seq.prompt, seq.tokens, text.text,
+            seq.logprobs if seq.params.logprobs else None, reason, logits)
+        self._events[seq.request_id].put(StreamEvent(seq.request_id, [], delta, [], reason))
+        self._cond.notify_all()
+
+
+# -- one run: run deepseek, bench -------------------------------------------------------------
+
+
+@dataclass
+class GenerationResult:
+    """New tokens per prompt (the caller's order) and how long it took."""
+
+    tokens: list[list[int]]
+    backend: str
+    world_size: int
+    placement: str
+    # Wall time of every engine step (all ranks, in lockstep); step 0 holds the prefill of
+    # every prompt that fit in one chunk, including the first inference's one-time work.
+    step_seconds: list[float]
+    # Slowest rank's model load / compile.
+    load_seconds: float
+    # Per prompt, [new tokens, vocab] f32 logits each token was chosen from (keep_logits=True).
+    logits: list[np.ndarray] | None = field(default=None, repr=False)
+    completions: list[Completion] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_engine(cls, engine: LMEngine, completions: list[Completion],
+                    steps_before: int = 0) -> GenerationResult:
+        logits = None
+        if completions and all(c.logits is not None for c in completions):
+            logits = [c.logits for c in completions]
+        return cls(tokens=[c.tokens for c in completions], backend=engine.backend,
+                   world_size=engine.world_size, placement=engine.placement,
+                   step_seconds=engine.step_seconds[steps_before:],
+                   load_seconds=engine.load_seconds, logits=logits, completions=completions)
+
+    @property
+    def prefill_seconds(self) -> float:
+        return self.step_seconds[0]
+
+    @property
+    def decode_seconds(self) -> list[float]:
+        return self.step_seconds[1:]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """All prompts' new tokens over the whole generation (prefill included)."""
+        return sum(len(t) for t in self.tokens) / max(sum(self.step_seconds), 1e-12)
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens per second of the steps after the first (each prompt's first token comes
+        from the prefill)."""
+        if not self.decode_seconds:
+            return None
+        decoded = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return decoded / max(sum(self.decode_seconds), 1e-12)
+
+    def timings(self) -> dict[str, Any]:
+        decode = self.decode_seconds
+        return {
+            "load_s": self.load_seconds,
+            "prefill_s": self.prefill_seconds,
+            "decode_step_s": decode,
+            "decode_step_mean_s": sum(decode) / len(decode) if decode else None,
+            "tokens_per_s": self.tokens_per_second,
+            "decode_tokens_per_s": self.decode_tokens_per_second,
+        }
+
+    def summary(self) -> str:
+        """One line for the CLI."""
+        decode = self.decode_seconds
+        per_step = f", decode {1000 * sum(decode) / len(decode):.1f} ms/step" if decode else ""
+        return (
+            f"{len(self.tokens)} prompt(s), {sum(len(t) for t in self.tokens)} new tokens in "
+            f"{len(self.step_seconds)} steps on {self.backend} with {self.world_size} rank(s): "
+            f"prefill {1000 * self.prefill_seconds:.1f} ms{per_step}, "
+            f"{self.tokens_per_second:.1f} tokens/s (load {self.load_seconds:.1f} s)"
+        )
+
+
+def split_prompts(prompts: Sequence[Sequence[int]], world_size: int) -> list[list[list[int]]]:
+    """Rank r's prompts under a round-robin split (for benchmarks that drive ranks directly;
+    the engine places requests on the least-loaded rank instead)."""
+    return [[list(p) for p in prompts[r::world_size]] for r in range(world_size)]
+
+
 def run_deepseek(
     model_dir: str | Path,
     prompts: Sequence[Sequence[int]],
@@ -506,46 +623,54 @@ def run_deepseek(
     backend: str = "openvino",
     *,
     plan: BindingPlan | None = None,
+    params: SamplingParams | None = None,
+    cache_tokens: int | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     keep_logits: bool = False,
+    tokenizer: Any = None,
     progress: Progress = None,
 ) -> GenerationResult:
-    """Generate ``max_new_tokens`` tokens greedily for every prompt on one worker per rank.
+    """Generate for every prompt on one worker per rank (the engine, started for this run).
 
-    ``plan`` overrides the placement (default :func:`plan_for_ranks`, which refuses a plan
-    with another number of ranks than the model's dp).
+    ``params`` sets the sampling and stop rules (default: greedy, stop at the model's
+    end-of-sequence token); its ``max_new_tokens`` is ``max_new_tokens``. ``cache_tokens``
+    (per rank) defaults to what the prompts need, at least ``DEFAULT_CACHE_TOKENS``. ``plan``
+    overrides the placement (default :func:`plan_for_ranks`).
     """
     report = progress or (lambda _msg: None)
     manifest = open_lm_manifest(model_dir, backend)
     checked = check_prompts(prompts, manifest.config, max_new_tokens)
-    world = manifest.world_size
-    plan, placement = resolve_plan(manifest, plan)
-    shares = split_prompts(checked, world)
-    report(
-        f"generating {max_new_tokens} tokens for {len(checked)} prompt(s) on {backend} with "
-        f"{world} rank(s) ({placement}); prompts per rank: {[len(s) for s in shares]}"
-    )
-    jobs = [_RankJob(str(manifest.directory), backend, share, max_new_tokens, keep_logits)
-            for share in shares]
-    results: list[RankGeneration] = _run_jobs(plan, jobs, manifest.collective_group)
-    return GenerationResult.from_ranks(results, len(checked), backend, placement)
+    if params is None:
+        params = SamplingParams(max_new_tokens)
+    elif params.max_new_tokens != max_new_tokens:
+        params = SamplingParams(**{**params.__dict__, "max_new_tokens": max_new_tokens})
+    if cache_tokens is None:
+        cache_tokens = max(DEFAULT_CACHE_TOKENS, sum(len(p) + max_new_tokens for p in checked))
+    report(f"generating up to {max_new_tokens} tokens for {len(checked)} prompt(s) on "
+           f"{backend} with {manifest.world_size} rank(s)")
+    with LMEngine.start(model_dir, backend, plan=plan, cache_tokens=cache_tokens,
+                        tokenizer=tokenizer, prefill_chunk=prefill_chunk,
+                        progress=progress) as engine:
+        completions = engine.generate(checked, params, keep_logits=keep_logits)
+        return GenerationResult.from_engine(engine, completions)
 
 
 def format_generation(
     result: GenerationResult, prompts: Sequence[Sequence[int]], tokenizer: Any = None
 ) -> str:
-    """One line per prompt (ids, or text with a tokenizer: prompt -> new text), then the
-    timing summary."""
+    """One line per prompt (ids, or text with a tokenizer: prompt -> new text; `` [stop]``
+    when it ended at a stop rule, then its log-probabilities when asked for), then the timing
+    summary."""
     lines = []
     for i, (prompt, new) in enumerate(zip(prompts, result.tokens, strict=True)):
+        done = result.completions[i] if result.completions else None
+        stop = " [stop]" if done is not None and done.finish_reason == "stop" else ""
         if tokenizer is None:
-            lines.append(f"[{i}] {','.join(map(str, prompt))} -> {','.join(map(str, new))}")
+            lines.append(f"[{i}] {','.join(map(str, prompt))} -> {','.join(map(str, new))}{stop}")
         else:
-            lines.append(f"[{i}] {tokenizer.decode(list(prompt))!r} -> {tokenizer.decode(new)!r}")
+            text = done.text if done is not None else tokenizer.decode(new)
+            lines.append(f"[{i}] {tokenizer.decode(list(prompt))!r} -> {text!r}{stop}")
+        if done is not None and done.logprobs is not None:
+            lines.append("    logprobs " + ",".join(f"{v:.4f}" for v in done.logprobs))
     lines.append(result.summary())
     return "\n".join(lines)
-
-
-def _run_jobs(plan: BindingPlan, jobs: list[_RankJob], group: str | None) -> list[RankGeneration]:
-    from numaov.runtime.workers import run_on_ranks
-
-    return run_on_ranks(plan, _generate_rank, jobs, group=group, timeout_s=GENERATION_TIMEOUT_S)

@@ -1,25 +1,29 @@
-"""The HTTP service: OpenAI-style completions over long-lived DP-rank workers.
+"""The HTTP service: OpenAI-style completions over the LM engine.
 
-``LMService(model_dir)`` starts one worker per rank of the binding plan, as ``numaov run
-deepseek`` does, but the workers stay: each pins itself, joins the model's collective group,
-loads and compiles its rank's graph once, then serves batches until the service closes. A
-batch is sent to every rank (prompt ``i`` to rank ``i % dp``; idle ranks run with 0 rows,
-because the collectives in the graph need every rank at every step) and the ranks' tokens come
-back in prompt order. Batches run one at a time; a request waits for the one before it.
+``LMService(model_dir)`` starts the engine (:class:`numaov.runtime.lm_engine.LMEngine`) on one
+worker per rank of the binding plan, as ``numaov run deepseek`` does, but the workers stay:
+each pins itself, joins the model's collective group, loads and compiles its rank's graph and
+allocates its KV cache once, then serves steps until the service closes. Every request is
+submitted to the engine on its own, so requests that arrive while others run join the running
+batch at the next step (continuous batching) instead of waiting for them.
 
 ``build_app(service)`` is the FastAPI application; ``listen(host, port)`` binds its socket
 (before the workers start, so a taken port fails at once) and ``serve_forever(app, sock)``
 runs it with uvicorn until SIGINT or SIGTERM, as ``numaov serve`` does:
 
-- ``GET /health``: ``{"status": "ok", ...}``, or HTTP 503 once the workers have failed.
+- ``GET /health``: ``{"status": "ok", ...}``, or HTTP 503 once the workers have failed;
+  ``GET /stats``: the engine's queue depth, running sequences, cache use and tokens/s per rank.
 - ``GET /v1/models``: the one model served.
 - ``POST /v1/completions``: ``prompt`` as text, a list of texts (both need ``--tokenizer``), a
-  list of token ids or a list of such lists; ``max_tokens`` (default 16). Decoding is greedy:
-  ``temperature`` 0 and ``top_p`` 1 are accepted, other values, ``n`` > 1, ``stream``,
-  ``logprobs``, ``echo`` and ``stop`` are refused with HTTP 400 rather than ignored. Each choice
-  carries ``text`` (decoded when the server has a tokenizer, else empty) and ``token_ids``; it
-  ends at the model's end-of-sequence token (``finish_reason`` "stop", the token left out) or
-  after ``max_tokens`` ("length").
+  list of token ids or a list of such lists; ``max_tokens`` (default 16); sampling per request:
+  ``temperature`` (0 = greedy, the default), ``top_p``, ``top_k``, ``seed``; stop rules:
+  ``stop`` (strings, need ``--tokenizer``), ``stop_token_ids``, ``ignore_eos``; ``logprobs``
+  (0 or 1: the chosen tokens' log-probabilities); ``stream`` (server-sent events, one prompt;
+  a client that goes away cancels its request). ``n`` > 1, ``echo``, ``suffix``, penalties and
+  ``logit_bias`` are refused with HTTP 400 rather than ignored. Each choice carries ``text``
+  (decoded when the server has a tokenizer, else empty) and ``token_ids``; ``finish_reason`` is
+  "stop" (end-of-sequence token or a stop id, left out; or a stop string, the text cut before
+  it) or "length".
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400 for
 bad input, 404 for another model name, 503 when the workers are gone.
@@ -29,12 +33,8 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
-import os
-import queue as queue_module
 import signal
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -46,24 +46,21 @@ from fastapi import Request  # at module level: FastAPI resolves the handler's a
 
 from numaov import NumaovError
 from numaov.runtime.binding import BindingPlan
+from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
 from numaov.runtime.lm_engine import (
-    GENERATION_TIMEOUT_S,
     GenerationInputError,
     GenerationResult,
+    LMEngine,
     Progress,
-    RankModel,
+    SamplingParams,
     check_prompts,
-    open_lm_manifest,
-    resolve_plan,
-    split_prompts,
 )
+from numaov.runtime.lm_ranks import RankWorkersError
+from numaov.runtime.lm_scheduler import DEFAULT_PREFILL_CHUNK
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16
-# Loading and compiling a rank's graph; a real checkpoint can take minutes.
-STARTUP_TIMEOUT_S = 1800.0
-_POLL_S = 0.2
 
 
 class ServiceError(NumaovError):
@@ -79,154 +76,55 @@ class CompletionRequestError(NumaovError):
         self.status = status
 
 
-# -- the workers ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _ServeJob:
-    model_dir: str
-    backend: str
-    requests: Any  # this rank's queue of (request id, prompts, max new tokens) or None
-    replies: Any  # shared queue of ("ready" | "done", rank, payload)
-
-
-def _serve_rank(context: Any, job: _ServeJob) -> int:
-    """Worker body: load this rank's model once, then run every batch sent to it."""
-    model = RankModel(context, job.model_dir, job.backend)
-    parent = os.getppid()
-    served = 0
-    try:
-        job.replies.put(("ready", context.rank, model.load_seconds))
-        while True:
-            try:
-                item = job.requests.get(timeout=_POLL_S * 5)
-            except queue_module.Empty:
-                if os.getppid() != parent:  # the service was killed: do not linger
-                    break
-                continue
-            if item is None:
-                break
-            request_id, prompts, max_new_tokens = item
-            job.replies.put(("done", context.rank,
-                             (request_id, model.generate(prompts, max_new_tokens))))
-            served += 1
-    finally:
-        model.close()
-    return served
+# -- the service ------------------------------------------------------------------------------
 
 
 class LMService:
-    """Long-lived rank workers for one exported DeepSeek-V2 model; thread-safe."""
+    """The engine over long-lived rank workers for one exported DeepSeek-V2 model."""
 
     def __init__(self, model_dir: str | Path, backend: str = "openvino", *,
-                 plan: BindingPlan | None = None, progress: Progress = None) -> None:
-        from numaov.runtime.workers import run_on_ranks
-
-        report = progress or (lambda _msg: None)
-        self.manifest = open_lm_manifest(model_dir, backend)
-        self.backend = backend
-        self.world_size = self.manifest.world_size
-        self.plan, self.placement = resolve_plan(self.manifest, plan)
-        ctx = mp.get_context("spawn")
-        self._requests = [ctx.Queue() for _ in range(self.world_size)]
-        self._replies = ctx.Queue()
-        self._lock = threading.Lock()
-        self._next_id = 0
-        self._failure: str | None = None
-        self._started = False
-        self._closed = False
-        jobs = [_ServeJob(str(self.manifest.directory), backend, self._requests[r], self._replies)
-                for r in range(self.world_size)]
-
-        def run_workers() -> None:
-            try:
-                run_on_ranks(self.plan, _serve_rank, jobs, group=self.manifest.collective_group,
-                             timeout_s=float("inf"))
-            except Exception as exc:  # noqa: BLE001 - kept for every later request to report
-                self._failure = str(exc)
-                if self._started:  # a failure while starting is raised to the caller instead
-                    logger.error("the rank workers stopped: %s", exc)
-
-        report(f"starting {self.world_size} worker(s) on {backend} ({self.placement})")
-        self._thread = threading.Thread(target=run_workers, name="numaov-lm-workers",
-                                        daemon=True)
-        self._thread.start()
+                 plan: BindingPlan | None = None, cache_tokens: int = DEFAULT_CACHE_TOKENS,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, tokenizer: Any = None,
+                 progress: Progress = None) -> None:
         try:
-            ready = self._collect("ready", None, STARTUP_TIMEOUT_S, "starting")
-        except ServiceError:
-            self.close()
-            raise
-        self._started = True
-        self.load_seconds = max(ready.values())
-        report(f"workers ready (model loaded and compiled in {self.load_seconds:.1f} s)")
+            self.engine = LMEngine.start(model_dir, backend, plan=plan, cache_tokens=cache_tokens,
+                                         tokenizer=tokenizer, prefill_chunk=prefill_chunk,
+                                         progress=progress)
+        except RankWorkersError as exc:
+            raise ServiceError(str(exc)) from None
+        self.backend = backend
+        self.world_size = self.engine.world_size
+        self.placement = self.engine.placement
+        self.load_seconds = self.engine.load_seconds
 
     @property
     def config(self) -> Mapping[str, Any]:
-        return self.manifest.config
+        return self.engine.config
 
     def failure(self) -> str | None:
         """Why the workers stopped, or None while they serve."""
-        if self._failure is None and not self._closed and not self._thread.is_alive():
-            return "the worker processes exited"
-        return self._failure
+        return self.engine.failure()
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int
-                 ) -> GenerationResult:
-        """``max_new_tokens`` greedy tokens for every prompt, in the caller's order, and the
-        slowest rank's time per step."""
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 params: SamplingParams | None = None) -> GenerationResult:
+        """Every prompt's completion (default: greedy, ``max_new_tokens`` at most), in the
+        caller's order, and the engine's step times while they ran."""
         checked = check_prompts(prompts, self.config, max_new_tokens)
-        with self._lock:
-            if self._closed:
-                raise ServiceError("the service was closed; expected a running service")
-            failure = self.failure()
-            if failure is not None:
-                raise ServiceError(f"the rank workers failed earlier: {failure}")
-            self._next_id += 1
-            request_id = self._next_id
-            shares = split_prompts(checked, self.world_size)
-            for rank, share in enumerate(shares):
-                self._requests[rank].put((request_id, share, max_new_tokens))
-            done = self._collect("done", request_id, GENERATION_TIMEOUT_S, "generating")
-        return GenerationResult.from_ranks([done[r] for r in range(self.world_size)],
-                                           len(checked), self.backend, self.placement)
+        params = params or SamplingParams(max_new_tokens)
+        before = len(self.engine.step_seconds)
+        try:
+            completions = self.engine.generate(checked, params)
+        except RankWorkersError as exc:
+            raise ServiceError(str(exc)) from None
+        self._raise_on_error(completions)
+        return GenerationResult.from_engine(self.engine, completions, before)
 
-    def _collect(self, kind: str, request_id: int | None, timeout_s: float,
-                 doing: str) -> dict[int, Any]:
-        """One ``kind`` reply per rank (for ``request_id``), failing when the workers stop."""
-        got: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < self.world_size:
-            try:
-                reply_kind, rank, payload = self._replies.get(timeout=_POLL_S)
-            except queue_module.Empty:
-                failure = self.failure()
-                if failure is not None:
-                    raise ServiceError(f"the rank workers failed while {doing}: {failure}"
-                                       ) from None
-                if time.monotonic() > deadline:
-                    raise ServiceError(
-                        f"the rank workers did not finish {doing} within {timeout_s:.0f} s "
-                        f"(ranks done: {sorted(got)})"
-                    ) from None
-                continue
-            if reply_kind != kind:
-                continue
-            if request_id is not None:
-                reply_id, payload = payload
-                if reply_id != request_id:
-                    continue
-            got[rank] = payload
-        return got
+    def _raise_on_error(self, completions: Sequence[Any]) -> None:
+        if any(c.finish_reason == "error" for c in completions):
+            raise ServiceError(f"the rank workers failed while generating: {self.failure()}")
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the workers (they finish the batch they are on) and wait for them."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for q in self._requests:
-                q.put(None)
-        self._thread.join(timeout=timeout_s)
+    def close(self) -> None:
+        self.engine.close()
 
     def __enter__(self) -> LMService:
         return self
@@ -243,22 +141,57 @@ class CompletionRequest:
     """A checked ``/v1/completions`` body."""
 
     prompts: list[list[int]]
-    max_tokens: int
+    params: SamplingParams
+    stream: bool = False
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_new_tokens
 
 
-# The OpenAI completion fields. Sampling fields are accepted only at the value that leaves
-# greedy decoding unchanged; fields that would change the output's form are accepted only
-# when absent or empty; anything else (a typo such as "max_token" included) is refused, so no
-# request is silently answered differently from what it asked.
-_NEUTRAL = {"temperature": 0, "top_p": 1, "n": 1, "best_of": 1, "presence_penalty": 0,
-            "frequency_penalty": 0}
-_EMPTY_ONLY = ("stream", "stream_options", "logprobs", "echo", "stop", "suffix", "logit_bias")
-_FREE = ("model", "prompt", "max_tokens", "user", "seed")
-_KNOWN = (*_FREE, *_NEUTRAL, *_EMPTY_ONLY)
+# The OpenAI completion fields (and vLLM's top_k, stop_token_ids, ignore_eos). Fields numaov
+# does not implement are accepted only at the value that changes nothing, or only when absent
+# or empty; anything else (a typo such as "max_token" included) is refused, so no request is
+# silently answered differently from what it asked.
+_NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
+_EMPTY_ONLY = ("stream_options", "echo", "suffix", "logit_bias")
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+             "logprobs", "stream")
+_FREE = ("model", "prompt", "max_tokens", "user")
+_KNOWN = (*_FREE, *_SAMPLING, *_NEUTRAL, *_EMPTY_ONLY)
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _sampling_params(body: dict[str, Any], max_tokens: int, tokenizer: Any) -> SamplingParams:
+    """The request's sampling settings, each checked by SamplingParams (one message each)."""
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop and tokenizer is None:
+        raise CompletionRequestError("stop strings need the text, but this server was started "
+                                     "without a tokenizer; expected stop_token_ids", "stop")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, True, 0, 1):
+        raise CompletionRequestError(
+            f"logprobs is {json.dumps(logprobs)}; expected 0 or 1 (this server returns the "
+            "chosen token's log-probability only)", "logprobs")
+    settings: dict[str, Any] = {
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"), "seed": body.get("seed"),
+        "stop_token_ids": body.get("stop_token_ids"), "ignore_eos": body.get("ignore_eos"),
+    }
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if "ignore_eos" in settings and not isinstance(settings["ignore_eos"], bool):
+        raise CompletionRequestError(f"ignore_eos is {json.dumps(settings['ignore_eos'])}; "
+                                     "expected true or false", "ignore_eos")
+    try:
+        return SamplingParams(max_tokens, stop=tuple(stop) if isinstance(stop, list) else stop,
+                              logprobs=bool(logprobs), **settings)
+    except GenerationInputError as exc:
+        raise CompletionRequestError(str(exc), exc.parameter) from None
 
 
 def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: Any = None
@@ -281,8 +214,8 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
                                          name)
         if value != neutral:
             raise CompletionRequestError(
-                f"{name} {json.dumps(value)} is not supported: this server decodes greedily, one "
-                f"answer per prompt; expected {name} absent or {neutral}", name)
+                f"{name} {json.dumps(value)} is not supported: this server gives one answer "
+                f"per prompt, without penalties; expected {name} absent or {neutral}", name)
     for name in _EMPTY_ONLY:
         if body.get(name) not in (None, False, "", [], {}):
             raise CompletionRequestError(
@@ -294,7 +227,15 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
     elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise CompletionRequestError(
             f"max_tokens is {json.dumps(max_tokens)}; expected a positive integer", "max_tokens")
+    params = _sampling_params(body, max_tokens, tokenizer)
+    stream = body.get("stream")
+    if stream not in (None, False, True):
+        raise CompletionRequestError(f"stream is {json.dumps(stream)}; expected true or false",
+                                     "stream")
     prompts = _prompt_ids(body.get("prompt"), tokenizer)
+    if stream and len(prompts) > 1:
+        raise CompletionRequestError("stream takes one prompt; expected a single prompt (or "
+                                     "one request per prompt)", "stream")
     limit = int(config["max_position_embeddings"])
     longest = max(len(p) for p in prompts)
     if longest + max_tokens > limit:
@@ -306,7 +247,7 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
         checked = check_prompts(prompts, config, max_tokens)
     except GenerationInputError as exc:
         raise CompletionRequestError(str(exc), "prompt") from None
-    return CompletionRequest(checked, max_tokens)
+    return CompletionRequest(checked, params, bool(stream))
 
 
 def _is_token_id(value: Any) -> bool:
@@ -354,24 +295,22 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
     return [list(prompt)]
 
 
-def end_of_sequence_ids(config: Mapping[str, Any]) -> set[int]:
-    eos = config.get("eos_token_id")
-    if eos is None:
-        return set()
-    return {int(t) for t in (eos if isinstance(eos, list) else [eos])}
+def _logprobs(completion: Any, tokenizer: Any) -> dict[str, Any] | None:
+    if completion.logprobs is None:
+        return None
+    pieces = [tokenizer.decode([t]) if tokenizer is not None else str(t)
+              for t in completion.tokens]
+    return {"tokens": pieces, "token_logprobs": completion.logprobs}
 
 
-def completion_choice(index: int, tokens: Sequence[int], eos: set[int], tokenizer: Any
-                      ) -> dict[str, Any]:
-    """One OpenAI choice: tokens up to (not including) the first end-of-sequence token."""
-    stop = next((i for i, t in enumerate(tokens) if t in eos), None)
-    kept = list(tokens if stop is None else tokens[:stop])
+def completion_choice(index: int, completion: Any, tokenizer: Any) -> dict[str, Any]:
+    """One OpenAI choice of a finished engine request."""
     return {
         "index": index,
-        "text": tokenizer.decode(kept) if tokenizer is not None else "",
-        "token_ids": kept,
-        "logprobs": None,
-        "finish_reason": "length" if stop is None else "stop",
+        "text": completion.text,
+        "token_ids": list(completion.tokens),
+        "logprobs": _logprobs(completion, tokenizer),
+        "finish_reason": completion.finish_reason,
     }
 
 
@@ -381,14 +320,14 @@ def completion_choice(index: int, tokens: Sequence[int], eos: set[int], tokenize
 def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any:
     """The FastAPI application serving ``service`` under ``model_name``."""
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="numaov", version="1")
     app.router.redirect_slashes = False  # "/v1/completions/" is an error, not a redirect
-    eos = end_of_sequence_ids(service.config)
-    routes = "POST /v1/completions, GET /v1/models and GET /health"
+    engine = service.engine
+    routes = "POST /v1/completions, GET /v1/models, GET /stats and GET /health"
 
     def error(status: int, message: str, param: str | None = None,
               kind: str = "invalid_request_error") -> JSONResponse:
@@ -412,10 +351,36 @@ def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any
             return JSONResponse(status_code=503, content=body)
         return body
 
+    @app.get("/stats")
+    def stats() -> Any:
+        return engine.stats().as_dict()
+
     @app.get("/v1/models")
     def models() -> Any:
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "numaov"}]}
+
+    def header() -> dict[str, Any]:
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model_name}
+
+    async def events(request: Request, request_id: int, head: dict[str, Any]):
+        finished = False
+        try:
+            async for event in engine.astream(request_id):
+                finished = event.finish_reason is not None
+                choice = {"index": 0, "text": event.text, "token_ids": event.tokens,
+                          "logprobs": ({"token_logprobs": event.logprobs} if event.logprobs
+                                       else None),
+                          "finish_reason": event.finish_reason}
+                yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                if not finished and await request.is_disconnected():
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away: free the sequence's cache now
+                engine.cancel(request_id)
+            await run_in_threadpool(engine.result, request_id)  # finished: drop it
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -428,20 +393,26 @@ def build_app(service: LMService, model_name: str, tokenizer: Any = None) -> Any
                          f"{model_name!r}", "model", "model_not_found")
         try:
             parsed = parse_completion_request(body, service.config, tokenizer)
+            ids = [engine.submit(p, parsed.params) for p in parsed.prompts]
         except CompletionRequestError as exc:
             return error(exc.status, str(exc), exc.param)
-        try:  # generation blocks: off the event loop, so /health answers meanwhile
-            result = await run_in_threadpool(service.generate, parsed.prompts, parsed.max_tokens)
-        except ServiceError as exc:
+        except GenerationInputError as exc:  # e.g. larger than the whole cache
+            return error(400, str(exc), exc.parameter)
+        except RankWorkersError as exc:
             return error(503, str(exc), None, "server_error")
-        choices = [completion_choice(i, t, eos, tokenizer) for i, t in enumerate(result.tokens)]
+        if parsed.stream:
+            return StreamingResponse(events(request, ids[0], header()),
+                                     media_type="text/event-stream")
+        # waiting blocks: off the event loop, so /health answers meanwhile
+        done = [await run_in_threadpool(engine.result, i) for i in ids]
+        if any(c.finish_reason == "error" for c in done):
+            return error(503, f"the rank workers failed: {service.failure()}", None,
+                         "server_error")
+        choices = [completion_choice(i, c, tokenizer) for i, c in enumerate(done)]
         prompt_tokens = sum(len(p) for p in parsed.prompts)
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
+            **header(),
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
@@ -460,6 +431,9 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        # listening from here on: a client that connects once the URL is printed waits in the
+        # backlog until uvicorn accepts, instead of being refused
+        sock.listen(128)
     except OSError as exc:
         sock.close()
         raise ServiceError(f"cannot listen on {host}:{port} ({exc.strerror}); expected a free "

@@ -51,8 +51,9 @@ shared memory, the OpenVINO extension op) serves the group is not its concern.
 The package, one concern per module: ``config`` (the config and its rope / yarn keys),
 ``sharding`` (the DP group and the weight split), ``checkpoint_layout`` (per-expert files <->
 expert stacks), then the building blocks bottom up (``norm``, ``rope``, ``attention``,
-``mlp``, ``experts``, ``moe``, ``decoder``), ``causal_lm`` (the model: load, save, step) and
-``generation`` (greedy decoding).
+``mlp``, ``experts``, ``moe``, ``decoder``) and ``causal_lm`` (the model: load, save, the
+cached step and the pooled step the exporter traces). Generation (scheduling, sampling, the
+cache pool) is the runtime's: :mod:`numaov.runtime.lm_engine`.
 """
 
 # Names in __all__ are the interface; the ones imported "as" themselves are the building blocks,
@@ -71,7 +72,6 @@ from numaov.models.deepseek.decoder import DeepseekV2DecoderLayer as DeepseekV2D
 from numaov.models.deepseek.decoder import DeepseekV2Model as DeepseekV2Model
 from numaov.models.deepseek.experts import EXPERT_IMPLS as EXPERT_IMPLS
 from numaov.models.deepseek.experts import DeepseekV2Experts as DeepseekV2Experts
-from numaov.models.deepseek.generation import GreedyOutput, ModelInputError, generate_greedy
 from numaov.models.deepseek.mlp import DeepseekV2MLP as DeepseekV2MLP
 from numaov.models.deepseek.moe import DeepseekV2MoE as DeepseekV2MoE
 from numaov.models.deepseek.moe import DeepseekV2Router as DeepseekV2Router
@@ -90,12 +90,9 @@ __all__ = [
     "DeepseekV2",
     "DeepseekV2Config",
     "DeepseekV2Step",
-    "GreedyOutput",
-    "ModelInputError",
     "ShardError",
     "check_dp_divides",
     "checkpoint_to_model_state_dict",
-    "generate_greedy",
     "model_to_checkpoint_state_dict",
     "shard_state_dict",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from numaov.custom_ops import rotary_embedding
@@ -20,8 +19,8 @@ class DeepseekV2Attention(nn.Module):
     """MLA: queries from a (low-rank) projection, keys and values from a shared latent.
 
     The cache holds, per token, the normalised latent ``[kv_lora_rank]`` and the rotated rope
-    key ``[qk_rope_head_dim]`` (the same compressed cache as transformers); keys and values
-    are expanded from it with ``kv_b_proj`` at every step.
+    key ``[qk_rope_head_dim]`` (the same compressed cache as transformers); attention runs on
+    it directly, with ``kv_b_proj`` absorbed into the query and the output (step 3).
     """
 
     def __init__(self, config: DeepseekV2Config) -> None:
@@ -66,7 +65,6 @@ class DeepseekV2Attention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         # rows of cos/sin are (batch, token) pairs: rope sees x as [B*T, heads, Dr]
         q_pe = rotary_embedding(q_pe.reshape(b * t, heads, self.rope_dim), cos, sin, True)
-        q = torch.cat((q_nope, q_pe.view(b, t, heads, self.rope_dim)), dim=-1)
 
         # 2. this step's cache entries, appended to the past
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
@@ -74,20 +72,33 @@ class DeepseekV2Attention(nn.Module):
         k_pe = rotary_embedding(k_pe.reshape(b * t, 1, self.rope_dim), cos, sin, True)
         present = torch.cat((past, torch.cat((latent, k_pe.view(b, t, self.rope_dim)), -1)), 1)
 
-        # 3. keys and values of every cached token: [B, heads, S, *]
-        s = present.shape[1]
+        # 3. attention in the latent space ("absorbed" MLA): kv_b_proj's key half is folded
+        #    into the query and its value half applied after the attention, so the cached
+        #    latents are read as they are and never expanded per head: a step costs
+        #    O(cached tokens x (kv_lora_rank + rope dim)) per head instead of a kv_b_proj
+        #    matmul over every cached token. The same sums as keys/values expanded first, in
+        #    another order.
+        w_uk, w_uv = self._absorbed_weights()  # [heads, nope, R], [heads, v, R]
         latent_all, k_pe_all = present.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent_all).view(b, s, heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
-        k_pe_all = k_pe_all.unsqueeze(1).expand(b, heads, s, self.rope_dim)
-        k = torch.cat((k_nope, k_pe_all), dim=-1)
+        q_lat = torch.matmul(q_nope.transpose(1, 2), w_uk)  # [B, heads, T, R]
+        q_all = torch.cat((q_lat, q_pe.view(b, t, heads, self.rope_dim).transpose(1, 2)), -1)
+        keys = torch.cat((latent_all, k_pe_all), dim=-1).unsqueeze(1)  # [B, 1, S, R+Dr]
+        scores = torch.matmul(q_all, keys.transpose(-1, -2)) * self.softmax_scale
+        scores = scores.masked_fill(~mask, float("-inf"))  # [B, heads, T, S]
+        probs = torch.softmax(scores.float(), dim=-1).to(latent_all.dtype)
+        context = torch.matmul(probs, latent_all.unsqueeze(1))  # [B, heads, T, R]
+        out = torch.matmul(context, w_uv.transpose(1, 2))  # [B, heads, T, v]
 
-        # 4. attention and output projection
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, scale=self.softmax_scale
-        )
+        # 4. output projection
         out = out.transpose(1, 2).reshape(b, t, heads * self.v_dim)
         return self.o_proj(out), present
+
+    def _absorbed_weights(self) -> tuple[Tensor, Tensor]:
+        """kv_b_proj's weight ``[heads*(nope+v), R]`` split per head into its key part
+        ``[heads, nope, R]`` and value part ``[heads, v, R]``."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim,
+                                       self.kv_lora_rank)
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
 
 def _attention_mask(attention_mask: Tensor, t: int) -> Tensor:

@@ -144,9 +144,36 @@ class DeepseekV2(nn.Module):
         hidden, present = self.model(input_ids, position_ids, attention_mask, past_key_values)
         return self.lm_head(hidden), present
 
+    def step_pooled(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor,
+        kv_cache: Tensor,
+        past_slots: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """One step over a token pool the caller owns and updates (the exported step).
+
+        ``kv_cache [layers, C, kv_lora_rank + qk_rope_head_dim]`` holds the cache entries of
+        every sequence of the rank, one row per token slot; ``past_slots [B, P]`` (int64) names
+        the slots of row b's cached tokens in order (slots under a 0 of ``attention_mask`` are
+        not read for the result). ``input_ids``, ``position_ids`` ``[B, T]``,
+        ``attention_mask [B, P+T]`` as in :meth:`step`. Returns ``(logits [B, V]`` of the last
+        new token of each row, ``new_key_values [layers, B, T, ...])``: only this step's
+        entries, which the caller writes into its pool; the pool is read, never returned.
+        """
+        b, p = past_slots.shape
+        # index_select on dim 1 exports as one Gather(axis=1) of the rows named; indexing
+        # (kv_cache[:, past_slots]) exports a transpose of the whole pool around the gather
+        past = torch.index_select(kv_cache, 1, past_slots.reshape(-1))
+        past = past.view(kv_cache.shape[0], b, p, kv_cache.shape[2]).to(self.lm_head.weight.dtype)
+        hidden, present = self.model(input_ids, position_ids, attention_mask, past)
+        new = present[:, :, p:]
+        return self.lm_head(hidden[:, -1]), new.to(kv_cache.dtype)
+
 
 class DeepseekV2Step(nn.Module):
-    """:meth:`DeepseekV2.step` as a module's forward: what the exporter traces."""
+    """:meth:`DeepseekV2.step_pooled` as a module's forward: what the exporter traces."""
 
     def __init__(self, model: DeepseekV2) -> None:
         super().__init__()
@@ -154,9 +181,10 @@ class DeepseekV2Step(nn.Module):
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
-        past_key_values: Tensor,
+        kv_cache: Tensor, past_slots: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        return self.model.step(input_ids, position_ids, attention_mask, past_key_values)
+        return self.model.step_pooled(input_ids, position_ids, attention_mask, kv_cache,
+                                      past_slots)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -14,6 +16,15 @@ from numaov.models.deepseek.moe import DeepseekV2MoE
 from numaov.models.deepseek.norm import RMSNorm
 from numaov.models.deepseek.rope import RotaryEmbedding
 from numaov.models.deepseek.sharding import DataParallelGroup
+
+
+@dataclass(frozen=True)
+class RankRows:
+    """This step's rows across the DP ranks: ``padded`` rows per rank in the exchange, and
+    ``real [total]``: the indices of the rows that are not padding among the gathered ones."""
+
+    padded: int
+    real: Tensor
 
 
 class DeepseekV2DecoderLayer(nn.Module):
@@ -39,24 +50,27 @@ class DeepseekV2DecoderLayer(nn.Module):
         sin: Tensor,
         mask: Tensor,
         past: Tensor,
-        padded_rows: int,
+        rows_of: RankRows | None,
     ) -> tuple[Tensor, Tensor]:
         # 1. attention
         attn, present = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, past)
         hidden = hidden + attn
         # 2. MoE or dense MLP, over the rows of all ranks
         rows = self.post_attention_layernorm(hidden).reshape(-1, hidden.shape[-1])
-        return hidden + self._mlp_all_ranks(rows, padded_rows).view_as(hidden), present
+        return hidden + self._mlp_all_ranks(rows, rows_of).view_as(hidden), present
 
-    def _mlp_all_ranks(self, rows: Tensor, padded_rows: int) -> Tensor:
+    def _mlp_all_ranks(self, rows: Tensor, rows_of: RankRows | None) -> Tensor:
         """``rows [n, H]`` of this rank -> the finished MLP output of the same rows."""
-        if self.dp is None:
+        if self.dp is None or rows_of is None:
             return self.mlp(rows)
         group, world = self.dp.group, self.dp.world_size
         n = rows.shape[0]
-        padded = F.pad(rows, (0, 0, 0, padded_rows - n))  # [M, H]
+        padded = F.pad(rows, (0, 0, 0, rows_of.padded - n))  # [M, H]
         everyone = all_gather_into_tensor(padded, group, world)  # [world*M, H], rank-major
-        partial = self.mlp(everyone)  # this rank's shard of the sum, for every rank's rows
+        # Only the real rows go through this rank's shard: a padding row would cost as much as
+        # a real one (in the MoE's per-row gather, a copy of top-k experts' weights).
+        real = everyone.index_select(0, rows_of.real)  # [total, H]
+        partial = torch.zeros_like(everyone).index_copy(0, rows_of.real, self.mlp(real))
         mine = reduce_scatter_tensor(partial, group, world)  # [M, H]: summed, rows of this rank
         return mine[:n]
 
@@ -80,25 +94,34 @@ class DeepseekV2Model(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(position_ids)
         mask = _attention_mask(attention_mask, t)
-        padded_rows = self._agree_padded_rows(b * t)
+        rows_of = self._agree_rows(b * t)
         presents = []
         for i, layer in enumerate(self.layers):
-            hidden, present = layer(hidden, cos, sin, mask, past[i], padded_rows)
+            hidden, present = layer(hidden, cos, sin, mask, past[i], rows_of)
             presents.append(present)
         return self.norm(hidden), torch.stack(presents)
 
-    def _agree_padded_rows(self, rows: int) -> int:
-        """The largest row count of any rank this step (at least 1): the MAX_LEN padding.
+    def _agree_rows(self, rows: int) -> RankRows | None:
+        """Every rank's row count this step: the padding (the largest count, at least 1: the
+        MAX_LEN of the exchange) and where the real rows sit among the gathered ones.
 
         One tiny all-gather per forward, shared by every layer's exchange.
         """
         if self.dp is None:
-            return rows
+            return None
+        world = self.dp.world_size
         count = torch.full((1,), rows, dtype=torch.float32)  # exact below 2**24 rows
-        counts = all_gather_into_tensor(count, self.dp.group, self.dp.world_size)
+        counts = all_gather_into_tensor(count, self.dp.group, world)
         # Integer conversion on the tensor side: while exporting, .item() of an int tensor is
         # a symbolic size the graph computes at run time.
         padded = counts.max().clamp(min=1).to(torch.int64).item()
         torch._check(padded >= 1)  # a size: tells torch.export it is non-negative
         torch._check(padded >= rows)
-        return padded
+        total = counts.sum().clamp(min=1).to(torch.int64).item()
+        torch._check(total >= 1)
+        torch._check(total <= world * padded)
+        # gathered row r*M + i (rank r's i-th) is real when i < rank r's count
+        real = (torch.arange(padded).unsqueeze(0) < counts.to(torch.int64).unsqueeze(1))
+        real = real.reshape(-1).to(torch.float32)  # [world*M]
+        # the real rows' indices, in any order (each row's MLP output is its own)
+        return RankRows(padded, torch.topk(real, total).indices)

@@ -1,0 +1,501 @@
+"""The LM engine against optimum-intel, side by side in one run, on one DeepSeek-V2 checkpoint.
+
+A DeepSeek-V2-shaped checkpoint (hidden 1024, 4 layers: one dense, three MoE with 16 routed + 2
+shared experts, top-6, kv_lora_rank 256, q_lora_rank 384, vocab 16384; 537 MB in f32) is built
+from seeded weights, exported by numaov (dp=1 and dp=2) and by optimum-intel
+(``OVModelForCausalLM``, stateful), and both decode the same seeded prompts:
+
+- ``decode``: decode tokens/s at 1, 8 and 32 concurrent requests (prompt 32 tokens, 64 greedy
+  tokens each, end-of-sequence ignored), numaov dp=1 (both cores to one rank), numaov dp=2
+  (``NUMAOV_CPU_BIND="0|1"``) and optimum-intel (both cores), and whether the greedy tokens
+  are the same as optimum-intel's;
+- ``context``: time per decode step of one request at 128, 1,024 and 4,096 cached tokens;
+- ``kv``: the KV-cache candidates on the MLA cache (dp=1, one step graph each): numaov's pool
+  (``kv_cache`` in, new entries out), the same pool at 8x the capacity (a copy in would show),
+  the whole past in and the whole present out (the engine before the pool), OpenVINO's stateful
+  transformation of that graph, and whether OpenVINO's paged-attention transformation applies.
+
+optimum-intel runs in its own venv (``benchmarks/optimum_venv.sh``), never in numaov's. The
+figures go to ``benchmarks/out/lm_engine_<precision>.json``; ``benchmarks/RESULTS.md`` records them.
+Run on a quiet machine: ``uptime`` is printed at the start and the end.
+
+    .venv/bin/python benchmarks/lm_engine.py [--sections decode,context,kv] [--precision f32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from moe import BENCH_CONFIG  # benchmarks/moe.py, beside this file
+
+from numaov.models.builtin.deepseek_tiny import init_tiny_weights
+from numaov.models.deepseek import DeepseekV2
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "out" / "lm_engine_{precision}.json"
+WORK = HERE / "out" / "lm_engine"
+OPTIMUM_PYTHON = HERE / ".optimum-venv" / "bin" / "python"
+SEED = 0
+PROMPT_LEN = 32
+NEW_TOKENS = 64
+BATCHES = (1, 8, 32)
+CONTEXTS = (128, 1024, 4096)
+CONTEXT_STEPS = 16
+
+# moe.py's DeepSeek-V2 shape with the issue's checkpoint sizes: 4 layers, 16 routed experts of
+# 512, positions for the 4,096-token contexts; 537 MB in f32.
+LM_BENCH_CONFIG = dataclasses.replace(
+    BENCH_CONFIG, moe_intermediate_size=512, num_hidden_layers=4, n_routed_experts=16,
+    max_position_embeddings=8192, eos_token_id=1)
+
+
+def log(message: str) -> None:
+    print(f"[lm_engine] {message}", file=sys.stderr, flush=True)
+
+
+def uptime() -> str:
+    return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def prompts(count: int, length: int = PROMPT_LEN) -> list[list[int]]:
+    rng = np.random.default_rng(SEED)
+    # ids from 2: 0 is the pad id, 1 the end-of-sequence id
+    return rng.integers(2, LM_BENCH_CONFIG.vocab_size, size=(count, length)).tolist()
+
+
+# -- the checkpoint and the exports -----------------------------------------------------------
+
+
+def build_checkpoint() -> Path:
+    directory = WORK / "checkpoint"
+    if (directory / "config.json").is_file():
+        return directory
+    log("building the 537 MB checkpoint")
+    model = DeepseekV2.empty(LM_BENCH_CONFIG)
+    init_tiny_weights(model, torch.Generator().manual_seed(SEED))
+    model.save_pretrained(directory)
+    return directory
+
+
+def numaov_export(checkpoint: Path, dp: int, precision: str) -> Path:
+    from numaov.exporter.deepseek_export import export_deepseek
+
+    out = WORK / f"numaov_dp{dp}_{precision}"
+    if (out / "manifest.json").is_file():
+        return out
+    log(f"numaov export dp={dp} {precision}")
+    os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
+    export_deepseek(checkpoint, out, dp=dp, precision=precision, progress=log, force=True)
+    return out
+
+
+# -- numaov: the engine -----------------------------------------------------------------------
+
+
+def engine_decode(model_dir: Path, dp: int, batches: tuple[int, ...]) -> dict[str, Any]:
+    """Decode tokens/s per batch: all requests submitted at once, timed from the first step
+    after every prompt's prefill to the last token."""
+    from numaov.runtime.lm_engine import LMEngine, SamplingParams
+
+    os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
+    params = SamplingParams(NEW_TOKENS, ignore_eos=True)
+    out: dict[str, Any] = {}
+    with LMEngine.start(model_dir, "openvino", cache_tokens=max(batches) * 128) as engine:
+        engine.generate(prompts(2), SamplingParams(4, ignore_eos=True))  # warm-up
+        for batch in batches:
+            before = len(engine.step_seconds)
+            done = engine.generate(prompts(batch), params)
+            steps = engine.step_seconds[before:]
+            # step 0 holds every prefill (batch * 32 tokens < one chunk per rank)
+            decode = steps[1:]
+            out[str(batch)] = {
+                "decode_tokens_per_s": batch * len(decode) / sum(decode),
+                "decode_step_ms_median": 1e3 * statistics.median(decode),
+                "prefill_ms": 1e3 * steps[0],
+                "steps": len(steps),
+                "tokens": [c.tokens for c in done],
+            }
+            log(f"numaov dp={dp} batch {batch}: "
+                f"{out[str(batch)]['decode_tokens_per_s']:.1f} tok/s")
+        out["stats"] = engine.stats().as_dict()
+    return out
+
+
+def engine_context(model_dir: Path, dp: int) -> dict[str, Any]:
+    """Decode step time of one request at each cached context length (the prompt is the
+    context; prefill in chunks, then CONTEXT_STEPS decode steps timed)."""
+    from numaov.runtime.lm_engine import LMEngine, SamplingParams
+
+    os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
+    out = {}
+    with LMEngine.start(model_dir, "openvino", cache_tokens=max(CONTEXTS) + 64,
+                        prefill_chunk=512) as engine:
+        for context in CONTEXTS:
+            before = len(engine.step_seconds)
+            engine.generate(prompts(1, context), SamplingParams(CONTEXT_STEPS + 1,
+                                                                ignore_eos=True))
+            decode = engine.step_seconds[before:][-CONTEXT_STEPS:]
+            out[str(context)] = 1e3 * statistics.median(decode)
+            log(f"numaov dp={dp} context {context}: {out[str(context)]:.2f} ms/step")
+    return out
+
+
+# -- the KV-cache candidates ------------------------------------------------------------------
+
+
+def kv_candidates(checkpoint: Path, numaov_dir: Path) -> dict[str, Any]:
+    """One decode step of one sequence per candidate at each context, dp=1 f32, 2 threads."""
+    import openvino as ov
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    from numaov.custom_ops import compile_ir
+    from numaov.exporter.openvino_convert import convert_to_ir
+
+    c = LM_BENCH_CONFIG
+    layers, width = c.num_hidden_layers, c.kv_cache_dim
+    props = {"INFERENCE_NUM_THREADS": 2}
+    rng = np.random.default_rng(SEED)
+    results: dict[str, Any] = {"pool": {}, "pool_8x_capacity": {}, "whole_cache_in_out": {},
+                               "stateful": {}, "paged_attention": None}
+
+    def timed(run, reps: int = 10) -> float:
+        run()
+        seconds = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(seconds)
+
+    # 1. numaov's pool, bound once over shared memory
+    compiled = compile_ir(numaov_dir / "rank_0" / "model.xml", "f32", props).model
+    for key, scale in (("pool", 1), ("pool_8x_capacity", 8)):
+        pool = rng.standard_normal((layers, scale * (max(CONTEXTS) + 8), width),
+                                   dtype=np.float32)
+        request = compiled.create_infer_request()
+        request.set_tensor("kv_cache", ov.Tensor(pool, shared_memory=True))
+        for context in CONTEXTS:
+            feeds = {"input_ids": np.array([[5]]), "position_ids": np.array([[context]]),
+                     "attention_mask": np.ones((1, context + 1), dtype=np.int64),
+                     "past_slots": np.arange(context, dtype=np.int64)[None]}
+
+            def step(feeds=feeds, request=request, pool=pool, context=context) -> None:
+                request.infer(feeds)
+                pool[:, context] = request.get_tensor("new_key_values").data[:, 0, 0]
+
+            results[key][str(context)] = timed(step)
+            log(f"kv {key} context {context}: {results[key][str(context)]:.2f} ms")
+    del compiled
+
+    # 2. the whole past in, the whole present out (DeepseekV2.step), and its stateful form
+    xml = WORK / "explicit_cache" / "model.xml"
+    if not xml.is_file():
+        model = DeepseekV2.from_pretrained(checkpoint)
+
+        class ExplicitStep(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, position_ids, attention_mask, past_key_values):
+                logits, present = self.model.step(input_ids, position_ids, attention_mask,
+                                                  past_key_values)
+                return logits[:, -1], present
+
+        dim = torch.export.Dim
+        example = (torch.tensor([[5, 6, 7]]), torch.tensor([[4, 5, 6]]),
+                   torch.ones(1, 7, dtype=torch.long), torch.zeros(layers, 1, 4, width))
+        onnx_path = xml.with_suffix(".onnx")
+        onnx_path.parent.mkdir(parents=True, exist_ok=True)
+        from numaov.custom_ops import onnx_translation_table
+
+        torch.onnx.export(
+            ExplicitStep(), example, str(onnx_path), dynamo=True,
+            input_names=["input_ids", "position_ids", "attention_mask", "past_key_values"],
+            output_names=["logits", "present_key_values"],
+            dynamic_shapes={"input_ids": {1: dim.DYNAMIC}, "position_ids": {1: dim.DYNAMIC},
+                            "attention_mask": {1: dim("total", min=1, max=8192)},
+                            "past_key_values": {2: dim("past", min=0, max=8192)}},
+            custom_translation_table=onnx_translation_table("decomposed"))
+        convert_to_ir(onnx_path, xml, "f32", log)
+    explicit = compile_ir(xml, "f32", props).model
+    request = explicit.create_infer_request()
+    for context in CONTEXTS:
+        past = rng.standard_normal((layers, 1, context, width), dtype=np.float32)
+        feeds = {"input_ids": np.array([[5]]), "position_ids": np.array([[context]]),
+                 "attention_mask": np.ones((1, context + 1), dtype=np.int64),
+                 "past_key_values": past}
+
+        def explicit_step(feeds=feeds, request=request) -> None:
+            request.infer(feeds)
+            np.array(request.get_tensor("present_key_values").data)  # the next step's past
+
+        results["whole_cache_in_out"][str(context)] = timed(explicit_step)
+        log(f"kv whole cache in/out context {context}: "
+            f"{results['whole_cache_in_out'][str(context)]:.2f} ms")
+    del explicit
+
+    core = ov.Core()
+    from numaov.custom_ops import add_extension
+
+    add_extension(core)
+    stateful = core.read_model(str(xml))
+    apply_make_stateful_transformation(stateful, {"past_key_values": "present_key_values"})
+    compiled = compile_ir(stateful, "f32", props).model
+    request = compiled.create_infer_request()
+    for context in CONTEXTS:
+        past = rng.standard_normal((layers, 1, context, width), dtype=np.float32)
+        feeds = {"input_ids": np.array([[5]]), "position_ids": np.array([[context]]),
+                 "attention_mask": np.ones((1, context + 1), dtype=np.int64)}
+
+        def stateful_step(feeds=feeds, request=request, past=past) -> None:
+            request.query_state()[0].state = ov.Tensor(past)  # not timed below: reset
+            request.infer(feeds)
+
+        def reset(request=request, past=past) -> None:
+            request.query_state()[0].state = ov.Tensor(past)
+
+        reset_ms = timed(reset)
+        results["stateful"][str(context)] = timed(stateful_step) - reset_ms
+        log(f"kv stateful context {context}: {results['stateful'][str(context)]:.2f} ms")
+    del compiled
+
+    # 3. OpenVINO's paged-attention transformation on the same graph
+    try:
+        from openvino._offline_transformations import paged_attention_transformation
+
+        paged = core.read_model(str(xml))
+        # it rewrites a stateful graph's ReadValue -> Concat -> SDPA -> Assign cache pattern
+        apply_make_stateful_transformation(paged, {"past_key_values": "present_key_values"})
+        paged_attention_transformation(paged)
+        names = sorted({op.get_type_name() for op in paged.get_ops()})
+        results["paged_attention"] = {
+            "applied": "PagedAttentionExtension" in names,
+            "note": "PagedAttentionExtension nodes: "
+                    f"{sum(op.get_type_name() == 'PagedAttentionExtension' for op in paged.get_ops())}",
+        }
+    except Exception as exc:  # noqa: BLE001 - recorded: what OpenVINO said
+        results["paged_attention"] = {"applied": False, "note": f"{type(exc).__name__}: "
+                                      f"{str(exc).splitlines()[0][:300]}"}
+    log(f"kv paged attention: {results['paged_attention']}")
+    return results
+
+
+# -- where a dp=2 step goes: OpenVINO's per-node profile on every rank -----------------------
+
+
+def _profile_rank(context: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Worker: compile this rank's IR with PERF_COUNT, run decode steps of ``job['rows']``
+    sequences at ``job['context']`` cached tokens, sum OpenVINO's per-node times by type."""
+    import openvino as ov
+
+    from numaov.runtime.manifest_reader import read_manifest
+
+    manifest = read_manifest(job["model_dir"], expected_kind="deepseek")
+    config = {**context.openvino_config(), "PERF_COUNT": "YES"}
+    compiled = manifest.compile_rank(context.rank, config)
+    request = compiled.create_infer_request()
+    c = LM_BENCH_CONFIG
+    rows, past = job["rows"][context.rank], job["context"]
+    pool = np.random.default_rng(context.rank).standard_normal(
+        (c.num_hidden_layers, max(rows, 1) * past + 1, c.kv_cache_dim), dtype=np.float32)
+    request.set_tensor("kv_cache", ov.Tensor(pool, shared_memory=True))
+    feeds = {"input_ids": np.full((rows, 1), 5), "position_ids": np.full((rows, 1), past),
+             "attention_mask": np.ones((rows, past + 1), dtype=np.int64),
+             "past_slots": np.arange(rows * past, dtype=np.int64).reshape(rows, past)}
+    for _ in range(3):
+        request.infer(feeds)
+    by_type: dict[str, float] = {}
+    walls = []
+    for _ in range(job["steps"]):
+        start = time.perf_counter()
+        request.infer(feeds)
+        walls.append(time.perf_counter() - start)
+        for info in request.get_profiling_info():
+            key = info.node_type
+            by_type[key] = by_type.get(key, 0.0) + info.real_time.total_seconds()
+    steps = job["steps"]
+    return {"rank": context.rank, "threads": context.binding.threads,
+            "step_ms_median": 1e3 * statistics.median(walls),
+            "by_type_ms": {k: round(1e3 * v / steps, 3) for k, v in
+                           sorted(by_type.items(), key=lambda kv: -kv[1]) if v / steps > 2e-5}}
+
+
+def profile_dp(dirs: dict[int, Path]) -> dict[str, Any]:
+    """Per-node profile of a decode step (context 128) at batch 1 and 8, dp=1 and dp=2."""
+    from numaov.runtime.binding import plan_for_ranks
+    from numaov.runtime.workers import run_on_ranks
+
+    out: dict[str, Any] = {}
+    for batch in (1, 8):
+        for dp in (1, 2):
+            os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
+            plan = plan_for_ranks(dp)
+            rows = [batch] if dp == 1 else [(batch + 1) // 2, batch // 2]
+            job = {"model_dir": str(dirs[dp]), "rows": rows, "context": 128, "steps": 20}
+            per_rank = run_on_ranks(plan, _profile_rank, [job] * dp,
+                                    group="deepseek" if dp > 1 else None, timeout_s=1800)
+            out[f"dp{dp}_batch{batch}"] = per_rank
+            log(f"profile dp={dp} batch {batch}: " + "; ".join(
+                f"rank {r['rank']} {r['step_ms_median']:.2f} ms" for r in per_rank))
+    return out
+
+
+# -- optimum-intel, in its own venv -----------------------------------------------------------
+
+_OPTIMUM = textwrap.dedent('''
+    import json, statistics, sys, time
+    from pathlib import Path
+    import numpy as np, torch
+    import transformers
+    from optimum.exporters.openvino import model_configs
+    from optimum.exporters.openvino.model_patcher import (
+        OVDecoderModelPatcher, register_ov_batched_mm)
+    from optimum.intel import OVModelForCausalLM
+    # optimum-intel 2.2 exports deepseek_v2 only for DeepSeek's remote modeling code
+    # (transformers <= 4.53.3, whose patcher swaps in that code's attention). This
+    # transformers has DeepseekV2 built in: lift the cap and patch it as optimum-intel patches
+    # its other transformers-5 MoE models (gpt-oss): the plain decoder patcher with the experts
+    # as OpenVINO-friendly batched matmuls (data-independent under tracing).
+    class DeepseekV2Patcher(OVDecoderModelPatcher):
+        def __enter__(self):
+            super().__enter__()
+            register_ov_batched_mm(self)
+            return self
+    model_configs.DeepseekOpenVINOConfig.MAX_TRANSFORMERS_VERSION = transformers.__version__
+    model_configs.DeepseekOpenVINOConfig._MODEL_PATCHER = DeepseekV2Patcher
+    checkpoint, out_dir, request = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    t = time.perf_counter()
+    if not (out_dir / "openvino_model.xml").is_file():
+        model = OVModelForCausalLM.from_pretrained(checkpoint, export=True, stateful=True,
+                                                   compile=False, ov_config=request["config"])
+        model.save_pretrained(out_dir)
+    model = OVModelForCausalLM.from_pretrained(out_dir, ov_config=request["config"])
+    export_s = time.perf_counter() - t
+    result = {"export_and_load_s": export_s, "batches": {}}
+
+    class Timer:
+        def __init__(self): self.marks = []
+        def __call__(self, *args, **kwargs):
+            self.marks.append(time.perf_counter())
+            return False
+
+    from transformers import StoppingCriteriaList
+    for batch, prompts in request["prompts"].items():
+        ids = torch.tensor(prompts)
+        mask = torch.ones_like(ids)
+        model.generate(input_ids=ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
+        timer = Timer()
+        out = model.generate(input_ids=ids, attention_mask=mask,
+                             max_new_tokens=request["new_tokens"], min_new_tokens=request["new_tokens"],
+                             do_sample=False, pad_token_id=0,
+                             stopping_criteria=StoppingCriteriaList([timer]))
+        steps = np.diff(timer.marks)  # one mark per generated token, after it
+        result["batches"][batch] = {
+            "decode_tokens_per_s": len(prompts) * len(steps) / float(steps.sum()),
+            "decode_step_ms_median": 1e3 * float(np.median(steps)),
+            "tokens": out[:, ids.shape[1]:].tolist(),
+        }
+    print(json.dumps(result))
+''')
+
+
+def optimum_decode(checkpoint: Path, precision: str, batches: tuple[int, ...]
+                   ) -> dict[str, Any]:
+    if not OPTIMUM_PYTHON.is_file():
+        return {"error": f"no optimum-intel venv at {OPTIMUM_PYTHON}; run "
+                         "benchmarks/optimum_venv.sh"}
+    request = {
+        "prompts": {str(b): prompts(b) for b in batches}, "new_tokens": NEW_TOKENS,
+        "config": {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": "2",
+                   "NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY"},
+    }
+    log(f"optimum-intel {precision}")
+    proc = subprocess.run(
+        [str(OPTIMUM_PYTHON), "-c", _OPTIMUM, str(checkpoint),
+         str(WORK / f"optimum_{precision}"), json.dumps(request)],
+        capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed",
+                "stderr_tail": proc.stderr[-3000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", default="decode,context,kv")
+    parser.add_argument("--precision", default="f32", choices=("f32", "bf16"))
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+        "cpus": len(os.sched_getaffinity(0)), "load_start": uptime(),
+        "precision": args.precision,
+    }
+    log(f"load at start: {results['load_start']}")
+    checkpoint = build_checkpoint()
+    dirs = {dp: numaov_export(checkpoint, dp, args.precision) for dp in (1, 2)}
+    inference = "f32" if args.precision == "f32" else "bf16"
+    if "decode" in sections:
+        results["optimum"] = optimum_decode(checkpoint, inference, BATCHES)
+        results["numaov_dp1"] = engine_decode(dirs[1], 1, BATCHES)
+        results["numaov_dp2"] = engine_decode(dirs[2], 2, BATCHES)
+        ratios = {}
+        for b in map(str, BATCHES):
+            opt = results["optimum"].get("batches", {}).get(b, {})
+            one, two = results["numaov_dp1"][b], results["numaov_dp2"][b]
+            ratios[b] = {
+                "dp1_vs_optimum": (one["decode_tokens_per_s"] / opt["decode_tokens_per_s"]
+                                   if opt else None),
+                "dp2_vs_dp1": two["decode_tokens_per_s"] / one["decode_tokens_per_s"],
+                "dp1_same_tokens_as_optimum": one["tokens"] == opt.get("tokens"),
+                "dp2_same_tokens_as_dp1": two["tokens"] == one["tokens"],
+            }
+            log(f"batch {b}: {ratios[b]}")
+        results["ratios"] = ratios
+    if "context" in sections:
+        results["context_ms"] = {f"dp{dp}": engine_context(dirs[dp], dp) for dp in (1, 2)}
+    if "profile" in sections:
+        results["profile"] = profile_dp(dirs)
+    if "kv" in sections:
+        results["kv_candidates_ms"] = kv_candidates(checkpoint, dirs[1])
+    results["load_end"] = uptime()
+    log(f"load at end: {results['load_end']}")
+    out = Path(str(OUT).format(precision=args.precision))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for section in ("numaov_dp1", "numaov_dp2"):
+        for row in results.get(section, {}).values():
+            if isinstance(row, dict):
+                row.pop("tokens", None)
+    for row in results.get("optimum", {}).get("batches", {}).values():
+        row.pop("tokens", None)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
