@@ -349,6 +349,46 @@ def _byte_tokenizer(directory: Path) -> Any:
     return tokenizer
 
 
+class _CountingTokenizer:
+    """A real tokenizer that records how many tokens each decode is given."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids: list[int]) -> str:
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids)
+
+
+def test_text_deltas_decode_a_short_window_whatever_the_length(tmp_path) -> None:
+    tokenizer = _CountingTokenizer(_byte_tokenizer(tmp_path))
+    text = "naïve café ✓ " * 40
+    ids = tokenizer.tokenizer.encode(text).ids
+    stream = TextStream(tokenizer)
+    deltas = [stream.add(ids[:i]) for i in range(1, len(ids) + 1)] + [stream.finish()]
+    assert "".join(deltas) == text
+    # A window spans the tokens since the last settled point: at most one character's bytes
+    # (3 for '✓') plus the newest token, never the whole output.
+    assert len(ids) > 500 and max(tokenizer.lengths) <= 6
+
+
+def test_text_deltas_keep_the_spaces_a_window_start_would_drop() -> None:
+    """A Metaspace decoder drops the leading space of whatever it decodes first; deltas taken
+    as a difference of two decodes of the same window keep every space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["the", "cat", "sat", "on", "mat"]
+    vocab = {f"\u2581{w}": i for i, w in enumerate(words)} | {"[UNK]": len(words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    ids = tokenizer.encode("the cat sat on the mat").ids
+    assert tokenizer.decode(ids[2:3]) == "sat"  # alone, a window's first word loses its space
+    stream = TextStream(tokenizer)
+    deltas = [stream.add(ids[:i]) for i in range(1, len(ids) + 1)] + [stream.finish()]
+    assert "".join(deltas) == tokenizer.decode(ids) == "the cat sat on the mat"
+
+
 def test_text_deltas_never_split_a_character_and_hold_back_a_stop_prefix(tmp_path) -> None:
     tokenizer = _byte_tokenizer(tmp_path)
     text = "héllo wörld ✓ done"
