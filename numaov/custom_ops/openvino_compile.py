@@ -16,7 +16,7 @@ OpenVINO's read and compile errors are many lines of C++ context; they become on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,20 @@ class CompiledIR:
     @property
     def outputs(self) -> Any:
         return self.model.outputs
+
+    def runner(self) -> Callable[[dict[str, Any]], list[Any]]:
+        """A function running one set of named input arrays on a fresh infer request and
+        returning copies of every output, in order (the request reuses its buffers)."""
+        import numpy as np
+
+        request = self.create_infer_request()
+        count = len(self.outputs)
+
+        def run(feeds: dict[str, Any]) -> list[Any]:
+            request.infer(feeds)
+            return [np.array(request.get_output_tensor(i).data) for i in range(count)]
+
+        return run
 
 
 def _cause(exc: BaseException) -> str:

@@ -165,13 +165,7 @@ def openvino_runner(
     from numaov.custom_ops import compile_ir
 
     compiled = compile_ir(xml_path, precision, properties)
-    request = compiled.create_infer_request()
-
-    def run(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        request.infer(feeds)
-        return [np.array(request.get_output_tensor(i).data) for i in range(len(compiled.outputs))]
-
-    return run, compiled.attention
+    return compiled.runner(), compiled.attention
 
 
 def torch_reference(

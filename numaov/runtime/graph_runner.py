@@ -28,9 +28,7 @@ class GraphRunner:
             raise ValueError(f"unknown backend {backend!r}")
         self.backend = backend
         if backend == "openvino":
-            compiled = manifest.compile_rank(0, config)
-            self._request = compiled.create_infer_request()
-            self._outputs = len(compiled.outputs)
+            self._run = manifest.compile_rank(0, config).runner()
         elif backend == "onnxruntime":
             import onnxruntime as ort
 
@@ -48,9 +46,7 @@ class GraphRunner:
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self.backend == "openvino":
-            self._request.infer(feeds)
-            return [np.array(self._request.get_output_tensor(i).data)
-                    for i in range(self._outputs)]
+            return self._run(feeds)
         if self.backend == "onnxruntime":
             return [np.asarray(out) for out in self._session.run(None, feeds)]
         import torch

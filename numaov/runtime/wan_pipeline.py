@@ -366,9 +366,10 @@ class OpenVINODenoiser(Denoiser):
 
     def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
         self._manifest, self._config = manifest, dict(config or {})
-        # numaov's attention leaves no MHA snippet behind, so it needs no second compilation.
-        self.attention = manifest.attention_kernel(config)
         self._compiled = manifest.compile_rank(0, config)
+        # numaov's attention leaves no MHA snippet behind, so it needs no second compilation;
+        # the compile says which kernel its attention nodes got.
+        self.attention = self._compiled.attention
         self._request = self._compiled.create_infer_request()
         self._single_token_request = None
 
