@@ -218,6 +218,10 @@ def export_onnx(
                 raise ExportError(f"torch.onnx.export of {name} failed: {_cause(exc)}") from exc
     finally:
         module.train(was_training)
+        # Dynamo's caches hold the traced module (through its guards) after torch.export
+        # returns, so a caller's `del module` would free nothing: a whole rank's weights
+        # stayed alive through conversion and parity. Nothing reuses those caches.
+        torch._dynamo.reset()
 
     model = program.model
     inputs = _tensor_specs(model.graph.inputs)
@@ -242,6 +246,12 @@ def export_onnx(
         )
     except OSError as exc:
         raise ExportError(f"cannot write ONNX model to {str(path)!r} ({exc})") from exc
+    # Drop the in-memory graph's hold on the module's weights once they are on disk:
+    # onnxscript's rewrite rules are module-level objects that keep the last graph they
+    # matched, and through it every weight, which kept a whole rank's weights alive (1x
+    # the shard) through conversion and parity.
+    for value in initializers:
+        value.const_value = None
     data_path = path.with_name(data_name)
     graph = OnnxGraph(
         path=path,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import math
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from numaov import NumaovError
 
@@ -75,18 +75,6 @@ def read_config(
     return config
 
 
-def _load_file(path: Path, what: str) -> dict[str, torch.Tensor]:
-    try:
-        tensors = load_file(str(path), device="cpu")
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(
-            f"{what}: cannot read safetensors file {str(path)!r} ({exc})"
-        ) from exc
-    for name, tensor in tensors.items():
-        _check_weight(path, name, tensor, what)
-    return tensors
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -111,13 +99,129 @@ def _check_weight(path: Path, name: str, tensor: torch.Tensor, what: str) -> Non
         )
 
 
-def load_safetensors_state_dict(
+# safetensors dtype codes; every one is read, so a non-float tensor is refused by
+# _check_weight with its torch name like any other.
+_DTYPE_CODES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class _SafetensorsFile:
+    """One ``.safetensors`` file: its header, and reads of one tensor or of a row range.
+
+    Reads go through ``readinto`` into tensors that own their memory, not through a memory
+    map: a mapped checkpoint puts its pages in the process's resident memory beside the model
+    and stays mapped as long as any view of it lives, so an export held both.
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self.what = what
+        try:
+            with path.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                if length > path.stat().st_size:
+                    raise ValueError(f"header length {length} exceeds the file size")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+            raise CheckpointError(
+                f"{what}: cannot read safetensors file {str(path)!r} ({exc})"
+            ) from exc
+        self.data_start = 8 + length
+        header.pop("__metadata__", None)
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            try:
+                dtype = _DTYPE_CODES[entry["dtype"]]
+                shape = tuple(int(d) for d in entry["shape"])
+                begin, stop = (int(o) for o in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(
+                    f"{what}: tensor {name!r} in {str(path)!r} has an unreadable header "
+                    f"entry {entry!r}"
+                ) from exc
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if stop - begin != math.prod(shape) * itemsize:
+                raise CheckpointError(
+                    f"{what}: tensor {name!r} in {str(path)!r} spans {stop - begin} bytes; "
+                    f"expected {math.prod(shape) * itemsize} for shape {list(shape)}"
+                )
+            self.entries[name] = (dtype, shape, begin, stop)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name`` or its rows ``rows`` (a step-1 slice of dim 0, one contiguous read)."""
+        dtype, shape, begin, _ = self.entries[name]
+        first, count = 0, shape[0] if shape else 1
+        if rows is not None:
+            first, stop, step = rows.indices(shape[0])
+            if step != 1:
+                raise ValueError("only step-1 row slices are read")
+            count = max(stop - first, 0)
+        out = torch.empty((count, *shape[1:]) if shape else (), dtype=dtype)
+        row_bytes = out.element_size() * math.prod(shape[1:])
+        buffer = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else None
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.data_start + begin + first * row_bytes)
+                got = handle.readinto(buffer) if buffer is not None else 0
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.what}: cannot read tensor {name!r} from {str(self.path)!r} ({exc})"
+            ) from exc
+        if buffer is not None and got != len(buffer):
+            raise CheckpointError(
+                f"{self.what}: tensor {name!r} in {str(self.path)!r} is cut short ({got} of "
+                f"{len(buffer)} bytes); the file is truncated"
+            )
+        return out
+
+
+class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a single-file or sharded safetensors checkpoint, read on access.
+
+    Opening reads only the headers (names, shapes, dtypes); ``checkpoint[name]`` reads one
+    tensor and :meth:`read` its rows only, each checked as it is read (:func:`_check_weight`).
+    So a loader that takes each tensor, converts it and lets it go holds the model's weights
+    once, never the checkpoint beside them, and a DP rank reads only its own rows.
+    """
+
+    def __init__(self, files: Mapping[str, _SafetensorsFile], what: str) -> None:
+        self._what = what
+        self._files = dict(files)  # tensor name -> the file that holds it
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._files[name].entries[name][1]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: self.shape(name) for name in self._files}
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only its rows ``rows`` (dim 0) read from the file."""
+        file = self._files[name]
+        tensor = file.read(name, rows)
+        _check_weight(file.path, name, tensor, self._what)
+        return tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def open_safetensors_checkpoint(
     directory: str | Path,
     weights_name: str,
     index_name: str,
     what: str = "checkpoint",
-) -> dict[str, torch.Tensor]:
-    """Load every tensor of a single-file or sharded safetensors checkpoint.
+) -> SafetensorsCheckpoint:
+    """Open a single-file or sharded safetensors checkpoint; its tensors are read on access.
 
     ``weights_name`` (e.g. ``diffusion_pytorch_model.safetensors``) wins when
     present; otherwise ``index_name`` (e.g.
@@ -128,8 +232,9 @@ def load_safetensors_state_dict(
     path = _require_directory(directory, what)
     single = path / weights_name
     if single.is_file():
-        logger.debug("loading %s", single)
-        return _load_file(single, what)
+        logger.debug("opening %s", single)
+        file = _SafetensorsFile(single, what)
+        return SafetensorsCheckpoint({name: file for name in file.entries}, what)
 
     index_path = path / index_name
     if not index_path.is_file():
@@ -156,11 +261,10 @@ def load_safetensors_state_dict(
             f"{_format_names(missing_shards)}"
         )
 
-    state_dict: dict[str, torch.Tensor] = {}
+    files: dict[str, _SafetensorsFile] = {}
     for shard in sorted(by_shard):
-        logger.debug("loading shard %s", shard)
-        tensors = _load_file(path / shard, what)
-        absent = sorted(by_shard[shard] - tensors.keys())
+        file = _SafetensorsFile(path / shard, what)
+        absent = sorted(by_shard[shard] - file.entries.keys())
         if absent:
             raise CheckpointError(
                 f"{what}: shard {shard!r} lacks tensors that {index_name} assigns to it: "
@@ -168,8 +272,19 @@ def load_safetensors_state_dict(
             )
         # Tensors a shard holds beyond its index entries are kept: load_into_module then
         # reports them as unexpected, with the model's point of view on what is wrong.
-        state_dict.update(tensors)
-    return state_dict
+        files.update((name, file) for name in file.entries)
+    return SafetensorsCheckpoint(files, what)
+
+
+def load_safetensors_state_dict(
+    directory: str | Path,
+    weights_name: str,
+    index_name: str,
+    what: str = "checkpoint",
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded checkpoint, read and checked now
+    (:func:`open_safetensors_checkpoint` reads them one at a time instead)."""
+    return dict(open_safetensors_checkpoint(directory, weights_name, index_name, what).items())
 
 
 def _format_names(names: Iterable[str]) -> str:
@@ -186,16 +301,17 @@ def _plural(count: int, word: str) -> str:
 
 def check_state_dict(
     expected: Mapping[str, torch.Size | tuple[int, ...]],
-    state_dict: Mapping[str, torch.Tensor],
+    found: Mapping[str, torch.Size | tuple[int, ...]],
     what: str,
 ) -> None:
-    """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor."""
-    missing = sorted(expected.keys() - state_dict.keys())
-    unexpected = sorted(state_dict.keys() - expected.keys())
+    """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor
+    (``expected`` and ``found`` map tensor names to shapes)."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
     misshaped = sorted(
-        f"{name} (expected {list(expected[name])}, found {list(state_dict[name].shape)})"
-        for name in expected.keys() & state_dict.keys()
-        if tuple(expected[name]) != tuple(state_dict[name].shape)
+        f"{name} (expected {list(expected[name])}, found {list(found[name])})"
+        for name in expected.keys() & found.keys()
+        if tuple(expected[name]) != tuple(found[name])
     )
     problems = []
     if missing:
@@ -247,7 +363,11 @@ def load_into_module(
     logged with the names of the tensors it applies to.
     """
     current = module.state_dict()
-    check_state_dict({name: tensor.shape for name, tensor in current.items()}, state_dict, what)
+    check_state_dict(
+        {name: tensor.shape for name, tensor in current.items()},
+        {name: tensor.shape for name, tensor in state_dict.items()},
+        what,
+    )
     if not assign:
         target = {name: current[name].dtype for name in state_dict}
     else:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from numaov.models.checkpoint import (
     load_into_module,
-    load_safetensors_state_dict,
+    open_safetensors_checkpoint,
     read_config,
 )
 from numaov.models.deepseek.checkpoint_layout import (
@@ -69,11 +69,18 @@ class DeepseekV2(nn.Module):
         dtype = _resolve_dtype(dtype, values, what)
         world = dp.world_size if dp is not None else 1
         check_dp_divides(config, world)
-        state = load_safetensors_state_dict(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
+        checkpoint = open_safetensors_checkpoint(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
         shard = (dp.rank, world) if dp is not None else None
-        state = checkpoint_to_model_state_dict(state, config, what, shard)
-        model = cls.empty(config, dtype, dp)
-        load_into_module(model, state, what)
+        state = checkpoint_to_model_state_dict(checkpoint, config, what, shard)
+        # Built on the meta device and given the loaded tensors themselves (cast where the
+        # model's dtype differs): the weights are held once, not once read and once copied.
+        with torch.device("meta"):
+            model = cls(config, dp)
+        _cast_keep_router(model, dtype)
+        dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+        load_into_module(model, state, what, assign=True, dtype_of=dtypes.__getitem__)
+        del state
+        _freeze(model)
         return model.eval()
 
     @classmethod
@@ -221,6 +228,12 @@ def _cast_keep_router(model: nn.Module, dtype: torch.dtype) -> None:
         for name, param in module.named_parameters(recurse=False):
             if param.dtype != dtype:
                 setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+    _freeze(model)
+
+
+def _freeze(model: nn.Module) -> None:
+    """Inference only: no gradients; a tied head is the embedding itself again (a load by
+    assignment gives each name its own parameter)."""
     for param in model.parameters():
         param.requires_grad_(False)
     if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:

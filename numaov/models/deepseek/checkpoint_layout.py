@@ -9,9 +9,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from numaov.models.checkpoint import check_state_dict
+from numaov.models.checkpoint import SafetensorsCheckpoint, check_state_dict
 from numaov.models.deepseek.config import DeepseekV2Config
-from numaov.models.deepseek.sharding import check_dp_divides, shard_state_dict
+from numaov.models.deepseek.sharding import check_dp_divides, shard_tensor
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -47,49 +47,70 @@ def _checkpoint_shapes(config: DeepseekV2Config, per_expert: bool) -> dict[str, 
 
 
 def checkpoint_to_model_state_dict(
-    state_dict: Mapping[str, Tensor], config: DeepseekV2Config, what: str = "checkpoint",
+    checkpoint: SafetensorsCheckpoint, config: DeepseekV2Config, what: str = "checkpoint",
     shard: tuple[int, int] | None = None,
 ) -> dict[str, Tensor]:
     """A full checkpoint's tensors (per-expert DeepSeek layout, or transformers' stacked one)
     in the model's layout, after checking every name and shape against ``config``; with
-    ``shard=(rank, world_size)``, only that rank's slices (as :func:`shard_state_dict`).
+    ``shard=(rank, world_size)``, only that rank's slices (as :func:`shard_tensor`).
 
-    Sharding here rather than after matters for memory: the per-expert tensors are stacked
-    from slices of the (memory-mapped) checkpoint, so only the rank's share of the experts is
-    ever copied, not every expert of every layer.
+    Tensors are read one at a time and converted as they are read, so the result is the only
+    copy of the weights: a per-expert tensor's rows are read straight into its place in the
+    expert stack (a rank reads only its own rows), and a tensor to shard is sliced and let go
+    before the next is read.
 
     Raises CheckpointError naming the missing, unexpected and mis-shaped tensors.
     """
-    per_expert = not any(_STACK.match(name) for name in state_dict)
-    state = dict(state_dict)
+    shapes = checkpoint.shapes()
+    per_expert = not any(_STACK.match(name) for name in shapes)
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # tied: the embedding is the head
-    check_state_dict(_checkpoint_shapes(config, per_expert), state, what)
-    if shard is not None:
-        check_dp_divides(config, shard[1])
-    presharded = []
+        shapes.pop("lm_head.weight", None)  # tied: the embedding is the head
+    check_state_dict(_checkpoint_shapes(config, per_expert), shapes, what)
+    rank, world = shard if shard is not None else (0, 1)
+    check_dp_divides(config, world)
+    state: dict[str, Tensor] = {}
     if per_expert:
-        rows = slice(None)
-        if shard is not None:
-            step = int(config.moe_intermediate_size) // shard[1]
-            rows = slice(shard[0] * step, (shard[0] + 1) * step)
         for layer in range(config.num_hidden_layers):
-            if not config.is_moe_layer(layer):
-                continue
-            prefix = f"model.layers.{layer}.mlp.experts"
-            experts = range(config.n_routed_experts or 0)
-            gate = [state.pop(f"{prefix}.{e}.gate_proj.weight")[rows] for e in experts]
-            up = [state.pop(f"{prefix}.{e}.up_proj.weight")[rows] for e in experts]
-            down = [state.pop(f"{prefix}.{e}.down_proj.weight")[:, rows] for e in experts]
-            state[f"{prefix}.gate_up_proj"] = torch.cat((torch.stack(gate), torch.stack(up)), 1)
-            state[f"{prefix}.down_proj"] = torch.stack(down)
-            presharded += [f"{prefix}.gate_up_proj", f"{prefix}.down_proj"]
+            if config.is_moe_layer(layer):
+                state.update(_read_expert_stacks(checkpoint, config, layer, rank, world))
+    for name in shapes:
+        if name in state or _PER_EXPERT.match(name):
+            continue
+        tensor = checkpoint[name]
+        state[name] = shard_tensor(name, tensor, rank, world) if world > 1 else tensor
+        del tensor  # the full tensor goes before the next one is read
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    if shard is not None:
-        state = shard_state_dict(state, config, shard[0], shard[1],
-                                 presharded if shard[1] > 1 else ())
     return state
+
+
+_PER_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
+
+
+def _read_expert_stacks(
+    checkpoint: SafetensorsCheckpoint, config: DeepseekV2Config, layer: int, rank: int,
+    world: int,
+) -> dict[str, Tensor]:
+    """One MoE layer's per-expert tensors as this rank's ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]`` stacks, each expert's rows read into place from the file."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    experts = int(config.n_routed_experts or 0)
+    step = int(config.moe_intermediate_size) // world
+    rows = slice(rank * step, (rank + 1) * step)
+    gate_up = down = None
+    for e in range(experts):
+        gate = checkpoint.read(f"{prefix}.{e}.gate_proj.weight", rows)
+        if gate_up is None:
+            gate_up = torch.empty(experts, 2 * step, gate.shape[1], dtype=gate.dtype)
+        gate_up[e, :step] = gate
+        gate_up[e, step:] = checkpoint.read(f"{prefix}.{e}.up_proj.weight", rows)
+        # down_proj [H, I] is split along its columns: read whole, one expert at a time
+        part = checkpoint[f"{prefix}.{e}.down_proj.weight"][:, rows]
+        if down is None:
+            down = torch.empty(experts, part.shape[0], step, dtype=part.dtype)
+        down[e] = part
+    assert gate_up is not None and down is not None  # an MoE layer has experts
+    return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}
 
 
 def model_to_checkpoint_state_dict(

@@ -86,36 +86,34 @@ _SHARD_RULES: tuple[tuple[re.Pattern[str], int], ...] = (
 _GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")
 
 
+def shard_tensor(name: str, tensor: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank ``rank``'s slice of the model-layout tensor ``name`` (a copy, so the full one can
+    be freed), or ``tensor`` itself when it is replicated."""
+    if _GATE_UP.search(name):
+        e, two_i, h = tensor.shape
+        halves = tensor.view(e, 2, two_i // 2, h)
+        step = two_i // 2 // world_size
+        return halves[:, :, rank * step:(rank + 1) * step].reshape(e, 2 * step, h).clone()
+    for pattern, dim in _SHARD_RULES:
+        if pattern.search(name):
+            step = tensor.shape[dim] // world_size
+            return tensor.narrow(dim, rank * step, step).clone()
+    return tensor
+
+
 def shard_state_dict(
     state_dict: Mapping[str, Tensor], config: DeepseekV2Config, rank: int, world_size: int,
     presharded: Collection[str] = (),
 ) -> dict[str, Tensor]:
-    """Rank ``rank``'s weights out of a full (model-layout) state dict.
-
-    Intermediate-dim slices of the dense MLPs, shared experts and routed experts; everything
-    else is shared by reference. Sharded tensors are copied, so the full ones can be freed.
-    Tensors named in ``presharded`` already hold this rank's slice and pass through.
+    """Rank ``rank``'s weights out of a full (model-layout) state dict (:func:`shard_tensor`
+    per tensor): intermediate-dim slices of the dense MLPs, shared experts and routed experts;
+    everything else is shared by reference. Tensors named in ``presharded`` already hold this
+    rank's slice and pass through.
     """
     check_dp_divides(config, world_size)
     if not 0 <= rank < world_size:
         raise ShardError(f"rank {rank} is outside 0 .. {world_size - 1}")
-    out: dict[str, Tensor] = {}
-    for name, tensor in state_dict.items():
-        if name in presharded:
-            out[name] = tensor
-            continue
-        if _GATE_UP.search(name):
-            e, two_i, h = tensor.shape
-            halves = tensor.view(e, 2, two_i // 2, h)
-            step = two_i // 2 // world_size
-            shard = halves[:, :, rank * step:(rank + 1) * step]
-            out[name] = shard.reshape(e, 2 * step, h).clone()
-            continue
-        for pattern, dim in _SHARD_RULES:
-            if pattern.search(name):
-                step = tensor.shape[dim] // world_size
-                out[name] = tensor.narrow(dim, rank * step, step).clone()
-                break
-        else:
-            out[name] = tensor
-    return out
+    return {
+        name: tensor if name in presharded else shard_tensor(name, tensor, rank, world_size)
+        for name, tensor in state_dict.items()
+    }
