@@ -22,11 +22,9 @@ import pytest
 from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, greedy_reference, tiny_tokenizer
 
 from numaov.models.deepseek import DeepseekV2
-from numaov.runtime.lm_service import (
-    CompletionRequestError,
-    SamplingParams,
-    parse_completion_request,
-)
+from numaov.runtime.lm_sequence import SamplingParams
+from numaov.runtime.service.errors import RequestError
+from numaov.runtime.service.lm_requests import parse_completion_request
 
 pytestmark = pytest.mark.slow  # a real server with rank workers on the exported tiny model
 
@@ -174,13 +172,19 @@ def test_concurrent_clients_each_get_their_own_answer(served) -> None:
     assert together == [_expected_choice(list(t))[0] for t in expected]
 
 
-def test_models_and_health(served) -> None:
+def test_models_and_health(served, deepseek_bind: str) -> None:
     client = served["client"]
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
     health = client.get("/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "model": MODEL_NAME, "ranks": 2,
-                             "backend": "openvino"}
+    body = health.json()
+    assert {k: body[k] for k in ("status", "model", "ranks", "backend")} == {
+        "status": "ok", "model": MODEL_NAME, "ranks": 2, "backend": "openvino"}
+    workers = body["lm"]["workers"]
+    assert [w["rank"] for w in workers] == [0, 1]
+    assert all(w["state"] == "running" and w["restarts"] == 0 for w in workers)
+    assert [w["cpus"] for w in workers] == [[int(c)] for c in deepseek_bind.split("|")]
+    assert all(Path(f"/proc/{w['pid']}").exists() for w in workers)
     stats = client.get("/stats").json()
     assert len(stats["running"]) == len(stats["cache_used_tokens"]) == 2
     assert stats["cache_capacity_tokens"][0] > 0 and stats["queue_depth"] >= 0
@@ -194,9 +198,12 @@ def test_models_and_health(served) -> None:
     ({"prompt": [1, 2], "logprobs": 5}, 400, "logprobs", "expected 0 or 1"),
     ({"prompt": [1, 2], "stop_token_ids": [1, 900]}, 400, "stop_token_ids",
      "outside the vocabulary"),
-    ({"prompt": [[1, 2], [3]], "stream": True}, 400, "stream", "takes one prompt"),
-    ({"prompt": [1, 2], "n": 2}, 400, "n", "one answer per prompt"),
+    ({"prompt": [1, 2], "n": 17}, 400, "n", "expected an integer from 1 to 16"),
+    ({"prompt": [1, 2], "stream": "yes"}, 400, "stream", "expected true or false"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "expected stream: true"),
     ({"prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty", "without penalties"),
+    ({"prompt": [1, 2], "max_tokens": "4"}, 400, "max_tokens", "expected a positive integer"),
     ({"prompt": [1, 2], "temperature": "0"}, 400, "temperature", "expected a number"),
     ({"prompt": [1, 2], "logit_bias": {"5": -100}}, 400, "logit_bias", "not supported"),
     ({"prompt": [1, 2], "max_token": 3}, 400, "max_token", "unknown field"),
@@ -237,7 +244,7 @@ def test_neutral_openai_fields_are_accepted(served) -> None:
 
 @pytest.mark.parametrize(("method", "path", "status"), [
     ("GET", "/v1/completions", 405),
-    ("POST", "/v1/chat/completions", 404),
+    ("POST", "/v1/embeddings", 404),
     ("POST", "/v1/completions/", 404),
 ])
 def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, path: str,
@@ -245,8 +252,8 @@ def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, p
     response = served["client"].request(method, path, json={"prompt": [1]})
     assert response.status_code == status
     error = response.json()["error"]
-    assert ("POST /v1/completions, GET /v1/models, GET /stats and GET /health"
-            in error["message"])
+    assert ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+            "GET /metrics and GET /stats" in error["message"])
 
 
 def test_a_body_that_is_not_json_is_a_400(served) -> None:
@@ -258,18 +265,18 @@ def test_a_body_that_is_not_json_is_a_400(served) -> None:
 
 def test_text_prompt_without_a_tokenizer_says_to_start_with_one() -> None:
     config = {"vocab_size": 512, "max_position_embeddings": 64}
-    with pytest.raises(CompletionRequestError, match="started without a tokenizer; expected "
+    with pytest.raises(RequestError, match="started without a tokenizer; expected "
                        "token ids"):
         parse_completion_request({"prompt": "hello"}, config, None)
     assert parse_completion_request({"prompt": [[4, 5], [6]], "max_tokens": 3}, config
                                     ).prompts == [[4, 5], [6]]
-    with pytest.raises(CompletionRequestError, match="without a tokenizer; expected "
+    with pytest.raises(RequestError, match="without a tokenizer; expected "
                        "stop_token_ids"):
         parse_completion_request({"prompt": [4], "stop": "\n"}, config, None)
     parsed = parse_completion_request({"prompt": [4], "temperature": 0.5, "seed": 3,
                                        "top_k": 4, "logprobs": 1, "stop_token_ids": [7]}, config)
-    assert parsed.params == SamplingParams(16, temperature=0.5, seed=3, top_k=4, logprobs=True,
-                                           stop_token_ids=(7,))
+    assert parsed.params == [[SamplingParams(16, temperature=0.5, seed=3, top_k=4, logprobs=True,
+                                           stop_token_ids=(7,))]]
 
 
 def _stream(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
