@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
-import signal
 import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, greedy_reference, tiny_tokenizer
+from service_harness import STARTUP_S, STOP_S, children, start_server, stop_server
 
 from numaov.models.deepseek import DeepseekV2
 from numaov.runtime.lm_sequence import SamplingParams
@@ -29,73 +27,13 @@ from numaov.runtime.service.lm_requests import parse_completion_request
 pytestmark = pytest.mark.slow  # a real server with rank workers on the exported tiny model
 
 MODEL_NAME = "tiny-deepseek"
-STARTUP_S = 300
-STOP_S = 60
-
-
-class Server:
-    """A `numaov serve` process and the lines it printed."""
-
-    def __init__(self, args: list[str], bind: str) -> None:
-        self.proc = subprocess.Popen(
-            [*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "NUMAOV_CPU_BIND": bind},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-                continue
-            self.output.append(line)
-            match = re.search(pattern, line)
-            if match:
-                return match
-        raise AssertionError(f"no line matching {pattern!r}; output: {''.join(self.output)}")
-
-    def rest_of_output(self, timeout_s: float) -> str:
-        self.proc.wait(timeout=timeout_s)
-        time.sleep(0.2)
-        while not self.lines.empty():
-            self.output.append(self.lines.get())
-        return "".join(self.output)
-
-
-def _start(model_dir: Path, bind: str, *extra: str) -> tuple[Server, str]:
-    server = Server(["--model-dir", str(model_dir), "--port", "0", *extra], bind)
-    match = server.wait_for(r"on (http://[\d.]+:\d+)", STARTUP_S)
-    return server, match.group(1)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
 
 
 @pytest.fixture(scope="module")
 def served(deepseek_exported: dict[str, Any], deepseek_bind: str, tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     tokenizer = tiny_tokenizer(tok_dir)
-    server, url = _start(deepseek_exported["model_dir"], deepseek_bind, "--tokenizer",
+    server, url = start_server(deepseek_exported["model_dir"], deepseek_bind, "--tokenizer",
                          str(tok_dir), "--model-name", MODEL_NAME)
     client = httpx.Client(base_url=url, timeout=120)
     try:
@@ -103,11 +41,7 @@ def served(deepseek_exported: dict[str, Any], deepseek_bind: str, tmp_path_facto
                "exported": deepseek_exported}
     finally:
         client.close()
-        server.proc.send_signal(signal.SIGTERM)
-        output = server.rest_of_output(STOP_S)
-        # SIGTERM is a clean stop: workers closed, exit 0, nothing printed as a traceback.
-        assert server.proc.returncode == 0, output
-        assert "numaov serve: stopped" in output and "Traceback" not in output, output
+        stop_server(server)
 
 
 def _expected_choice(tokens: list[int], eos: int = 1) -> tuple[list[int], str]:
@@ -352,8 +286,8 @@ def test_a_worker_failing_at_startup_is_one_line(deepseek_exported, deepseek_bin
 
 
 def test_killed_server_leaves_no_worker_behind(deepseek_exported, deepseek_bind: str) -> None:
-    server, url = _start(deepseek_exported["model_dir"], deepseek_bind)
-    workers = _children(server.proc.pid)
+    server, url = start_server(deepseek_exported["model_dir"], deepseek_bind)
+    workers = children(server.proc.pid)
     assert workers, "the server has no child processes"
     assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 2},
                       timeout=120).status_code == 200
