@@ -391,6 +391,7 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import contextlib
     import os
 
     from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
@@ -401,39 +402,75 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from numaov.runtime.service.http_common import API_KEY_ENV, ServiceOptions
     from numaov.runtime.service.lm_requests import Limits
     from numaov.runtime.service.server import listen, serve_forever
+    from numaov.runtime.service.video_routes import VideoService
 
     def say(message: str) -> None:
         print(f"numaov serve: {message}", flush=True)
 
-    lm_dir = args.model_dir[0] if len(args.model_dir) == 1 else None
-    if len(args.model_dir) > 1:
-        raise NumaovError(f"{len(args.model_dir)} model directories; expected one",
-                          parameter="model_dir")
-    tokenizer_dir = args.tokenizer
-    if tokenizer_dir is None and (Path(lm_dir) / "tokenizer.json").is_file():
-        tokenizer_dir = lm_dir  # a model directory that carries its tokenizer
-    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
-    template = load_chat_template([tokenizer_dir, lm_dir])
-    name = args.model_name or Path(lm_dir).resolve().name
+    lm_dir, video_dir = _served_model_dirs(args.model_dir)
+    tokenizer = template = None
+    if lm_dir is not None:
+        tokenizer_dir = args.tokenizer
+        if tokenizer_dir is None and (Path(lm_dir) / "tokenizer.json").is_file():
+            tokenizer_dir = lm_dir  # a model directory that carries its tokenizer
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        template = load_chat_template([tokenizer_dir, lm_dir])
+    name = args.model_name or (Path(lm_dir).resolve().name if lm_dir is not None else "")
     options = ServiceOptions(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         limits=Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens))
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
-    with listen(args.host, args.port) as sock, \
-            LMService(lm_dir, args.backend, cache_tokens=cache_tokens,
-                      prefill_chunk=args.prefill_chunk, max_running=args.max_running,
-                      tokenizer=tokenizer, progress=_progress(args)) as service:
+    with contextlib.ExitStack() as stack:
+        sock = stack.enter_context(listen(args.host, args.port))
+        video = None
+        if video_dir is not None:
+            video = stack.enter_context(VideoService(
+                video_dir, Path(video_dir).resolve().name, args.backend))
+        service = None
+        if lm_dir is not None:
+            service = stack.enter_context(LMService(
+                lm_dir, args.backend, cache_tokens=cache_tokens,
+                prefill_chunk=args.prefill_chunk, max_running=args.max_running,
+                tokenizer=tokenizer, progress=_progress(args)))
         host, port = sock.getsockname()[:2]
-        app = build_app(service, name, tokenizer, template=template, options=options)
+        app = build_app(service, name, tokenizer, template=template, options=options,
+                        video=video)
         key = "; API key required" if options.api_key else ""
-        say(f"{name!r} ({service.world_size} rank(s), {args.backend}, KV cache "
-            f"{cache_tokens} tokens per rank; chat template: {template.origin}{key}) on "
-            f"http://{host}:{port}  (POST /v1/completions, POST /v1/chat/completions, "
-            "GET /v1/models, GET /health, GET /metrics, GET /stats)")
+        served = []
+        if service is not None:
+            served.append(f"{name!r} ({service.world_size} rank(s), {args.backend}, KV cache "
+                          f"{cache_tokens} tokens per rank; chat template: {template.origin})")
+        if video is not None:
+            served.append(f"{video.model_name!r} (Wan pipeline, {args.backend})")
+        routes = ((["POST /v1/completions", "POST /v1/chat/completions"] if service else [])
+                  + (["POST /v1/images/generations", "POST /v1/videos"] if video else [])
+                  + ["GET /v1/models", "GET /health", "GET /metrics"])
+        say(f"{' and '.join(served)}{key} on http://{host}:{port}  ({', '.join(routes)})")
         serve_forever(app, sock, say)
         say("stopped")
     return 0
+
+
+def _served_model_dirs(dirs: list[str]) -> tuple[str | None, str | None]:
+    """(the LM export, the Wan pipeline export) among ``--model-dir``: at most one of each."""
+    from numaov.manifest import PIPELINE_KIND
+    from numaov.runtime.manifest_reader import read_manifest
+
+    found: dict[str, str] = {}
+    for directory in dirs:
+        kind = read_manifest(directory).kind
+        role = {"deepseek": "lm", PIPELINE_KIND: "video"}.get(kind)
+        if role is None:
+            raise NumaovError(f"{directory!r} holds a {kind!r} export; expected a `numaov export "
+                              "deepseek` directory or a Wan pipeline export (`numaov export "
+                              "wan` of a diffusers pipeline directory)", parameter="model_dir")
+        if role in found:
+            raise NumaovError(f"{found[role]!r} and {directory!r} are both {kind!r} exports; "
+                              "expected at most one language model and one Wan pipeline",
+                              parameter="model_dir")
+        found[role] = directory
+    return found.get("lm"), found.get("video")
 
 
 def _positive(text: str) -> int:
@@ -455,7 +492,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from numaov.runtime.service.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
     p.add_argument("--model-dir", required=True, action="append", metavar="DIR",
-                   help="output of `numaov export deepseek`")
+                   help="output of `numaov export deepseek` or a Wan pipeline export; repeat "
+                   "to serve one of each")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--api-key", metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health and "
