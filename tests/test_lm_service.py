@@ -34,7 +34,7 @@ def served(deepseek_exported: dict[str, Any], deepseek_bind: str, tmp_path_facto
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     tokenizer = tiny_tokenizer(tok_dir)
     server, url = start_server(deepseek_exported["model_dir"], deepseek_bind, "--tokenizer",
-                         str(tok_dir), "--model-name", MODEL_NAME)
+                               str(tok_dir), "--model-name", MODEL_NAME)
     client = httpx.Client(base_url=url, timeout=120)
     try:
         yield {"url": url, "client": client, "tokenizer": tokenizer, "server": server,
