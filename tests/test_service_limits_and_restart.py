@@ -175,8 +175,10 @@ def test_a_killed_worker_fails_its_requests_and_the_group_restarts(served) -> No
     os.kill(old[1]["pid"], signal.SIGKILL)
     for t in threads:
         t.join(timeout=120)
+    # Which rank reports first is a race: the killed one's exit, or its peer's failed step.
+    blamed = r"rank process died without a result \(.*rank 1 exit code -9|rank 0 failed"
     for response in answers:
-        _error(response, 503, None, r"rank process died without a result \(rank 1 exit code -9\)")
+        _error(response, 503, None, rf"the rank workers failed while generating: .*({blamed})")
         assert response.headers["retry-after"] == "1"
     # degraded while the fresh group starts, then ok with the restart counted
     states = []
@@ -185,7 +187,7 @@ def test_a_killed_worker_fails_its_requests_and_the_group_restarts(served) -> No
     assert any(s.status_code == 503 and s.json()["status"] == "restarting" for s in states)
     health = states[-1].json()["lm"]
     assert health["restarts"] == 1 and health["state"] == "ok"
-    assert "rank 1 exit code -9" in health["failures"][-1]["error"]
+    assert re.search(blamed, health["failures"][-1]["error"]), health["failures"]
     new = health["workers"]
     assert [w["rank"] for w in new] == [0, 1]
     assert all(w["state"] == "running" and w["restarts"] == 1 for w in new)
@@ -199,6 +201,7 @@ def test_a_killed_worker_fails_its_requests_and_the_group_restarts(served) -> No
 
 def test_a_second_crash_soon_after_backs_off(served) -> None:
     client = served["client"]
+    _wait(lambda: _health(client).status_code == 200, "health ok", 120)
     pid = _health(client).json()["lm"]["workers"][0]["pid"]
     os.kill(pid, signal.SIGKILL)  # idle: the engine notices without a request
     seen = []

@@ -183,15 +183,25 @@ class LMRoutes:
         def chunk(choices: list[dict[str, Any]]) -> str:
             return f"data: {json.dumps({**head, 'choices': choices, **usage_field})}\n\n"
 
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(ids)]
+        async def single() -> AsyncIterator[tuple[int, StreamEvent]]:
+            # one choice (the usual case): its events as they come, without a task between
+            async for event in self.engine.astream(ids[0]):
+                yield 0, event
+
+        async def several() -> AsyncIterator[tuple[int, StreamEvent]]:
+            while True:
+                yield await merged.get()
+
+        tasks = ([asyncio.ensure_future(pump(i, r)) for i, r in enumerate(ids)]
+                 if len(ids) > 1 else [])
+        events = several() if tasks else single()
         generated, open_choices, first = 0, len(ids), False
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}
                              for i in range(len(ids))])
-            while open_choices:
-                index, event = await merged.get()
+            async for index, event in events:
                 if event.finish_reason == "error":
                     failed = self.failed()
                     yield f"data: {json.dumps(failed.body())}\n\n"
@@ -219,14 +229,19 @@ class LMRoutes:
                                   "finish_reason": event.finish_reason}])
                 if event.finish_reason is not None:
                     open_choices -= 1
+                    if not open_choices:
+                        break
             if parsed.include_usage:
                 yield (f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(parsed, generated)})}"
                        "\n\n")
             yield "data: [DONE]\n\n"
         finally:  # finished, failed, or the client went away: nothing is left running
+            # No await here: a cancelled response (the client went away) could be cancelled
+            # again at it, before the sequences are dropped. The event iterators are closed
+            # by the event loop's async-generator finalizer.
+            self.drop(ids)
             for task in tasks:
                 task.cancel()
-            self.drop(ids)
 
     # -- the route ------------------------------------------------------------------------
 

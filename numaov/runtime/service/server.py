@@ -11,7 +11,6 @@ from typing import Any
 
 from numaov.runtime.lm_service import ServiceError
 
-
 GIL_SWITCH_S = 0.0005
 
 
