@@ -8,6 +8,7 @@
   ``/v1/chat/completions`` over the LM engine (whole answers and server-sent events);
 - :mod:`~numaov.runtime.service.http_common`: options and limits, the error shape, body
   reading, the API-key and metrics gate; :mod:`~numaov.runtime.service.errors`;
+- :mod:`~numaov.runtime.service.video_routes`: images and videos from a Wan pipeline export;
 - :mod:`~numaov.runtime.service.metrics`: the Prometheus metrics;
 - :mod:`~numaov.runtime.service.server`: the socket and uvicorn.
 
