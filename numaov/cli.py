@@ -391,29 +391,92 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import contextlib
+    import os
+
+    from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
     from numaov.runtime.lm_engine import load_tokenizer
-    from numaov.runtime.lm_service import LMService, build_app, listen, serve_forever
+    from numaov.runtime.lm_service import LMService
+    from numaov.runtime.service.app import build_app
+    from numaov.runtime.service.chat_template import load_chat_template
+    from numaov.runtime.service.http_common import API_KEY_ENV, ServiceOptions
+    from numaov.runtime.service.lm_requests import Limits
+    from numaov.runtime.service.server import listen, serve_forever
+    from numaov.runtime.service.video_routes import VideoService
 
     def say(message: str) -> None:
         print(f"numaov serve: {message}", flush=True)
 
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
-    name = args.model_name or Path(args.model_dir).resolve().name
-    from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
-
+    lm_dir, video_dir = _served_model_dirs(args.model_dir)
+    tokenizer = template = None
+    if lm_dir is not None:
+        tokenizer_dir = args.tokenizer
+        if tokenizer_dir is None and (Path(lm_dir) / "tokenizer.json").is_file():
+            tokenizer_dir = lm_dir  # a model directory that carries its tokenizer
+        tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        template = load_chat_template([tokenizer_dir, lm_dir])
+    name = args.model_name or (Path(lm_dir).resolve().name if lm_dir is not None else "")
+    options = ServiceOptions(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        limits=Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens))
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
-    with listen(args.host, args.port) as sock, \
-            LMService(args.model_dir, args.backend, cache_tokens=cache_tokens,
-                      prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
-                      progress=_progress(args)) as service:
+    with contextlib.ExitStack() as stack:
+        sock = stack.enter_context(listen(args.host, args.port))
+        video = None
+        if video_dir is not None:
+            video = stack.enter_context(VideoService(
+                video_dir, Path(video_dir).resolve().name, args.backend))
+        service = None
+        if lm_dir is not None:
+            service = stack.enter_context(LMService(
+                lm_dir, args.backend, cache_tokens=cache_tokens,
+                prefill_chunk=args.prefill_chunk, max_running=args.max_running,
+                tokenizer=tokenizer, progress=_progress(args)))
         host, port = sock.getsockname()[:2]
-        app = build_app(service, name, tokenizer)
-        say(f"{name!r} ({service.world_size} rank(s), {args.backend}, KV cache "
-            f"{cache_tokens} tokens per rank) on http://{host}:{port}  "
-            "(POST /v1/completions, GET /v1/models, GET /stats, GET /health)")
+        app = build_app(service, name, tokenizer, template=template, options=options,
+                        video=video)
+        key = "; API key required" if options.api_key else ""
+        served = []
+        if service is not None:
+            served.append(f"{name!r} ({service.world_size} rank(s), {args.backend}, KV cache "
+                          f"{cache_tokens} tokens per rank; chat template: {template.origin})")
+        if video is not None:
+            served.append(f"{video.model_name!r} (Wan pipeline, {args.backend})")
+        routes = ((["POST /v1/completions", "POST /v1/chat/completions"] if service else [])
+                  + (["POST /v1/images/generations", "POST /v1/videos"] if video else [])
+                  + ["GET /v1/models", "GET /health", "GET /metrics"])
+        say(f"{' and '.join(served)}{key} on http://{host}:{port}  ({', '.join(routes)})")
         serve_forever(app, sock, say)
         say("stopped")
     return 0
+
+
+def _served_model_dirs(dirs: list[str]) -> tuple[str | None, str | None]:
+    """(the LM export, the Wan pipeline export) among ``--model-dir``: at most one of each."""
+    from numaov.manifest import PIPELINE_KIND
+    from numaov.runtime.manifest_reader import read_manifest
+
+    found: dict[str, str] = {}
+    for directory in dirs:
+        kind = read_manifest(directory).kind
+        role = {"deepseek": "lm", PIPELINE_KIND: "video"}.get(kind)
+        if role is None:
+            raise NumaovError(f"{directory!r} holds a {kind!r} export; expected a `numaov export "
+                              "deepseek` directory or a Wan pipeline export (`numaov export "
+                              "wan` of a diffusers pipeline directory)", parameter="model_dir")
+        if role in found:
+            raise NumaovError(f"{found[role]!r} and {directory!r} are both {kind!r} exports; "
+                              "expected at most one language model and one Wan pipeline",
+                              parameter="model_dir")
+        found[role] = directory
+    return found.get("lm"), found.get("video")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
 def _port(text: str) -> int:
@@ -425,9 +488,30 @@ def _port(text: str) -> int:
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an exported DeepSeek-V2 over HTTP "
                        "(OpenAI-style /v1/completions), one worker per DP rank")
-    p.add_argument("--model-dir", required=True, metavar="DIR",
-                   help="output of `numaov export deepseek`")
+    from numaov.runtime.lm_scheduler import DEFAULT_MAX_RUNNING
+    from numaov.runtime.service.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+
+    p.add_argument("--model-dir", required=True, action="append", metavar="DIR",
+                   help="output of `numaov export deepseek` or a Wan pipeline export; repeat "
+                   "to serve one of each")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health and "
+                   "/metrics (default: $NUMAOV_API_KEY; none: open)")
+    p.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="requests waiting for a place beyond which a new one gets 429 "
+                   f"(default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-running", type=_positive, default=DEFAULT_MAX_RUNNING, metavar="N",
+                   help="sequences in the batch per rank at once (default "
+                   f"{DEFAULT_MAX_RUNNING}; 1: one request at a time)")
+    p.add_argument("--max-body-bytes", type=_positive, default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="N", help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES}; "
+                   "larger: 413)")
+    p.add_argument("--max-tokens", type=_positive, default=None, metavar="N",
+                   help="most new tokens one request may ask for (default: the model's "
+                   "positions)")
+    p.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
+                   help="longest prompt in tokens (default: the model's positions)")
     p.add_argument("--port", type=_port, default=8000,
                    help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--tokenizer", metavar="DIR",

@@ -33,3 +33,20 @@ def deepseek_exported(tmp_path_factory: pytest.TempPathFactory, deepseek_bind: s
     from deepseek_harness import export_tiny_dp2
 
     return export_tiny_dp2(tmp_path_factory.mktemp("deepseek_export"), deepseek_bind)
+
+
+@pytest.fixture(scope="session")
+def wan_pipeline_exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A tiny Wan 2.1 pipeline (wan_pipeline_harness) exported once through the CLI."""
+    import subprocess
+    import sys
+
+    from wan_pipeline_harness import build_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("wan_pipeline_export")
+    build_tiny_pipeline(root / "pipeline", seed=0)
+    proc = subprocess.run([sys.executable, "-m", "numaov.cli", "export", "wan", "--checkpoint",
+                           str(root / "pipeline"), "--out", str(root / "export"), "--quiet"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return {"root": root, "export": root / "export"}

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
-import signal
 import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,96 +17,31 @@ from typing import Any
 import httpx
 import pytest
 from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, greedy_reference, tiny_tokenizer
+from service_harness import STARTUP_S, STOP_S, children, start_server, stop_server
 
 from numaov.models.deepseek import DeepseekV2
-from numaov.runtime.lm_service import (
-    CompletionRequestError,
-    SamplingParams,
-    parse_completion_request,
-)
+from numaov.runtime.lm_sequence import SamplingParams
+from numaov.runtime.service.errors import RequestError
+from numaov.runtime.service.lm_requests import parse_completion_request
 
 pytestmark = pytest.mark.slow  # a real server with rank workers on the exported tiny model
 
 MODEL_NAME = "tiny-deepseek"
-STARTUP_S = 300
-STOP_S = 60
-
-
-class Server:
-    """A `numaov serve` process and the lines it printed."""
-
-    def __init__(self, args: list[str], bind: str) -> None:
-        self.proc = subprocess.Popen(
-            [*CLI, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "NUMAOV_CPU_BIND": bind},
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None and self.lines.empty():
-                    break
-                continue
-            self.output.append(line)
-            match = re.search(pattern, line)
-            if match:
-                return match
-        raise AssertionError(f"no line matching {pattern!r}; output: {''.join(self.output)}")
-
-    def rest_of_output(self, timeout_s: float) -> str:
-        self.proc.wait(timeout=timeout_s)
-        time.sleep(0.2)
-        while not self.lines.empty():
-            self.output.append(self.lines.get())
-        return "".join(self.output)
-
-
-def _start(model_dir: Path, bind: str, *extra: str) -> tuple[Server, str]:
-    server = Server(["--model-dir", str(model_dir), "--port", "0", *extra], bind)
-    match = server.wait_for(r"on (http://[\d.]+:\d+)", STARTUP_S)
-    return server, match.group(1)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
 
 
 @pytest.fixture(scope="module")
 def served(deepseek_exported: dict[str, Any], deepseek_bind: str, tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("tokenizer")
     tokenizer = tiny_tokenizer(tok_dir)
-    server, url = _start(deepseek_exported["model_dir"], deepseek_bind, "--tokenizer",
-                         str(tok_dir), "--model-name", MODEL_NAME)
+    server, url = start_server(deepseek_exported["model_dir"], deepseek_bind, "--tokenizer",
+                               str(tok_dir), "--model-name", MODEL_NAME)
     client = httpx.Client(base_url=url, timeout=120)
     try:
         yield {"url": url, "client": client, "tokenizer": tokenizer, "server": server,
                "exported": deepseek_exported}
     finally:
         client.close()
-        server.proc.send_signal(signal.SIGTERM)
-        output = server.rest_of_output(STOP_S)
-        # SIGTERM is a clean stop: workers closed, exit 0, nothing printed as a traceback.
-        assert server.proc.returncode == 0, output
-        assert "numaov serve: stopped" in output and "Traceback" not in output, output
+        stop_server(server)
 
 
 def _expected_choice(tokens: list[int], eos: int = 1) -> tuple[list[int], str]:
@@ -174,13 +106,19 @@ def test_concurrent_clients_each_get_their_own_answer(served) -> None:
     assert together == [_expected_choice(list(t))[0] for t in expected]
 
 
-def test_models_and_health(served) -> None:
+def test_models_and_health(served, deepseek_bind: str) -> None:
     client = served["client"]
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
     health = client.get("/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "model": MODEL_NAME, "ranks": 2,
-                             "backend": "openvino"}
+    body = health.json()
+    assert {k: body[k] for k in ("status", "model", "ranks", "backend")} == {
+        "status": "ok", "model": MODEL_NAME, "ranks": 2, "backend": "openvino"}
+    workers = body["lm"]["workers"]
+    assert [w["rank"] for w in workers] == [0, 1]
+    assert all(w["state"] == "running" and w["restarts"] == 0 for w in workers)
+    assert [w["cpus"] for w in workers] == [[int(c)] for c in deepseek_bind.split("|")]
+    assert all(Path(f"/proc/{w['pid']}").exists() for w in workers)
     stats = client.get("/stats").json()
     assert len(stats["running"]) == len(stats["cache_used_tokens"]) == 2
     assert stats["cache_capacity_tokens"][0] > 0 and stats["queue_depth"] >= 0
@@ -194,9 +132,12 @@ def test_models_and_health(served) -> None:
     ({"prompt": [1, 2], "logprobs": 5}, 400, "logprobs", "expected 0 or 1"),
     ({"prompt": [1, 2], "stop_token_ids": [1, 900]}, 400, "stop_token_ids",
      "outside the vocabulary"),
-    ({"prompt": [[1, 2], [3]], "stream": True}, 400, "stream", "takes one prompt"),
-    ({"prompt": [1, 2], "n": 2}, 400, "n", "one answer per prompt"),
+    ({"prompt": [1, 2], "n": 17}, 400, "n", "expected an integer from 1 to 16"),
+    ({"prompt": [1, 2], "stream": "yes"}, 400, "stream", "expected true or false"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "expected stream: true"),
     ({"prompt": [1, 2], "presence_penalty": 0.5}, 400, "presence_penalty", "without penalties"),
+    ({"prompt": [1, 2], "max_tokens": "4"}, 400, "max_tokens", "expected a positive integer"),
     ({"prompt": [1, 2], "temperature": "0"}, 400, "temperature", "expected a number"),
     ({"prompt": [1, 2], "logit_bias": {"5": -100}}, 400, "logit_bias", "not supported"),
     ({"prompt": [1, 2], "max_token": 3}, 400, "max_token", "unknown field"),
@@ -237,7 +178,7 @@ def test_neutral_openai_fields_are_accepted(served) -> None:
 
 @pytest.mark.parametrize(("method", "path", "status"), [
     ("GET", "/v1/completions", 405),
-    ("POST", "/v1/chat/completions", 404),
+    ("POST", "/v1/embeddings", 404),
     ("POST", "/v1/completions/", 404),
 ])
 def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, path: str,
@@ -245,8 +186,8 @@ def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, p
     response = served["client"].request(method, path, json={"prompt": [1]})
     assert response.status_code == status
     error = response.json()["error"]
-    assert ("POST /v1/completions, GET /v1/models, GET /stats and GET /health"
-            in error["message"])
+    assert ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+            "GET /metrics and GET /stats" in error["message"])
 
 
 def test_a_body_that_is_not_json_is_a_400(served) -> None:
@@ -258,18 +199,18 @@ def test_a_body_that_is_not_json_is_a_400(served) -> None:
 
 def test_text_prompt_without_a_tokenizer_says_to_start_with_one() -> None:
     config = {"vocab_size": 512, "max_position_embeddings": 64}
-    with pytest.raises(CompletionRequestError, match="started without a tokenizer; expected "
+    with pytest.raises(RequestError, match="started without a tokenizer; expected "
                        "token ids"):
         parse_completion_request({"prompt": "hello"}, config, None)
     assert parse_completion_request({"prompt": [[4, 5], [6]], "max_tokens": 3}, config
                                     ).prompts == [[4, 5], [6]]
-    with pytest.raises(CompletionRequestError, match="without a tokenizer; expected "
+    with pytest.raises(RequestError, match="without a tokenizer; expected "
                        "stop_token_ids"):
         parse_completion_request({"prompt": [4], "stop": "\n"}, config, None)
     parsed = parse_completion_request({"prompt": [4], "temperature": 0.5, "seed": 3,
                                        "top_k": 4, "logprobs": 1, "stop_token_ids": [7]}, config)
-    assert parsed.params == SamplingParams(16, temperature=0.5, seed=3, top_k=4, logprobs=True,
-                                           stop_token_ids=(7,))
+    assert parsed.params == [[SamplingParams(16, temperature=0.5, seed=3, top_k=4, logprobs=True,
+                                           stop_token_ids=(7,))]]
 
 
 def _stream(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -345,8 +286,8 @@ def test_a_worker_failing_at_startup_is_one_line(deepseek_exported, deepseek_bin
 
 
 def test_killed_server_leaves_no_worker_behind(deepseek_exported, deepseek_bind: str) -> None:
-    server, url = _start(deepseek_exported["model_dir"], deepseek_bind)
-    workers = _children(server.proc.pid)
+    server, url = start_server(deepseek_exported["model_dir"], deepseek_bind)
+    workers = children(server.proc.pid)
     assert workers, "the server has no child processes"
     assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 2},
                       timeout=120).status_code == 200

@@ -49,7 +49,13 @@ from numaov import NumaovError
 from numaov.runtime import binding
 from numaov.runtime.binding import BIND_ENV, BindingPlan, RankCountError
 from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS, CacheManager, check_capacity, pool_bytes
-from numaov.runtime.lm_ranks import InProcessRanks, RankWorkersError, WorkerRanks, cache_shape
+from numaov.runtime.lm_ranks import (
+    InProcessRanks,
+    RankWorkersError,
+    RankWorkersRestarting,
+    WorkerRanks,
+    cache_shape,
+)
 from numaov.runtime.lm_runner import (
     BACKENDS,
     OpenVINOStep,
@@ -76,7 +82,7 @@ from numaov.runtime.lm_text import TextStream
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 
 __all__ = [
-    "BACKENDS", "Completion", "EngineStats", "GenerationInputError", "GenerationResult",
+    "BACKENDS", "Completion", "EngineHealth", "EngineStats", "GenerationInputError", "GenerationResult",
     "LMEngine", "OpenVINOStep", "RankGeneration", "RankPlanError", "SamplingParams",
     "StepModel", "StreamEvent", "TorchStep", "generate_on_rank", "open_step_model",
     "run_deepseek",
@@ -92,6 +98,16 @@ STATS_WINDOW_STEPS = 64
 # The loop finishes the step in flight before it stops.
 CLOSE_TIMEOUT_S = 600.0
 _POLL_S = 0.2
+# Restarting failed rank workers: the first restart is immediate, each further one within
+# RESTART_RESET_S of the last waits twice as long (RESTART_BASE_S, 2x, 4x ... at most
+# RESTART_MAX_S), so a model that crashes at every step does not spin; ranks that served
+# RESTART_RESET_S without failing start the count again.
+RESTART_BASE_S = 1.0
+RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0
+# An idle engine checks its workers this often, so a worker that died between requests is
+# restarted (and shown in health()) without waiting for the next request.
+_IDLE_CHECK_S = 1.0
 
 Progress = Callable[[str], None] | None
 
@@ -266,19 +282,50 @@ class EngineStats:
     steps: int
     # Per rank: phases it ran with 0 rows (in lockstep with a busy rank).
     idle_phases: list[int]
+    # Per rank: seconds spent running steps, since the engine started (all restarts).
+    busy_seconds: list[float] = field(default_factory=list)
+    # Times the rank workers were restarted after a failure.
+    restarts: int = 0
+    # Tokens generated since the engine started.
+    generated_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    """Whether the engine serves: ``state`` is "ok", "restarting" (the rank workers failed
+    and fresh ones are starting; requests are refused meanwhile) or "failed" (for good: no
+    restart, or the engine was closed); ``workers`` says each rank's process, CPUs and
+    nodes."""
+
+    state: str
+    restarts: int
+    failure: str | None
+    # The last failures, oldest first: (unix time, reason).
+    failures: list[tuple[float, str]]
+    # Seconds until the next restart attempt while restarting (the backoff), else None.
+    restart_in_s: float | None
+    workers: list[dict[str, Any]]
+
+
 class LMEngine:
-    """Continuous batching over the ranks of ``ranks``; thread-safe."""
+    """Continuous batching over the ranks of ``ranks``; thread-safe.
+
+    ``restart`` (optional) makes fresh ranks after the current ones fail: a worker that
+    dies or raises fails every request in flight (finish reason "error"), the old ranks are
+    closed, and ``restart(n)`` (n = 1, 2, ...: the restart's number) starts new ones, after
+    a backoff when failures repeat (``RESTART_BASE_S`` ...). Without it a failure stops the
+    engine for good.
+    """
 
     def __init__(self, ranks: Any, config: Mapping[str, Any], *,
                  cache_tokens: int = DEFAULT_CACHE_TOKENS, tokenizer: Any = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_running: int = DEFAULT_MAX_RUNNING, backend: str = "openvino",
-                 placement: str = "", load_seconds: float = 0.0) -> None:
+                 placement: str = "", load_seconds: float = 0.0,
+                 restart: Callable[[int], Any] | None = None) -> None:
         self.config = config
         self.backend, self.placement, self.load_seconds = backend, placement, load_seconds
         self.world_size = ranks.world_size
@@ -302,6 +349,16 @@ class LMEngine:
         self.rank_seconds: list[list[tuple[float, float]]] = []
         self._window: collections.deque = collections.deque(maxlen=STATS_WINDOW_STEPS)
         self._idle_phases = [0] * self.world_size
+        self._busy = [0.0] * self.world_size
+        self._generated = 0
+        self._restart = restart
+        self._restarts = 0
+        self._consecutive = 0  # failures since the ranks last served RESTART_RESET_S
+        self._restarting_until: float | None = None  # monotonic time of the next attempt
+        self._failures: collections.deque = collections.deque(maxlen=8)
+        self._healthy_since = time.monotonic()
+        # request id -> (event loop, asyncio.Event) of an astream() waiting for events
+        self._wakers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
         self._thread = threading.Thread(target=self._loop, name="numaov-lm-engine", daemon=True)
         self._thread.start()
 
@@ -309,8 +366,11 @@ class LMEngine:
     def start(cls, model_dir: str | Path, backend: str = "openvino", *,
               plan: BindingPlan | None = None, cache_tokens: int = DEFAULT_CACHE_TOKENS,
               tokenizer: Any = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-              max_running: int = DEFAULT_MAX_RUNNING, progress: Progress = None) -> LMEngine:
-        """An engine over one pinned worker per rank of ``model_dir``'s export."""
+              max_running: int = DEFAULT_MAX_RUNNING, progress: Progress = None,
+              restart: bool = False) -> LMEngine:
+        """An engine over one pinned worker per rank of ``model_dir``'s export; with
+        ``restart``, failed workers are replaced by fresh ones (a new rank group on fresh
+        shared memory) instead of stopping the engine."""
         report = progress or (lambda _msg: None)
         manifest = open_lm_manifest(model_dir, backend)
         check_capacity(cache_tokens)
@@ -321,9 +381,15 @@ class LMEngine:
                f"{cache_tokens} tokens = {pool_bytes(layers, width, cache_tokens) / 2**20:.1f} "
                "MiB per rank")
         ranks = WorkerRanks(manifest, backend, plan, cache_tokens)
+
+        def fresh_ranks(number: int) -> WorkerRanks:
+            report(f"restarting the rank workers (restart {number})")
+            return WorkerRanks(manifest, backend, plan, cache_tokens)
+
         engine = cls(ranks, manifest.config, cache_tokens=cache_tokens, tokenizer=tokenizer,
                      prefill_chunk=prefill_chunk, max_running=max_running, backend=backend,
-                     placement=placement, load_seconds=ranks.load_seconds)
+                     placement=placement, load_seconds=ranks.load_seconds,
+                     restart=fresh_ranks if restart else None)
         report(f"workers ready (model loaded and compiled in {ranks.load_seconds:.1f} s)")
         return engine
 
@@ -374,13 +440,27 @@ class LMEngine:
                 return
 
     async def astream(self, request_id: int) -> AsyncIterator[StreamEvent]:
-        """:meth:`stream` for asyncio: waits off the event loop."""
+        """:meth:`stream` for asyncio. The loop thread wakes the waiting coroutine when it
+        adds an event (no thread waits per stream: a server with many streams open would
+        otherwise run out of its executor's few threads)."""
         events = self._event_queue(request_id)
-        while True:
-            event = await asyncio.to_thread(events.get)
-            yield event
-            if event.finish_reason is not None:
-                return
+        wake = asyncio.Event()
+        with self._cond:
+            self._wakers[request_id] = (asyncio.get_running_loop(), wake)
+        try:
+            while True:
+                try:
+                    event = events.get_nowait()
+                except queue_module.Empty:
+                    await wake.wait()
+                    wake.clear()
+                    continue
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            with self._cond:
+                self._wakers.pop(request_id, None)
 
     def result(self, request_id: int) -> Completion:
         """Wait for the request to finish; its completion (each request's once, whether or
@@ -411,6 +491,7 @@ class LMEngine:
 
     def stats(self) -> EngineStats:
         with self._cond:
+            busy, restarts, generated = list(self._busy), self._restarts, self._generated
             waiting, running = self._scheduler.counts()
             seconds = sum(w for w, _ in self._window)
             per_rank = [sum(t[r] for _, t in self._window) for r in range(self.world_size)]
@@ -420,10 +501,32 @@ class LMEngine:
                 cache_capacity_tokens=[c.capacity for c in self._caches],
                 cache_bytes=self.cache_bytes,
                 tokens_per_second=[n / seconds if seconds else 0.0 for n in per_rank],
-                steps=len(self.step_seconds), idle_phases=list(self._idle_phases))
+                steps=len(self.step_seconds), idle_phases=list(self._idle_phases),
+                busy_seconds=busy, restarts=restarts, generated_tokens=generated)
 
     def failure(self) -> str | None:
-        return self._failure or self._ranks.failure()
+        """Why the engine does not serve now (failed, or restarting its workers), or None."""
+        with self._cond:
+            return self._current_failure()
+
+    def _current_failure(self) -> str | None:
+        if self._failure is not None:
+            return self._failure
+        return self._ranks.failure()
+
+    def health(self) -> EngineHealth:
+        with self._cond:
+            failure = self._current_failure()
+            if self._restarting_until is not None:
+                state = "restarting"
+            elif failure is not None or self._closed:
+                state = "failed"
+            else:
+                state = "ok"
+            wait = (max(self._restarting_until - time.monotonic(), 0.0)
+                    if self._restarting_until is not None else None)
+            return EngineHealth(state, self._restarts, failure, list(self._failures), wait,
+                                list(self._ranks.workers()))
 
     def close(self) -> None:
         with self._cond:
@@ -447,7 +550,10 @@ class LMEngine:
     def _check_running(self) -> None:
         if self._closed:
             raise RankWorkersError("the engine was closed; expected a running engine")
-        failure = self.failure()
+        if self._restarting_until is not None:
+            raise RankWorkersRestarting(f"the rank workers are restarting after a failure "
+                                        f"({self._failure}); expected a retry shortly")
+        failure = self._current_failure()
         if failure is not None:
             raise RankWorkersError(f"the rank workers failed earlier: {failure}")
 
@@ -468,33 +574,89 @@ class LMEngine:
         while True:
             with self._cond:
                 while not self._closed and not self._scheduler.has_work():
-                    self._cond.wait()
+                    if self._ranks.failure() is not None:
+                        break  # a worker died while idle: restart it now
+                    self._cond.wait(_IDLE_CHECK_S)
                 if self._closed:
                     return
-                steps = self._scheduler.schedule()
+                idle_failure = self._ranks.failure()
+                steps = None if idle_failure is not None else self._scheduler.schedule()
+            if idle_failure is not None:
+                if not self._recover(idle_failure):
+                    return
+                continue
             if steps is None:
                 continue
             start = time.perf_counter()
             try:
                 results = self._ranks.step(steps)
             except Exception as exc:  # noqa: BLE001 - every waiting request is told
-                logger.error("the engine stopped: %s", exc)
-                with self._cond:
-                    self._failure = str(exc)
-                    for seq in list(self._sequences.values()):
-                        self._finish(seq, "error")
-                    self._closed = True
-                return
+                if not self._recover(str(exc)):
+                    return
+                continue
             wall = time.perf_counter() - start
             with self._cond:
                 for rank, step in enumerate(steps):
                     self._idle_phases[rank] += sum(1 for rows in step.phases if not rows)
                 self._apply(results, wall)
 
+    def _recover(self, reason: str) -> bool:
+        """The ranks failed: fail every request, then restart them (True) or stop (False)."""
+        with self._cond:
+            self._failure = reason
+            self._failures.append((time.time(), reason))
+            for seq in list(self._sequences.values()):
+                self._finish(seq, "error")
+            self._scheduler.forget_releases()  # fresh ranks know none of those sequences
+            if self._restart is None or self._closed:
+                logger.error("the engine stopped: %s", reason)
+                self._closed = True
+                return False
+            served = time.monotonic() - self._healthy_since
+            self._consecutive = 1 if served >= RESTART_RESET_S else self._consecutive + 1
+            logger.error("the rank workers failed (%s); restarting them", reason)
+        old = self._ranks
+        old.close()
+        while True:
+            delay = 0.0 if self._consecutive <= 1 else min(
+                RESTART_BASE_S * 2 ** (self._consecutive - 2), RESTART_MAX_S)
+            with self._cond:
+                self._restarting_until = time.monotonic() + delay
+                while not self._closed and time.monotonic() < self._restarting_until:
+                    self._cond.wait(max(self._restarting_until - time.monotonic(), 0.0))
+                if self._closed:
+                    self._restarting_until = None
+                    return False
+                self._restarts += 1
+                number = self._restarts
+            try:
+                ranks = self._restart(number)
+            except Exception as exc:  # noqa: BLE001 - shown in health(), tried again
+                logger.error("restart %d of the rank workers failed: %s", number, exc)
+                with self._cond:
+                    self._failure = f"restart {number} failed: {exc}"
+                    self._failures.append((time.time(), self._failure))
+                    self._consecutive += 1
+                continue
+            with self._cond:
+                if self._closed:
+                    self._restarting_until = None
+                    ranks.close()
+                    return False
+                self._ranks = ranks
+                self._failure = None
+                self._restarting_until = None
+                self._healthy_since = time.monotonic()
+                self._cond.notify_all()
+            logger.warning("the rank workers were restarted (restart %d)", number)
+            return True
+
     def _apply(self, results: list[RankStepResult], wall: float) -> None:
         self.step_seconds.append(wall)
         self.rank_seconds.append([(r.forward_seconds, r.seconds) for r in results])
         self._window.append((wall, [len(r.sampled) for r in results]))
+        for rank, r in enumerate(results):
+            self._busy[rank] += r.seconds
         for result in results:
             for sampled in result.sampled:
                 seq = self._sequences.get(sampled.request_id)
@@ -506,6 +668,7 @@ class LMEngine:
                     self._finish(seq, "stop")
                     continue
                 seq.tokens.append(token)
+                self._generated += 1
                 if sampled.logprob is not None:
                     seq.logprobs.append(sampled.logprob)
                 if sampled.logits is not None:
@@ -515,6 +678,7 @@ class LMEngine:
                 self._events[seq.request_id].put(StreamEvent(
                     seq.request_id, [token], delta,
                     [sampled.logprob] if sampled.logprob is not None else []))
+                self._wake(seq.request_id)
                 if text.stopped:
                     self._finish(seq, "stop")
                 elif len(seq.tokens) >= seq.params.max_new_tokens:
@@ -531,7 +695,17 @@ class LMEngine:
             seq.request_id, seq.prompt, seq.tokens, text.text,
             seq.logprobs if seq.params.logprobs else None, reason, logits)
         self._events[seq.request_id].put(StreamEvent(seq.request_id, [], delta, [], reason))
+        self._wake(seq.request_id)
         self._cond.notify_all()
+
+    def _wake(self, request_id: int) -> None:
+        waker = self._wakers.get(request_id)
+        if waker is not None:
+            loop, event = waker
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that event loop was closed: nobody is waiting any more
+                pass
 
 
 # -- one run: run deepseek, bench -------------------------------------------------------------

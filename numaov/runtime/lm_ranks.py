@@ -43,6 +43,10 @@ class RankWorkersError(NumaovError):
     """The rank workers failed, stopped or did not start."""
 
 
+class RankWorkersRestarting(RankWorkersError):
+    """The rank workers failed and fresh ones are starting: a request may be tried again."""
+
+
 def cache_shape(config: Any) -> tuple[int, int]:
     """(layers, entry width) of the MLA cache of a DeepSeek-V2 config mapping."""
     return (int(config["num_hidden_layers"]),
@@ -62,6 +66,10 @@ class InProcessRanks:
 
     def failure(self) -> str | None:
         return None
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [{"rank": 0, "pid": os.getpid(), "cpus": sorted(os.sched_getaffinity(0)),
+                 "nodes": [], "alive": True}]
 
     def close(self) -> None:
         self._runner.close()
@@ -86,7 +94,7 @@ def _serve_rank(context: Any, job: _RankJob) -> int:
     parent = os.getppid()
     steps = 0
     try:
-        job.pipe.send(("ready", time.perf_counter() - start))
+        job.pipe.send(("ready", (time.perf_counter() - start, os.getpid())))
         while True:
             if not job.pipe.poll(_POLL_S * 5):
                 if os.getppid() != parent:  # the engine was killed: do not linger
@@ -103,6 +111,15 @@ def _serve_rank(context: Any, job: _RankJob) -> int:
     finally:
         runner.close()
     return steps
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class WorkerRanks:
@@ -140,7 +157,18 @@ class WorkerRanks:
             self.close()
             raise
         self._started = True
-        self.load_seconds = max(ready)
+        self.load_seconds = max(seconds for seconds, _ in ready)
+        self._pids = [pid for _, pid in ready]
+        self._plan = plan
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Each rank's worker: its process id, CPUs, NUMA nodes and whether it runs."""
+        out = []
+        for rank, pid in enumerate(self._pids):
+            binding = self._plan.ranks[rank]
+            out.append({"rank": rank, "pid": pid, "cpus": list(binding.cpus),
+                        "nodes": list(binding.nodes), "alive": _alive(pid)})
+        return out
 
     def failure(self) -> str | None:
         """Why the workers stopped, or None while they serve."""
@@ -159,16 +187,20 @@ class WorkerRanks:
     def _collect(self, kind: str, timeout_s: float, doing: str) -> list[Any]:
         """One ``kind`` reply per rank, by rank, failing when the workers stop."""
         got: dict[int, Any] = {}
+        gone: set[int] = set()
         deadline = time.monotonic() + timeout_s
         while len(got) < self.world_size:
-            waiting = [p for r, p in enumerate(self._pipes) if r not in got]
-            ready = mp_connection.wait(waiting, timeout=_POLL_S)
+            waiting = [p for r, p in enumerate(self._pipes) if r not in got and r not in gone]
+            ready = mp_connection.wait(waiting, timeout=_POLL_S) if waiting else []
+            if not waiting:
+                time.sleep(_POLL_S)
             for pipe in ready:
                 rank = self._pipes.index(pipe)
                 try:
                     reply_kind, payload = pipe.recv()
                 except EOFError:
-                    continue  # the worker is gone: failure() says why below
+                    gone.add(rank)  # the worker is gone: failure() says why below
+                    continue
                 if reply_kind == kind:
                     got[rank] = payload
             if ready and len(got) == self.world_size:

@@ -84,6 +84,11 @@ class Scheduler:
             self._releases[seq.rank].append(seq.request_id)
             seq.joined = False
 
+    def forget_releases(self) -> None:
+        """Drop the releases not yet sent: the ranks they were meant for are gone (fresh
+        ranks after a failure start with no sequences)."""
+        self._releases = [[] for _ in self.caches]
+
     # -- a step -------------------------------------------------------------------------------
 
     def has_work(self) -> bool:

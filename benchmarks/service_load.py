@@ -1,0 +1,282 @@
+"""numaov serve under load: continuous batching against one request at a time, same server.
+
+Two ``numaov serve`` processes over the same export run side by side, idle between their
+turns: ``batching`` (the default ``--max-running``) and ``one-at-a-time``
+(``--max-running 1``: the rank takes the next request only when the last one finished). For
+every round, every concurrency (1, 4, 16) and both servers in turn, clients (one asyncio loop
+of httpx streams, in this process) send streamed ``/v1/completions`` of ``PROMPT_TOKENS``
+seeded token ids and ``NEW_TOKENS`` new tokens (end-of-sequence ignored), ``REQUESTS[c]``
+requests at concurrency ``c``, each client sending its next request when its last one ended.
+Measured per run: requests/s and output tokens/s (over the run's wall time), time to first
+token (request sent -> first token's chunk) and latency (-> ``[DONE]``), p50 and p99.
+
+The Wan part: a tiny Wan 2.1 pipeline (``tests/wan_pipeline_harness.py``) exported and served
+by a third server; ``VIDEOS`` videos of ``VIDEO_FRAMES`` frames at ``VIDEO_SIZE``, 2 requests
+at a time, give videos per minute.
+
+Figures go to ``benchmarks/out/service_load.json``; ``benchmarks/RESULTS.md`` records them.
+
+    .venv/bin/python benchmarks/service_load.py [--model tiny|bench] [--rounds 3] [--no-video]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OUT = HERE / "out" / "service_load.json"
+WORK = HERE / "out" / "service_load"
+SEED = 0
+PROMPT_TOKENS = 16
+NEW_TOKENS = 64
+CONCURRENCY = (1, 4, 16)
+REQUESTS = {1: 6, 4: 16, 16: 48}
+VIDEOS = 6
+VIDEO_FRAMES = 9
+VIDEO_SIZE = "48x32"
+VIDEO_STEPS = 4
+BIND = "0-1"  # dp=1: one rank on both cores
+
+
+def log(message: str) -> None:
+    print(f"[service_load] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def load_average() -> list[str]:
+    return Path("/proc/loadavg").read_text().split()[:3]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run([sys.executable, "-m", "numaov.cli", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr)
+
+
+def export_lm(model: str) -> tuple[Path, int]:
+    """The export (dp=1) and its vocabulary size."""
+    sys.path.insert(0, str(HERE))
+    out = WORK / f"lm_{model}"
+    checkpoint = WORK / f"checkpoint_{model}"
+    if not (checkpoint / "config.json").is_file():
+        log(f"building the {model} checkpoint")
+        if model == "tiny":
+            from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
+
+            build_tiny_deepseek(checkpoint, seed=SEED)
+        else:
+            import torch
+            from lm_engine import LM_BENCH_CONFIG  # benchmarks/lm_engine.py: 537 MB
+
+            from numaov.models.builtin.deepseek_tiny import init_tiny_weights
+            from numaov.models.deepseek import DeepseekV2
+
+            m = DeepseekV2.empty(LM_BENCH_CONFIG)
+            init_tiny_weights(m, torch.Generator().manual_seed(SEED))
+            m.save_pretrained(checkpoint)
+    if not (out / "manifest.json").is_file():
+        log(f"exporting the {model} model (dp=1)")
+        cli("export", "deepseek", "--checkpoint", str(checkpoint), "--dp", "1", "--out",
+            str(out), "--force", env={"NUMAOV_CPU_BIND": BIND})
+    config = json.loads((out / "manifest.json").read_text())["config"]
+    return out, int(config["vocab_size"])
+
+
+def export_wan() -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    out = WORK / "wan"
+    if not (out / "manifest.json").is_file():
+        from wan_pipeline_harness import build_tiny_pipeline
+
+        log("building and exporting the tiny Wan pipeline")
+        build_tiny_pipeline(WORK / "wan_pipeline", seed=SEED)
+        cli("export", "wan", "--checkpoint", str(WORK / "wan_pipeline"), "--out", str(out),
+            "--force", "--quiet")
+    return out
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "numaov.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "NUMAOV_CPU_BIND": BIND})
+        for line in self.proc.stdout:
+            match = re.search(r"on (http://[\d.]+:\d+)", line)
+            if match:
+                self.url = match.group(1)
+                break
+        else:
+            raise SystemExit(f"the server did not start: {self.proc.returncode}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q))
+
+
+async def lm_run(url: str, concurrency: int, prompts: list[list[int]]) -> dict[str, Any]:
+    """``len(prompts)`` streamed requests, ``concurrency`` clients; the run's figures."""
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    ttft, latency, tokens = [], [], 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                    "stream": True}
+            sent, first = time.perf_counter(), None
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ids = json.loads(line[6:])["choices"][0]["token_ids"]
+                    if ids and first is None:
+                        first = time.perf_counter()
+                    tokens += len(ids)
+            ttft.append(first - sent)
+            latency.append(time.perf_counter() - sent)
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    assert tokens == NEW_TOKENS * len(prompts), tokens
+    return {"requests": len(prompts), "wall_s": wall, "requests_per_s": len(prompts) / wall,
+            "tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99), "latency_p50_s": percentile(latency, 50),
+            "latency_p99_s": percentile(latency, 99)}
+
+
+async def video_run(url: str, count: int, concurrency: int) -> dict[str, Any]:
+    async def one(i: int, http: httpx.AsyncClient) -> float:
+        sent = time.perf_counter()
+        response = await http.post("/v1/videos", json={
+            "prompt": "a w1 w2 b", "size": VIDEO_SIZE, "frames": VIDEO_FRAMES,
+            "steps": VIDEO_STEPS, "seed": i})
+        assert response.status_code == 200, response.text
+        return time.perf_counter() - sent
+
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def bounded(i: int, http: httpx.AsyncClient) -> float:
+        async with semaphore:
+            return await one(i, http)
+
+    async with httpx.AsyncClient(base_url=url, timeout=1200) as http:
+        start = time.perf_counter()
+        latencies = await asyncio.gather(*(bounded(i, http) for i in range(count)))
+        wall = time.perf_counter() - start
+    return {"videos": count, "wall_s": wall, "videos_per_minute": 60 * count / wall,
+            "latency_p50_s": percentile(list(latencies), 50)}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("tiny", "bench"), default="tiny")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-video", action="store_true")
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    model_dir, vocab = export_lm(args.model)
+    wan_dir = None if args.no_video else export_wan()
+    rng = np.random.default_rng(SEED)
+    result: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(),
+                              "load_start": load_average(), "model": args.model,
+                              "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
+                              "rounds": args.rounds, "lm": {}, "video": None}
+    servers = {"batching": Server("--model-dir", str(model_dir), "--max-queue", "1024"),
+               "one-at-a-time": Server("--model-dir", str(model_dir), "--max-running", "1",
+                                       "--max-queue", "1024")}
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+        name: {c: [] for c in CONCURRENCY} for name in servers}
+    try:
+        for server in servers.values():  # warm-up: first compiles, first pages
+            asyncio.run(lm_run(server.url, 2, rng.integers(2, vocab, (4, PROMPT_TOKENS))
+                               .tolist()))
+        for r in range(args.rounds):
+            for c in CONCURRENCY:
+                prompts = rng.integers(2, vocab, (REQUESTS[c], PROMPT_TOKENS)).tolist()
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))
+                for name in order:  # the same prompts on both, alternating which goes first
+                    run = asyncio.run(lm_run(servers[name].url, c, prompts))
+                    runs[name][c].append(run)
+                    log(f"round {r} c={c} {name}: {run['tokens_per_s']:.0f} tok/s, TTFT p99 "
+                        f"{1000 * run['ttft_p99_s']:.0f} ms")
+    finally:
+        for server in servers.values():
+            server.stop()
+    for name in servers:
+        result["lm"][name] = {str(c): summarize(runs[name][c]) for c in CONCURRENCY}
+    batching, single = result["lm"]["batching"], result["lm"]["one-at-a-time"]
+    result["ratios"] = {
+        "tokens_per_s_c16_batching_over_one_at_a_time":
+            batching["16"]["tokens_per_s"]["median"] / single["16"]["tokens_per_s"]["median"],
+        "ttft_p99_c16_over_c1_batching":
+            batching["16"]["ttft_p99_s"]["median"] / batching["1"]["ttft_p99_s"]["median"],
+    }
+    if wan_dir is not None:
+        server = Server("--model-dir", str(wan_dir))
+        try:
+            asyncio.run(video_run(server.url, 1, 1))  # warm-up
+            result["video"] = summarize([asyncio.run(video_run(server.url, VIDEOS, 2))
+                                         for _ in range(args.rounds)])
+            result["video"]["frames"], result["video"]["size"] = VIDEO_FRAMES, VIDEO_SIZE
+            result["video"]["steps"] = VIDEO_STEPS
+        finally:
+            server.stop()
+    result["load_end"] = load_average()
+    OUT.write_text(json.dumps(result, indent=2))
+    print(json.dumps({"ratios": result["ratios"], "video": result["video"]}, indent=2))
+    for name in servers:
+        for c in CONCURRENCY:
+            s = result["lm"][name][str(c)]
+            print(f"{name:14s} c={c:2d}: {s['requests_per_s']['median']:6.2f} req/s "
+                  f"{s['tokens_per_s']['median']:7.1f} tok/s (range "
+                  f"{s['tokens_per_s']['min']:.1f}-{s['tokens_per_s']['max']:.1f}), TTFT p50 "
+                  f"{1000 * s['ttft_p50_s']['median']:.0f} p99 "
+                  f"{1000 * s['ttft_p99_s']['median']:.0f} ms, latency p50 "
+                  f"{1000 * s['latency_p50_s']['median']:.0f} p99 "
+                  f"{1000 * s['latency_p99_s']['median']:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

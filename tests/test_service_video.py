@@ -1,0 +1,151 @@
+"""`numaov serve` with two exports at once: the tiny DeepSeek-V2 (dp=2, pinned workers) and a
+tiny Wan 2.1 pipeline; images and videos through the OpenAI-shaped routes, checked against
+the same generation run directly with `run_wan_pipeline`."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from service_harness import start_server, stop_server
+
+from numaov.runtime.video_output import to_uint8
+from numaov.runtime.wan_pipeline import WanSampleRequest
+from numaov.runtime.wan_video import run_wan_pipeline
+
+pytestmark = pytest.mark.slow  # a real server with rank workers and a Wan pipeline
+
+PROMPT, NEGATIVE = "a w1 w2 b", "w3 c"
+STEPS = 2
+# The server and this process run the same f32 graphs on the same machine, possibly with
+# other thread partitions (the server shares its CPUs with the LM's workers): the frames
+# agree to ~1e-6 before rounding, so at most one 8-bit level apart after it.
+LEVELS = 1
+
+
+@pytest.fixture(scope="module")
+def served(deepseek_exported: dict[str, Any], wan_pipeline_exported: dict[str, Any],
+           deepseek_bind: str):
+    server, url = start_server(deepseek_exported["model_dir"], deepseek_bind, "--model-dir",
+                               str(wan_pipeline_exported["export"]), "--model-name", "lm")
+    client = httpx.Client(base_url=url, timeout=600)
+    try:
+        yield {"url": url, "client": client, "export": wan_pipeline_exported["export"]}
+    finally:
+        client.close()
+        stop_server(server)
+
+
+def _direct(export: Path, tmp_path: Path, frames: int, seed: int, name: str) -> np.ndarray:
+    request = WanSampleRequest(frames=frames, height=32, width=48, steps=STEPS, guidance=5.0,
+                               seed=seed)
+    result = run_wan_pipeline(export, request, PROMPT, tmp_path / name,
+                              negative_prompt=NEGATIVE)
+    return to_uint8(result.frames)
+
+
+def _close(got: np.ndarray, expected: np.ndarray) -> None:
+    assert got.shape == expected.shape
+    assert int(np.max(np.abs(got.astype(int) - expected.astype(int)))) <= LEVELS
+
+
+def test_both_models_are_listed(served) -> None:
+    data = served["client"].get("/v1/models").json()["data"]
+    assert [(m["id"], m["kind"]) for m in data] == [("lm", "language-model"),
+                                                     ("export", "wan-pipeline")]
+    health = served["client"].get("/health").json()
+    assert health["status"] == "ok" and health["video"]["state"] == "ok"
+
+
+def test_images_are_pngs_of_the_requested_size_equal_to_the_pipeline(served, tmp_path) -> None:
+    from PIL import Image
+
+    response = served["client"].post("/v1/images/generations", json={
+        "prompt": PROMPT, "negative_prompt": NEGATIVE, "size": "48x32", "n": 2, "seed": 7,
+        "steps": STEPS, "guidance": 5.0})
+    assert response.status_code == 200, response.text
+    images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))
+              for d in response.json()["data"]]
+    assert [(i.format, i.size) for i in images] == [("PNG", (48, 32))] * 2
+    pixels = [np.asarray(i.convert("RGB")) for i in images]
+    _close(pixels[0], _direct(served["export"], tmp_path, 1, 7, "seed7")[0])
+    _close(pixels[1], _direct(served["export"], tmp_path, 1, 8, "seed8")[0])  # choice 1: seed+1
+
+
+def test_videos_decode_to_the_requested_size_and_frames(served, tmp_path) -> None:
+    import av
+    from PIL import Image, ImageSequence
+
+    client = served["client"]
+    response = client.post("/v1/videos", json={
+        "prompt": PROMPT, "negative_prompt": NEGATIVE, "size": "48x32", "frames": 5,
+        "seed": 3, "steps": STEPS, "response_format": "url"})
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert (job["object"], job["status"], job["size"], job["frames"]) == (
+        "video", "completed", "48x32", 5)
+    mp4 = client.get(job["data"][0]["url"])
+    assert mp4.status_code == 200 and mp4.headers["content-type"] == "video/mp4"
+    with av.open(io.BytesIO(mp4.content)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (32, 48, 3)
+    # animated WebP is lossless: the frames themselves
+    response = client.post("/v1/videos", json={
+        "prompt": PROMPT, "negative_prompt": NEGATIVE, "size": "48x32", "seconds": "0.5",
+        "seed": 3, "steps": STEPS, "format": "webp"})
+    assert response.status_code == 200, response.text
+    assert response.json()["frames"] == 9  # 0.5 s at 16 frames/s, as 4k+1 frames
+    webp = Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"])))
+    got = np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(webp)])
+    _close(got, _direct(served["export"], tmp_path, 9, 3, "v.webp"))
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), [
+    ("/v1/images/generations", {"prompt": PROMPT, "size": "50x32"}, "size", "multiple of 16"),
+    ("/v1/images/generations", {"prompt": PROMPT, "size": "big"}, "size", "WIDTHxHEIGHT"),
+    ("/v1/images/generations", {"prompt": PROMPT, "n": 5}, "n", "from 1 to 4"),
+    ("/v1/images/generations", {"prompt": ""}, "prompt", "non-empty text"),
+    ("/v1/images/generations", {"prompt": PROMPT, "style": "vivid", "colour": 1}, "colour",
+     "unknown field"),
+    ("/v1/videos", {"prompt": PROMPT, "frames": 6}, "frames", "4k\\+1 frames"),
+    ("/v1/videos", {"prompt": PROMPT, "steps": 1000}, "steps", "from 1 to 100"),
+    ("/v1/videos", {"prompt": PROMPT, "format": "avi"}, "format", "mp4, webp"),
+    ("/v1/videos", {"prompt": PROMPT, "model": "sora-2"}, "model", "not served here"),
+])
+def test_bad_video_requests_name_the_field(served, path: str, body: dict, param: str,
+                                           message: str) -> None:
+    import re
+
+    response = served["client"].post(path, json={**body, "steps": body.get("steps", 1)})
+    assert response.status_code in (400, 404), response.text
+    error = response.json()["error"]
+    assert error["param"] == param and re.search(message, error["message"]), error
+
+
+def test_language_model_and_images_served_side_by_side(served) -> None:
+    client = served["client"]
+
+    def chat(i: int) -> list[int]:
+        r = client.post("/v1/completions", json={"prompt": [5 + i, 6], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    def image(seed: int) -> str:
+        r = client.post("/v1/images/generations", json={"prompt": PROMPT, "size": "48x32",
+                                                        "seed": seed, "steps": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["data"][0]["b64_json"]
+
+    alone = [chat(i) for i in range(6)], [image(s) for s in (1, 2)]
+    with ThreadPoolExecutor(8) as pool:
+        images = [pool.submit(image, s) for s in (1, 2)]
+        chats = [pool.submit(chat, i) for i in range(6)]
+        together = [c.result() for c in chats], [i.result() for i in images]
+    assert together[0] == alone[0]
+    assert together[1] == alone[1]
