@@ -117,7 +117,7 @@ def held_out_loss(model: DeepseekV2, held: torch.Tensor) -> float:
 def init_weights(model: DeepseekV2, generator: torch.Generator) -> None:
     """GPT-2's initialisation: N(0, 0.02) matrices, unit norms."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.fill_(1.0)
             else:
