@@ -22,7 +22,6 @@ Seeded; step counts, not time, bound each phase, so a run repeats exactly on one
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from numaov.models.builtin.digit_clips import (
     load_digit_images,
     make_clip,
 )
+from numaov.models.builtin.training_run import set_up_threads, training_main
 
 DEFAULT_OUT = Path(__file__).parent / "digits-wan"
 FLOW_SHIFT = 3.0
@@ -189,10 +189,7 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
     """Train every component and save the pipeline to ``out``; returns the figures."""
     from diffusers import WanPipeline
 
-    # One thread by default: on a machine whose cores are shared, two spinning OpenMP threads
-    # ran a VAE step 10x slower than one (20 s against 2 s, measured while training this).
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
+    set_up_threads(threads)
     started = time.perf_counter()
     parts = build_components(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -227,13 +224,7 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="pipeline directory")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    args = parser.parse_args(argv)
-    train(args.out, args.seed, args.threads, say=lambda m: print(m, flush=True))
-    return 0
+    return training_main(__doc__, DEFAULT_OUT, train, argv)
 
 
 if __name__ == "__main__":

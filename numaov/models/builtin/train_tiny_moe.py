@@ -15,7 +15,6 @@ Seeded; a step count, not time, bounds the training, so a run repeats exactly on
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from numaov.models.builtin.training_run import set_up_threads, training_main
 from numaov.models.deepseek import DeepseekV2, DeepseekV2Config
 
 DEFAULT_OUT = Path(__file__).parent / "tiny-moe"
@@ -135,9 +135,7 @@ def save_tokenizer(tokenizer, out: Path) -> None:
 
 
 def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, float]:
-    # One thread by default: see train_digits_wan (spinning OpenMP threads on shared cores).
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
+    set_up_threads(threads)
     started = time.perf_counter()
     train_text, held_text = topics()
     tokenizer = build_tokenizer(train_text)
@@ -188,13 +186,7 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    args = parser.parse_args(argv)
-    train(args.out, args.seed, args.threads, say=lambda m: print(m, flush=True))
-    return 0
+    return training_main(__doc__, DEFAULT_OUT, train, argv)
 
 
 if __name__ == "__main__":
