@@ -282,8 +282,7 @@ def _(x: Tensor, scale: Tensor, shift: Tensor, scale_constant: float) -> Tensor:
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("numaov::rotary_embedding", mutates_args=())
-def _rotary_embedding_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     half = x.shape[-1] // 2
     if cos.shape[-1] != half:
         # D columns: interleaved tables repeat each frequency twice (c0 c0 c1 c1 ..), half-split
@@ -303,6 +302,11 @@ def _rotary_embedding_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool)
     else:
         out = torch.cat((o1, o2), dim=-1)
     return out.to(x.dtype)
+
+
+@torch.library.custom_op("numaov::rotary_embedding", mutates_args=())
+def _rotary_embedding_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    return _rotate(x, cos, sin, interleaved)
 
 
 @_rotary_embedding_op.register_fake
@@ -336,6 +340,56 @@ def _(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, is_rms_norm: bool
 ) -> Tensor:
     return x.new_empty(x.shape)
+
+
+# Backward of the two ops the built-in models are trained through (the DeepSeek-V2 MoE in
+# models/builtin): the gradient of the same PyTorch arithmetic as the forward, recomputed from
+# the saved inputs, so a model trains on the very ops it exports with. Tables (cos, sin), eps
+# and flags take no gradient.
+
+
+def _grads_of(fn, inputs: tuple[Tensor | None, ...], wanted: list[bool],
+              grad: Tensor) -> tuple[Tensor | None, ...]:
+    """``d fn(*inputs) / d inputs`` against ``grad`` for the ``wanted`` inputs, None for the
+    others."""
+    leaves = [t.detach().requires_grad_(w) if t is not None else None
+              for t, w in zip(inputs, wanted, strict=True)]
+    with torch.enable_grad():
+        out = fn(*leaves)
+        found = torch.autograd.grad(out, [t for t, w in zip(leaves, wanted, strict=True) if w],
+                                    grad, allow_unused=True)
+    it = iter(found)
+    return tuple(next(it) if w else None for w in wanted)
+
+
+def _rotary_setup(ctx, inputs, output) -> None:
+    x, cos, sin, interleaved = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.interleaved = interleaved
+
+
+def _rotary_backward(ctx, grad: Tensor):
+    x, cos, sin = ctx.saved_tensors
+    (gx,) = _grads_of(lambda t: _rotate(t, cos, sin, ctx.interleaved), (x,),
+                      [ctx.needs_input_grad[0]], grad)
+    return gx, None, None, None
+
+
+def _norm_setup(ctx, inputs, output) -> None:
+    x, weight, bias, eps, is_rms_norm = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.eps, ctx.is_rms_norm = eps, is_rms_norm
+
+
+def _norm_backward(ctx, grad: Tensor):
+    gx, gw, gb = _grads_of(
+        lambda x, w, b: _normalise_fp32(x, w, b, ctx.eps, ctx.is_rms_norm).to(x.dtype),
+        tuple(ctx.saved_tensors), list(ctx.needs_input_grad[:3]), grad)
+    return gx, gw, gb, None, None
+
+
+_rotary_embedding_op.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+_norm_infer_op.register_autograd(_norm_backward, setup_context=_norm_setup)
 
 
 @torch.library.custom_op("numaov::scale_residual_norm_scale_shift", mutates_args=())

@@ -1,5 +1,17 @@
-"""Small embedded model checkpoints, built in code from a seed (no downloads)."""
+"""Small embedded models: seeded random checkpoints built in code (no downloads), and two
+models trained here and committed with their training scripts.
+
+- ``digits-wan/``: a Wan 2.1 text-to-video pipeline (diffusers layout) of scikit-learn's
+  handwritten digits drifting in four directions (``train_digits_wan.py``).
+- ``tiny-moe/``: a DeepSeek-V2 MoE language model (Hugging Face layout, with its tokenizer)
+  of Python's documentation (``train_tiny_moe.py``).
+"""
+
+from pathlib import Path
 
 from numaov.models.builtin.wan_tiny import TINY_WAN_CONFIG, build_tiny_wan
 
-__all__ = ["TINY_WAN_CONFIG", "build_tiny_wan"]
+DIGITS_WAN_DIR = Path(__file__).parent / "digits-wan"
+TINY_MOE_DIR = Path(__file__).parent / "tiny-moe"
+
+__all__ = ["DIGITS_WAN_DIR", "TINY_MOE_DIR", "TINY_WAN_CONFIG", "build_tiny_wan"]

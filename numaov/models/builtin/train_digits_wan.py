@@ -1,0 +1,231 @@
+"""Train the built-in ``digits-wan`` pipeline: a tiny Wan 2.1 text-to-video model of
+scikit-learn's handwritten digits drifting left, right, up or down.
+
+    python -m numaov.models.builtin.train_digits_wan [--out DIR] [--seed 0]
+
+Every component is the real diffusers / transformers class, saved with
+``WanPipeline.save_pretrained`` in the layout ``numaov export wan`` reads:
+
+1. the tokenizer: a word-level ``tokenizers`` vocabulary of the prompts' words;
+2. the text encoder: a UMT5 encoder left at its seeded random weights (the prompts are
+   40 fixed sentences; the transformer learns to read its outputs);
+3. the VAE (``AutoencoderKLWan``): trained as a plain autoencoder on the posterior's mean
+   (mean squared error of the clips);
+   ``latents_mean`` / ``latents_std`` are measured on the data;
+4. the transformer (``WanTransformer3DModel``): trained by flow matching on the VAE's
+   latents, as Wan's flow-prediction scheduler samples it (``x_s = (1 - s) x + s noise``,
+   target ``noise - x``, timestep ``1000 s``, ``s`` drawn with the scheduler's shift), with
+   the prompt dropped to "" a tenth of the time so classifier-free guidance works.
+
+Seeded; step counts, not time, bound each phase, so a run repeats exactly on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from numaov.models.builtin.digit_clips import (
+    DIRECTIONS,
+    all_prompts,
+    load_digit_images,
+    make_clip,
+)
+from numaov.models.builtin.training_run import set_up_threads, training_main
+
+DEFAULT_OUT = Path(__file__).parent / "digits-wan"
+FLOW_SHIFT = 3.0
+TEXT_DIM = 32
+WORDS = ["<pad>", "</s>", "<unk>", "a", "handwritten", "moving",
+         *(str(d) for d in range(10)), *DIRECTIONS]
+VAE_STEPS, VAE_BATCH = 300, 24
+TRANSFORMER_STEPS, TRANSFORMER_BATCH = 500, 96
+UNCONDITIONAL_RATE = 0.1
+
+
+def build_components(seed: int) -> dict[str, object]:
+    """The untrained pipeline components, seeded."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    # T5's template: the prompt's tokens, then the end-of-sequence token.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=512)
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )).eval()
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16,
+        out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=4,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=FLOW_SHIFT)
+    return {"tokenizer": fast, "text_encoder": text_encoder, "vae": vae,
+            "transformer": transformer, "scheduler": scheduler}
+
+
+def clip_set(images: np.ndarray, labels: np.ndarray, rng: np.random.Generator,
+             ) -> tuple[torch.Tensor, np.ndarray]:
+    """Every digit in every direction once: ``[N, 3, F, H, W]`` in [-1, 1] and the index of
+    each clip's prompt in ``all_prompts()``."""
+    names = list(DIRECTIONS)
+    clips, prompt_index = [], []
+    for image, label in zip(images, labels, strict=True):
+        for k, name in enumerate(names):
+            clips.append(make_clip(image, name, rng))
+            prompt_index.append(int(label) * len(names) + k)
+    grey = torch.from_numpy(np.stack(clips)).unsqueeze(1) * 2.0 - 1.0  # [N, 1, F, H, W]
+    return grey.expand(-1, 3, -1, -1, -1).contiguous(), np.array(prompt_index)
+
+
+def decode_unclamped(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """``AutoencoderKLWan.decode`` without its final clamp to [-1, 1]: the clamp has no
+    gradient outside that range, and the background (-1) pulled every pixel there within 40
+    steps, after which the decoder learnt nothing. The same frame loop as diffusers'
+    ``_decode`` (no tiling, no patch size)."""
+    vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    frames = []
+    for i in range(x.shape[2]):
+        vae._conv_idx = [0]
+        frames.append(vae.decoder(x[:, :, i : i + 1], feat_cache=vae._feat_map,
+                                  feat_idx=vae._conv_idx, first_chunk=i == 0))
+    vae.clear_cache()
+    return torch.cat(frames, 2)
+
+
+def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Generator,
+              say) -> float:
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=VAE_STEPS,
+                                                   pct_start=0.05)
+    vae.train()
+    loss = torch.tensor(0.0)
+    for step in range(VAE_STEPS):
+        batch = clips[torch.randint(len(clips), (VAE_BATCH,), generator=generator)]
+        # A plain autoencoder on the posterior's mean, no draw: the learnt variance starts at 1
+        # (log-variance 0) against a mean of ~0.01, and any noise of that size drowned the
+        # mean for every step this budget allows (the decoder learnt the average clip). The
+        # latents are normalised afterwards (latents_mean / latents_std), as Wan's are.
+        z = vae.encode(batch).latent_dist.mean
+        reconstruction = decode_unclamped(vae, z)
+        loss = (reconstruction - batch).pow(2).mean()
+        total = loss
+        optimizer.zero_grad()
+        total.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 20 == 0 or step == VAE_STEPS - 1:
+            say(f"vae step {step}: reconstruction mse {loss.item():.4f}")
+    vae.eval()
+    return float(loss.item())
+
+
+@torch.no_grad()
+def encode_latents(vae: torch.nn.Module, clips: torch.Tensor) -> torch.Tensor:
+    return torch.cat([vae.encode(clips[i : i + 256]).latent_dist.mean
+                      for i in range(0, len(clips), 256)])
+
+
+@torch.no_grad()
+def prompt_embeddings(pipe, prompts: list[str]) -> torch.Tensor:
+    """``[P, 512, D]`` text embeddings exactly as WanPipeline (and numaov's runtime) feed the
+    transformer: the prompt's tokens, then zeros."""
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
+                                   max_sequence_length=512)
+    return embeds.float()
+
+
+def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
+                      prompt_index: np.ndarray, text: torch.Tensor, empty: torch.Tensor,
+                      generator: torch.Generator, say) -> float:
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=1e-3, total_steps=TRANSFORMER_STEPS, pct_start=0.05)
+    index = torch.from_numpy(prompt_index)
+    transformer.train()
+    loss = torch.tensor(0.0)
+    for step in range(TRANSFORMER_STEPS):
+        rows = torch.randint(len(latents), (TRANSFORMER_BATCH,), generator=generator)
+        x = latents[rows]
+        context = text[index[rows]]
+        drop = torch.rand(TRANSFORMER_BATCH, generator=generator) < UNCONDITIONAL_RATE
+        context = torch.where(drop[:, None, None], empty, context)
+        u = torch.rand(TRANSFORMER_BATCH, generator=generator)
+        sigma = FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)  # the scheduler's shifted sigmas
+        noise = torch.randn(x.shape, generator=generator)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        noisy = (1 - s) * x + s * noise
+        prediction = transformer(noisy, timestep=sigma * 1000, encoder_hidden_states=context,
+                                 return_dict=False)[0]
+        loss = (prediction - (noise - x)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == TRANSFORMER_STEPS - 1:
+            say(f"transformer step {step}: flow-matching mse {loss.item():.4f}")
+    transformer.eval()
+    return float(loss.item())
+
+
+def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, float]:
+    """Train every component and save the pipeline to ``out``; returns the figures."""
+    from diffusers import WanPipeline
+
+    set_up_threads(threads)
+    started = time.perf_counter()
+    parts = build_components(seed)
+    generator = torch.Generator().manual_seed(seed)
+    images, labels = load_digit_images()
+    clips, prompt_index = clip_set(images, labels, np.random.default_rng(seed))
+    say(f"{len(clips)} clips of {tuple(clips.shape[2:])} frames x pixels")
+
+    vae_mse = train_vae(parts["vae"], clips, generator, say)
+    vae_seconds = time.perf_counter() - started
+    mu = encode_latents(parts["vae"], clips)  # [N, 16, F', h, w]
+    mean = mu.mean(dim=(0, 2, 3, 4))
+    std = mu.std(dim=(0, 2, 3, 4))
+    parts["vae"].register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    latents = (mu - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+
+    pipe = WanPipeline(**parts)
+    prompts = [p for _, _, p in all_prompts()]
+    text = prompt_embeddings(pipe, prompts)
+    empty = prompt_embeddings(pipe, [""])[0]
+    flow_mse = train_transformer(parts["transformer"], latents, prompt_index, text, empty,
+                                 generator, say)
+    seconds = time.perf_counter() - started
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out)
+    figures = {"seed": seed, "clips": len(clips), "vae_steps": VAE_STEPS,
+               "transformer_steps": TRANSFORMER_STEPS, "vae_mse": round(vae_mse, 5),
+               "flow_mse": round(flow_mse, 5), "vae_seconds": round(vae_seconds, 1),
+               "seconds": round(seconds, 1), "threads": torch.get_num_threads()}
+    (out / "training.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    say(f"saved {out} in {seconds:.0f} s")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    return training_main(__doc__, DEFAULT_OUT, train, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
