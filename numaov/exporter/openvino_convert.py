@@ -60,6 +60,14 @@ def _subgraphs(node) -> list:
     return []
 
 
+def _reads_bf16_weights(target) -> bool:
+    """Whether an input port takes bf16 weights as they are: numaov's MoeExperts reads its
+    expert stacks (inputs 3 and 4) in place in their stored format, so it gets the bf16
+    constant itself, with no Convert for the plugin to fold back to f32."""
+    node = target.get_node()
+    return node.get_type_name() == "MoeExperts" and target.get_index() in (3, 4)
+
+
 def _store_weights_as_bf16(model) -> int:
     """Replace big f32 constants with bf16 constants plus a Convert to f32, in the graph and
     in every subgraph body; returns the count."""
@@ -77,8 +85,13 @@ def _store_weights_as_bf16(model) -> int:
             continue
         compressed = ops.constant(node.get_data(), dtype=ov.Type.bf16)
         compressed.set_friendly_name(node.get_friendly_name())
-        expanded = ops.convert(compressed, ov.Type.f32)
+        expanded = None
         for target in list(node.output(0).get_target_inputs()):
+            if _reads_bf16_weights(target):
+                target.replace_source_output(compressed.output(0))
+                continue
+            if expanded is None:
+                expanded = ops.convert(compressed, ov.Type.f32)
             target.replace_source_output(expanded.output(0))
         replaced += 1
     model.validate_nodes_and_infer_types()
