@@ -34,7 +34,13 @@ from torch import Tensor
 
 from numaov import NumaovError
 
-__all__ = ["MOE_DOMAIN", "MoeOpError", "moe_experts", "moe_translation_table"]
+__all__ = [
+    "MOE_DOMAIN",
+    "MoeOpError",
+    "kernel_unavailable_reason",
+    "moe_experts",
+    "moe_translation_table",
+]
 
 #: The ONNX domain of the MoeExperts node; the C++ extension maps the same string.
 MOE_DOMAIN = "numaov.moe"
@@ -159,6 +165,14 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
             dtype=x.dtype, shape=x.shape, version=MOE_DOMAIN_VERSION,
         )
     return torch.ops.numaov.moe_experts(x, ids, weights, gate_up, down)
+
+
+def kernel_unavailable_reason(weight_format: str) -> str:
+    """Why the OpenVINO op's kernel cannot run weights of ``weight_format`` on this CPU
+    (``""`` when it can): it needs AVX-512, and AVX512-BF16 for bf16 weights."""
+    from numaov.custom_ops.native import native_module
+
+    return native_module().moe_unavailable_reason(weight_format)
 
 
 # ---------------------------------------------------------------------------------------------
