@@ -5,8 +5,10 @@
 - ``rank_<r>/model.onnx`` + ``model.onnx.data`` (always f32) and ``rank_<r>/model.xml`` +
   ``model.bin`` (bf16 weights for ``precision="bf16"``, see ``openvino_convert``) for every rank
   ``r < dp``: the cached step (:class:`numaov.models.deepseek.DeepseekV2Step`) of the model that
-  holds rank r's MLP / expert shard, with the ``numaov.collective`` nodes (group
-  ``COLLECTIVE_GROUP``) around every MLP and MoE block when ``dp > 1``;
+  holds rank r's MLP / expert shard, the routed experts of every MoE layer as one
+  ``numaov.moe::MoeExperts`` node (``custom_ops/moe_ops.py``) on the rank's expert shard, and
+  the ``numaov.collective`` nodes (group ``COLLECTIVE_GROUP``) around every MLP and MoE block
+  when ``dp > 1``;
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
 - ``manifest.json``, written last, with every other file's size and digest.
 
@@ -33,12 +35,13 @@ both 1 and several new tokens, so a graph that only worked for one of them would
 
 Parity at export:
 
-- ``dp == 1``: PyTorch versus ONNX Runtime versus OpenVINO (``numaov.exporter.parity``).
-- ``dp > 1``: ONNX Runtime has no kernels for the collective nodes (the manifest's ``notes``
-  say so, with ONNX Runtime's refusal as checked on the graph). Every rank's OpenVINO graph runs
+- ONNX Runtime has no kernels for the numaov.moe node (nor, for ``dp > 1``, the collective
+  nodes): the manifest's ``notes`` say so, with ONNX Runtime's refusal as checked on the graph.
+- ``dp == 1``: PyTorch versus OpenVINO (``numaov.exporter.parity``).
+- ``dp > 1``: every rank's OpenVINO graph runs
   in its own process of a rank group (``numaov.custom_ops.rank_group``, which joins the
   shared-memory group the nodes name), each on its own share of the sequences: uneven prefill,
-  decode with idle ranks, both MoE branches. Each rank's outputs are compared with the
+  decode with idle ranks. Each rank's outputs are compared with the
   unsharded PyTorch model (dp=1) on the same sequences. The ranks are not pinned: placement
   changes the speed, not the numbers, and an export should not need a two-socket machine to be
   checked; each rank gets an equal share of the allowed CPUs as OpenVINO threads.
@@ -265,7 +268,8 @@ def _check_ranks_on_workers(
 
 
 def _onnxruntime_refusal(onnx_path: Path) -> str:
-    """Why ONNX Runtime is not in a DP export's parity check, as ONNX Runtime's own check says."""
+    """Why ONNX Runtime is not in a DeepSeek export's parity check, as ONNX Runtime's own check
+    says: every MoE layer is a numaov.moe node (and, for several ranks, collectives)."""
     from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can_run
 
     try:
@@ -273,8 +277,8 @@ def _onnxruntime_refusal(onnx_path: Path) -> str:
     except OnnxRuntimeUnsupportedError as exc:
         return f"onnxruntime not checked: {exc}"
     raise DeepseekExportError(
-        f"{str(onnx_path)!r} holds no numaov.collective nodes although it was exported for "
-        "several ranks; expected the collectives around every MLP and MoE block"
+        f"{str(onnx_path)!r} holds no numaov nodes; expected a numaov.moe MoeExperts node in "
+        "every MoE layer (and collectives around every MLP and MoE block for several ranks)"
     )
 
 
@@ -372,9 +376,10 @@ def _export_into(
     start = time.perf_counter()
     notes: list[str] = []
     reference_sample = None
+    notes.append(_onnxruntime_refusal(graphs[0].path))
     if dp == 1:
         figures = check_parity(
-            rank_inputs[0], references[0], list(OUTPUT_NAMES), graphs[0].path, xml_paths[0],
+            rank_inputs[0], references[0], list(OUTPUT_NAMES), None, xml_paths[0],
             openvino_precision=inference_precision, progress=report,
         )
         write_reference_sample(
@@ -383,7 +388,6 @@ def _export_into(
         )
         reference_sample = REFERENCE_SAMPLE_NAME
     else:
-        notes.append(_onnxruntime_refusal(graphs[0].path))
         figures, placement = _check_ranks_on_workers(
             xml_paths, rank_inputs, references, inference_precision, report
         )

@@ -51,7 +51,9 @@ def check_precision(precision: str) -> str:
 
 
 def _subgraphs(node) -> list:
-    """The bodies of a node that holds graphs: the MoE's `If` branches hold the experts."""
+    """The bodies of a node that holds graphs (If / Loop): their weights are stored like the
+    main graph's. No numaov model writes one today (the MoE experts are one MoeExperts node);
+    kept so bf16 storage is complete for any graph that does."""
     kind = node.get_type_name()
     if kind == "If":
         return [node.get_then_body(), node.get_else_body()]
