@@ -11,6 +11,12 @@ Tolerances (max |got - expected| / max |expected|):
 - OpenVINO f32 against eager f32: 1e-5 (same math, another summation order).
 - OpenVINO bf16 against eager bf16: 2e-2 (the eager op also rounds gate and up to bf16
   before silu, the kernel rounds only silu(gate) * up: one bf16 rounding apart).
+- int8 / int4 (weight-only): the op on stored weights against float64 on the weights they
+  stand for (dequantized) is an f32 comparison, 1e-5; OpenVINO against eager, 1e-5 too (both
+  widen the same integers with the same scales). What quantizing costs is a property of the
+  weights, not of the op: each value is within half a step (its group's scale / 2) of the
+  original, checked exactly; on these random stacks the layer output moves by ~1e-2 (int8)
+  and ~2e-1 (int4) of its scale, which the export's per-format tolerances bound.
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ from numaov.custom_ops import (
     compile_ir,
     moe_experts,
 )
-from numaov.custom_ops.moe_ops import MOE_DOMAIN, kernel_unavailable_reason
+from numaov.custom_ops.moe_ops import (
+    MOE_DOMAIN,
+    dequantize_experts,
+    kernel_unavailable_reason,
+    quantize_experts,
+)
 from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.models.deepseek import DeepseekV2Config
 from numaov.models.deepseek.moe import DeepseekV2Router
@@ -134,6 +145,25 @@ def test_bf16_weights_and_activations() -> None:
     assert _rel(all_bf16, reference) < BF16_TOL
 
 
+@pytest.mark.parametrize(("weight_format", "group_size"),
+                         [("int8", None), ("int8", 16), ("int4", 32), ("int4", None)])
+def test_quantized_weights_are_within_half_a_step_and_the_op_runs_them(
+        weight_format: str, group_size: int | None) -> None:
+    x, ids, weights, gate_up, down = _problem(70, experts=8, top_k=2, hidden=64, inter=32)
+    stored = [quantize_experts(w, weight_format, group_size) for w in (gate_up, down)]
+    for (q, scale), original in zip(stored, (gate_up, down), strict=True):
+        assert q.dtype == (torch.int8 if weight_format == "int8" else torch.uint8)
+        k = original.shape[2]
+        assert q.shape[2] == (k if weight_format == "int8" else k // 2)
+        step = scale.repeat_interleave(k // scale.shape[2], dim=2)
+        error = (dequantize_experts(q, scale) - original).abs()
+        assert bool((error <= step / 2 * (1 + 1e-5)).all())
+    (qg, sg), (qd, sd) = stored
+    got = moe_experts(x, ids, weights, qg, qd, sg, sd)
+    exact = _reference(x, ids, weights, dequantize_experts(qg, sg), dequantize_experts(qd, sd))
+    assert _rel(got, exact) < F32_TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # errors of the eager face
 # ---------------------------------------------------------------------------------------------
@@ -165,28 +195,50 @@ def test_eager_refuses_bad_inputs(change, parameter: str, message: str) -> None:
     assert info.value.parameter == parameter
 
 
+def test_quantized_formats_refuse_missing_or_misfit_scales() -> None:
+    x, ids, weights, gate_up, down = _problem(3, experts=4, top_k=2, hidden=64, inter=16)
+    (qg, sg), (qd, sd) = (quantize_experts(w, "int8") for w in (gate_up, down))
+    with pytest.raises(MoeOpError, match="expected both scales exactly for int8 / int4"):
+        moe_experts(x, ids, weights, qg, qd)
+    with pytest.raises(MoeOpError, match=r"down_scale is torch.float32 \[4, 32, 1\]; expected"):
+        moe_experts(x, ids, weights, qg, qd, sg, sg)
+    with pytest.raises(MoeOpError, match="has 3 groups over rows of 64 values"):
+        moe_experts(x, ids, weights, qg, qd, sg.expand(4, 32, 3).contiguous(), sd)
+    with pytest.raises(MoeOpError, match="int4 group_size 48 for rows of 64 values; expected a "
+                       "multiple of 32 dividing 64"):
+        quantize_experts(gate_up, "int4", group_size=48)
+    with pytest.raises(MoeOpError, match="weight format 'int2'"):
+        quantize_experts(gate_up, "int2")
+
+
 # ---------------------------------------------------------------------------------------------
 # the OpenVINO op
 # ---------------------------------------------------------------------------------------------
 
 
-def _onnx_model(path: Path, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> Path:
-    """One numaov.moe::MoeExperts node with the expert stacks as initializers (as the exporter
-    writes it); N is dynamic."""
+def _onnx_model(path: Path, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Path:
+    """One numaov.moe::MoeExperts node with the expert stacks (and scales) as initializers,
+    as the exporter writes it; N is dynamic."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    hidden = gate_up.shape[2]
-    node = helper.make_node("MoeExperts", ["x", "ids", "weights", "gate_up", "down"], ["y"],
-                            domain=MOE_DOMAIN)
+    hidden = down.shape[1]
+    names = ["x", "ids", "weights", "gate_up", "down"]
+    initializers = [numpy_helper.from_array(gate_up.numpy(), "gate_up"),
+                    numpy_helper.from_array(down.numpy(), "down")]
+    if scales is not None:
+        names += ["gate_up_scale", "down_scale"]
+        initializers += [numpy_helper.from_array(scales[0].numpy(), "gate_up_scale"),
+                         numpy_helper.from_array(scales[1].numpy(), "down_scale")]
+    node = helper.make_node("MoeExperts", names, ["y"], domain=MOE_DOMAIN)
     graph = helper.make_graph(
         [node], "moe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden]),
          helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", top_k]),
          helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["N", top_k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", hidden])],
-        initializer=[numpy_helper.from_array(gate_up.numpy(), "gate_up"),
-                     numpy_helper.from_array(down.numpy(), "down")],
+        initializer=initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                      helper.make_opsetid(MOE_DOMAIN, 1)])
@@ -194,8 +246,8 @@ def _onnx_model(path: Path, gate_up: torch.Tensor, down: torch.Tensor, top_k: in
     return path
 
 
-def _compiled(tmp_path: Path, gate_up, down, top_k: int, precision: str):
-    onnx_path = _onnx_model(tmp_path / "moe.onnx", gate_up, down, top_k)
+def _compiled(tmp_path: Path, gate_up, down, top_k: int, precision: str, scales=None):
+    onnx_path = _onnx_model(tmp_path / "moe.onnx", gate_up, down, top_k, scales)
     xml = convert_to_ir(onnx_path, tmp_path / f"moe_{precision}.xml", precision)
     return compile_ir(xml, precision)
 
@@ -237,6 +289,19 @@ def test_openvino_op_equals_eager_op_bf16_and_keeps_bf16_weights(tmp_path: Path)
         eager = moe_experts(x, ids, weights, gate_up.bfloat16(), down.bfloat16())
         assert _rel(got, eager) < OV_BF16_TOL, rows
         assert _rel(got, _reference(x, ids, weights, gate_up, down)) < BF16_TOL, rows
+
+
+@needs_avx512
+@pytest.mark.parametrize(("weight_format", "group_size"), [("int8", None), ("int4", 32)])
+def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: str,
+                                               group_size: int | None) -> None:
+    _, _, _, gate_up, down = _problem(1, experts=8, top_k=6, hidden=96, inter=64)
+    (qg, sg), (qd, sd) = (quantize_experts(w, weight_format, group_size) for w in (gate_up, down))
+    run = _compiled(tmp_path, qg, qd, 6, "f32", (sg, sd)).runner()
+    for rows in (0, 1, 7, 64, 1000):
+        x, ids, weights, _, _ = _problem(rows, experts=8, top_k=6, hidden=96, inter=64, seed=rows)
+        (got,) = run(_feeds(x, ids, weights))
+        assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
 
 
 @needs_avx512

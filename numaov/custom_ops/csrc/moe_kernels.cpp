@@ -111,16 +111,113 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a, const uint16_t
         for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
 }
 
-// `rows` (1 .. kTileRows) activation rows against kTileCols weight rows; unused
-// entries of c stay 0.
+// int8 rows: 16 weights widened to f32 and scaled by their group's scale, then
+// one FMA per activation row. `group` is K (one scale per row) or a multiple of 16.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_int8(const float* const* a, const int8_t* const* w,
+                                             const float* const* scale, size_t K, size_t group, float* c) {
+    __m512 acc[M][kTileCols];
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (size_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+        const size_t g = k / group;
+        __m512 wv[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[n] + k));
+            wv[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale[n][g]));
+        }
+        for (int m = 0; m < M; ++m) {
+            const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k);
+            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+// int4 rows: each 16 bytes hold 32 weights (low nibbles first, then high
+// nibbles; q + 8), widened and scaled like int8. K and `group` are multiples of 32.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a, const uint8_t* const* w,
+                                             const float* const* scale, size_t K, size_t group, float* c) {
+    __m512 acc[M][kTileCols];
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m512i offset = _mm512_set1_epi32(8);
+    for (size_t k = 0; k < K; k += 32) {
+        const size_t g = k / group;
+        __m512 lo[kTileCols], hi[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + k / 2));
+            const __m512 s = _mm512_set1_ps(scale[n][g]);
+            const __m512i ql = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), offset);
+            const __m512i qh =
+                _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), offset);
+            lo[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), s);
+            hi[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), s);
+        }
+        for (int m = 0; m < M; ++m) {
+            const __m512 al = _mm512_loadu_ps(a[m] + k), ah = _mm512_loadu_ps(a[m] + k + 16);
+            for (size_t n = 0; n < kTileCols; ++n) {
+                acc[m][n] = _mm512_fmadd_ps(al, lo[n], acc[m][n]);
+                acc[m][n] = _mm512_fmadd_ps(ah, hi[n], acc[m][n]);
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+// One weight stack (gate_up or down) in its format: `rows` rows of K values per expert.
+struct Stack {
+    const void* data;
+    const float* scale;  // int8 / int4: [E, rows, groups]
+    size_t rows, K, groups;
+    WeightFormat format;
+
+    size_t row_bytes() const {
+        switch (format) {
+            case WeightFormat::f32: return K * 4;
+            case WeightFormat::bf16: return K * 2;
+            case WeightFormat::int8: return K;
+            default: return K / 2;
+        }
+    }
+    const uint8_t* row(size_t expert, size_t r) const {
+        return static_cast<const uint8_t*>(data) + (expert * rows + r) * row_bytes();
+    }
+    const float* row_scale(size_t expert, size_t r) const { return scale + (expert * rows + r) * groups; }
+};
+
+template <int M, class T>
+void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t* r, float* c) {
+    const uint8_t* w[kTileCols];
+    for (size_t n = 0; n < kTileCols; ++n) w[n] = s.row(expert, r[n]);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        dot_tile<M>(a, reinterpret_cast<const uint16_t* const*>(w), s.K, c);
+    } else {
+        if (s.format == WeightFormat::f32) return dot_tile<M>(a, reinterpret_cast<const float* const*>(w), s.K, c);
+        const float* scale[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(expert, r[n]);
+        if (s.format == WeightFormat::int8) {
+            return dot_tile_int8<M>(a, reinterpret_cast<const int8_t* const*>(w), scale, s.K, s.K / s.groups, c);
+        }
+        dot_tile_int4<M>(a, w, scale, s.K, s.K / s.groups, c);
+    }
+}
+
+// `rows` (1 .. kTileRows) activation rows against weight rows r[0 .. kTileCols)
+// of one expert; unused entries of c stay 0.
 template <class T>
-void dot_rows(const T* const* a, size_t rows, const T* const* w, size_t K, float* c) {
+void dot_rows(const T* const* a, size_t rows, const Stack& s, size_t expert, const size_t* r, float* c) {
     std::fill(c, c + kTileRows * kTileCols, 0.0f);
     switch (rows) {
-        case 1: return dot_tile<1>(a, w, K, c);
-        case 2: return dot_tile<2>(a, w, K, c);
-        case 3: return dot_tile<3>(a, w, K, c);
-        default: return dot_tile<4>(a, w, K, c);
+        case 1: return dot_tile_of<1>(a, s, expert, r, c);
+        case 2: return dot_tile_of<2>(a, s, expert, r, c);
+        case 3: return dot_tile_of<3>(a, s, expert, r, c);
+        default: return dot_tile_of<4>(a, s, expert, r, c);
     }
 }
 
@@ -224,8 +321,8 @@ void run(const Tensors& t, const Shape& s) {
         });
         x = converted.data();
     }
-    const T* gate_up = static_cast<const T*>(t.gate_up);
-    const T* down = static_cast<const T*>(t.down);
+    const Stack gate_up{t.gate_up, t.gate_up_scale, 2 * I, H, t.gate_up_groups, t.format};
+    const Stack down{t.down, t.down_scale, H, I, t.down_groups, t.format};
 
     // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I].
     std::vector<T> act(pairs * I);
@@ -235,26 +332,25 @@ void run(const Tensors& t, const Shape& s) {
         size_t begin = 0, end = 0;
         ov::splitter(routing.hits.size() * i_blocks, nthr, ithr, begin, end);
         const T* a[kTileRows];
-        const T *wg[kTileCols], *wu[kTileCols];
+        size_t wg[kTileCols], wu[kTileCols];
         alignas(64) float g[kTileRows * kTileCols], u[kTileRows * kTileCols], h[kTileRows * kTileCols];
         for (size_t item = begin; item < end; ++item) {
             const auto& hit = routing.hits[item / i_blocks];
             const size_t c0 = (item % i_blocks) * bi, c1 = std::min(I, c0 + bi);
-            const T* w = gate_up + hit.expert * 2 * I * H;
             for (size_t r0 = hit.start; r0 < hit.start + hit.count; r0 += kRowChunk) {
                 const size_t r1 = std::min(hit.start + hit.count, r0 + kRowChunk);
                 for (size_t j = c0; j < c1; j += kTileCols) {
                     const size_t cols = std::min(kTileCols, c1 - j);
                     for (size_t n = 0; n < kTileCols; ++n) {
                         const size_t col = j + std::min(n, cols - 1);  // past the end: a repeat, dropped
-                        wg[n] = w + col * H;
-                        wu[n] = w + (I + col) * H;
+                        wg[n] = col;
+                        wu[n] = I + col;
                     }
                     for (size_t m0 = r0; m0 < r1; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, r1 - m0);
                         for (size_t m = 0; m < rows; ++m) a[m] = x + routing.row[m0 + m] * H;
-                        dot_rows(a, rows, wg, H, g);
-                        dot_rows(a, rows, wu, H, u);
+                        dot_rows(a, rows, gate_up, hit.expert, wg, g);
+                        dot_rows(a, rows, gate_up, hit.expert, wu, u);
                         silu_mul(g, u, h);
                         for (size_t m = 0; m < rows; ++m)
                             for (size_t n = 0; n < cols; ++n) store(&act[(m0 + m) * I + j + n], h[m * kTileCols + n]);
@@ -277,20 +373,19 @@ void run(const Tensors& t, const Shape& s) {
         size_t begin = 0, end = 0;
         ov::splitter(h_blocks, nthr, ithr, begin, end);
         const T* a[kTileRows];
-        const T* wd[kTileCols];
+        size_t wd[kTileCols];
         alignas(64) float y[kTileRows * kTileCols];
         for (size_t item = begin; item < end; ++item) {
             const size_t c0 = item * bh, c1 = std::min(H, c0 + bh);
             for (size_t n = 0; n < s.rows; ++n) std::fill(out + n * H + c0, out + n * H + c1, 0.0f);
             for (const auto& hit : routing.hits) {
-                const T* w = down + hit.expert * H * I;
                 for (size_t j = c0; j < c1; j += kTileCols) {
                     const size_t cols = std::min(kTileCols, c1 - j);
-                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = w + (j + std::min(n, cols - 1)) * I;
+                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = j + std::min(n, cols - 1);
                     for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, hit.start + hit.count - m0);
                         for (size_t m = 0; m < rows; ++m) a[m] = act.data() + (m0 + m) * I;
-                        dot_rows(a, rows, wd, I, y);
+                        dot_rows(a, rows, down, hit.expert, wd, y);
                         for (size_t m = 0; m < rows; ++m) {
                             float* dst = out + routing.row[m0 + m] * H + j;
                             const float weight = routing.weight[m0 + m];
@@ -309,6 +404,20 @@ void run(const Tensors& t, const Shape& s) {
     }
 }
 
+// The kernel reads a group's scale once per 16 (int8) or 32 (int4) weights.
+void check_groups(WeightFormat format, const char* name, size_t K, size_t groups) {
+    const size_t step = format == WeightFormat::int4 ? 32 : 16;
+    const bool fits = groups >= 1 && K % groups == 0 &&
+                      (format == WeightFormat::int4 ? K % 32 == 0 && (K / groups) % 32 == 0
+                                                    : groups == 1 || (K / groups) % 16 == 0);
+    if (!fits) {
+        std::ostringstream msg;
+        msg << name << ": " << groups << " scale groups over rows of " << K << " values; expected groups dividing "
+            << K << " into multiples of " << step << (format == WeightFormat::int8 ? " (or one group)" : "");
+        throw std::invalid_argument(msg.str());
+    }
+}
+
 }  // namespace
 
 std::string unavailable_reason(WeightFormat format) {
@@ -324,6 +433,13 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
     if (shape.rows == 0) return;
     if (shape.top_k == 0 || shape.experts == 0 || shape.hidden == 0 || shape.inter == 0) {
         throw std::invalid_argument("top_k, experts, hidden and intermediate sizes must be >= 1");
+    }
+    if (tensors.format == WeightFormat::int8 || tensors.format == WeightFormat::int4) {
+        check_groups(tensors.format, "gate_up", shape.hidden, tensors.gate_up_groups);
+        check_groups(tensors.format, "down", shape.inter, tensors.down_groups);
+        if (!tensors.gate_up_scale || !tensors.down_scale) {
+            throw std::invalid_argument("int8 / int4 weights need their scales");
+        }
     }
     if (tensors.format == WeightFormat::bf16) {
         run<uint16_t>(tensors, shape);

@@ -21,9 +21,22 @@
 //
 // Numerics: f32 weights run in f32 (AVX-512 FMA). bf16 weights take the
 // activations rounded to bf16 (as PyTorch's bf16 linear and OpenVINO's bf16
-// inference do) and accumulate in f32 with AVX512-BF16 dot products, or AMX
-// tiles when the CPU has them and an expert has enough rows to fill a tile.
-// The sums over slots are f32; the output is rounded once to x's type.
+// inference do) and accumulate in f32 with AVX512-BF16 dot products.
+// int8 and int4 weights are weight-only: each weight is widened to f32 and
+// multiplied by its group's scale as it is read, and the activations stay f32
+// (so decode, which is bound by reading the weights, reads 1/4 or 1/8 of the
+// f32 bytes). The sums over slots are f32; the output is rounded once to x's
+// type.
+//
+// Weight formats (the layout moe_ops.py's quantizer writes):
+//   f32, bf16: gate_up [E, 2I, H], down [E, H, I] as they are.
+//   int8:      the same shapes in int8, q = round(w / scale), and scales f32
+//              [E, rows, G]: G groups of K / G along each row (G = 1: one
+//              scale per output channel). K / G is a multiple of 16 when G > 1.
+//   int4:      each row of K values packed in K / 2 bytes: block b of 32
+//              values is 16 bytes whose low nibbles hold values 32b .. 32b+15
+//              and high nibbles 32b+16 .. 32b+31, each stored as q + 8 with q
+//              in [-8, 7]; scales f32 [E, rows, G], K / G a multiple of 32.
 #pragma once
 
 #include <cstddef>
@@ -32,10 +45,10 @@
 
 namespace numaov::moe {
 
-enum class WeightFormat { f32, bf16 };
+enum class WeightFormat { f32, bf16, int8, int4 };
 
-// True when the CPU has AVX-512 F/BW/VL (f32 weights) and AVX512-BF16 (bf16
-// weights); the kernel throws naming what is missing otherwise.
+// Why the kernel cannot run `format` on this CPU, "" when it can: every format
+// needs AVX-512 F/DQ/BW/VL, bf16 also AVX512-BF16.
 std::string unavailable_reason(WeightFormat format);
 
 struct Shape {
@@ -58,10 +71,15 @@ struct Tensors {
     void* out;                // [N, H]
     bool x_bf16;
     WeightFormat format;
+    // int8 / int4 only: f32 scales [E, 2I, groups_gate_up] and [E, H, groups_down].
+    const float* gate_up_scale = nullptr;
+    const float* down_scale = nullptr;
+    size_t gate_up_groups = 1, down_groups = 1;
 };
 
 // Throws std::invalid_argument naming the (row, slot) of an expert id outside
-// [0, E), and std::runtime_error when the CPU lacks the instructions.
+// [0, E) or a group count the format cannot take, and std::runtime_error when
+// the CPU lacks the instructions.
 // Runs on the calling thread's OpenVINO/TBB arena.
 void moe_experts(const Tensors& tensors, const Shape& shape);
 

@@ -3,12 +3,14 @@
 //
 // Written by the exporter as node numaov.moe::MoeExperts (numaov/custom_ops/
 // moe_ops.py), with the expert weights as inputs: in an IR they are
-// Constants, stored in the format the export chose (f32 or bf16), and the
-// kernel reads them in place.
+// Constants, stored in the format the export chose, and the kernel reads
+// them in place.
 //
 //   inputs:  x [N, H] f32|bf16, expert ids [N, k] i64|i32, routing weights
-//            [N, k] f32, gate_up [E, 2I, H] f32|bf16, down [E, H, I] (the
-//            type of gate_up)
+//            [N, k] f32, gate_up [E, 2I, H] and down [E, H, I] in one
+//            format: f32, bf16, i8 (int8), or u8 holding packed int4 with
+//            the last dim halved (layout in moe_kernels.hpp); for i8 / u8
+//            two more inputs, the f32 scales [E, 2I, G] and [E, H, Gd]
 //   output:  [N, H], x's type: sum over slots j of weights[n, j] times
 //            expert ids[n, j]'s down(silu(gate x) * up x)
 //

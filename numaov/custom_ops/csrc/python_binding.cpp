@@ -241,7 +241,9 @@ PYBIND11_MODULE(_native, m) {
         [](const std::string& format) {
             if (format == "f32") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::f32);
             if (format == "bf16") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::bf16);
-            throw std::invalid_argument("weight format '" + format + "'; expected 'f32' or 'bf16'");
+            if (format == "int8") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int8);
+            if (format == "int4") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int4);
+            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8 or int4");
         },
         py::arg("format"),
         "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
