@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from numaov import NumaovError
+from numaov.manifest import WEIGHT_FORMATS
 
 __all__ = [
     "MOE_DOMAIN",
@@ -60,8 +61,6 @@ MOE_DOMAIN_VERSION = 1
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 ID_DTYPES = (torch.int64, torch.int32)
-#: The expert weight formats the op runs, by name (``numaov export deepseek --weights``).
-WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
 #: int4 group sizes tried largest first (a group must divide the row; the kernel reads 32
 #: values per step).
 INT4_GROUP_SIZES = (128, 64, 32)

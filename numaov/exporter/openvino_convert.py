@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -105,8 +106,12 @@ def convert_to_ir(
     xml_path: str | Path,
     precision: str = "f32",
     progress: Callable[[str], None] | None = None,
+    compress: Callable[[Any], None] | None = None,
 ) -> Path:
-    """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path."""
+    """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path.
+
+    ``compress``, when given, is applied to the converted ``openvino.Model`` before it is
+    saved (the int8 / int4 weight compression of ``weight_formats``)."""
     import openvino as ov
 
     from numaov.custom_ops import library_path
@@ -129,6 +134,9 @@ def convert_to_ir(
     if precision == "bf16":
         replaced = _store_weights_as_bf16(model)
         report(f"stored {replaced} weight tensors as bf16")
+    if compress is not None:
+        report("compressing weights")
+        compress(model)
     xml_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         # compress_to_fp16 must be off: its default (on) would store f16 weights, which
