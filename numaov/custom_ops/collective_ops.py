@@ -70,7 +70,7 @@ class OnnxRuntimeUnsupportedError(NumaovError):
 
 
 #: The ONNX domains only OpenVINO with numaov's extension runs.
-NUMAOV_ONNX_DOMAINS = (COLLECTIVE_DOMAIN, MOE_DOMAIN)
+OPENVINO_ONLY_DOMAINS = (COLLECTIVE_DOMAIN, MOE_DOMAIN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def _graph_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 
 def check_onnxruntime_can_run(model: onnx.ModelProto | str | os.PathLike[str]) -> None:
     """Raise OnnxRuntimeUnsupportedError if `model` holds nodes of a numaov domain
-    (``NUMAOV_ONNX_DOMAINS``: the collectives, the MoE experts).
+    (``OPENVINO_ONLY_DOMAINS``: the collectives, the MoE experts).
 
     ONNX Runtime has no kernels for them and would fail at session creation with a message about
     an unregistered op; call this before creating an ``onnxruntime.InferenceSession``. Only the
@@ -260,9 +260,9 @@ def check_onnxruntime_can_run(model: onnx.ModelProto | str | os.PathLike[str]) -
     nodes = list(_graph_nodes(model.graph))
     for function in model.functions:
         nodes.extend(function.node)
-    found = Counter(node.op_type for node in nodes if node.domain in NUMAOV_ONNX_DOMAINS)
+    found = Counter(node.op_type for node in nodes if node.domain in OPENVINO_ONLY_DOMAINS)
     if found:
-        domains = " and ".join(sorted({n.domain for n in nodes if n.domain in NUMAOV_ONNX_DOMAINS}))
+        domains = " and ".join(sorted({n.domain for n in nodes if n.domain in OPENVINO_ONLY_DOMAINS}))
         listed = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(found.items()))
         raise OnnxRuntimeUnsupportedError(
             f"ONNX Runtime cannot run {domains} nodes ({listed}){where}; "
