@@ -25,8 +25,8 @@ doubled to 128 at the same top-k, at 4 rows (decode) and 128 / 1,024 rows (prefi
 competitor is sampled once per round, rounds alternate, medians and ranges are printed. The
 decode call is also set against the memory traffic it needs: the bytes of the experts its rows
 hit (in the format, with scales), the shared experts and the router, per second, as a share
-of a measured copy bandwidth (bytes read + written per second by torch's threaded copy of a
-1 GiB buffer).
+of a measured copy bandwidth (``fallback_ops.copy_bandwidth``: bytes read + written per second
+by torch's threaded copy of a 256 MiB tensor).
 
     python benchmarks/moe.py [--decode-steps 8] [--rounds 15] [--part all|model|moe]
         [--formats f32,bf16,int8,int4]
@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fallback_ops import copy_bandwidth  # the one copy-bandwidth probe of the benchmarks
 
 from numaov.exporter.deepseek_export import export_deepseek
 from numaov.exporter.onnx_export import export_onnx
@@ -235,19 +236,6 @@ def decode_weight_bytes(moe: DeepseekV2MoE, x: torch.Tensor, weights: str,
     return {"hit_experts": hit, "bytes": hit * per_expert + shared + router}
 
 
-def copy_bandwidth(rounds: int = 5, nbytes: int = 1 << 30) -> float:
-    """Bytes read plus bytes written per second by torch's (threaded) copy of a buffer larger
-    than the L3 cache, best of ``rounds``."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(rounds + 1):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
 def compile_moe_layer(moe: DeepseekV2MoE, weights: str, tmp: Path) -> Any:
     """The layer exported alone in ``weights`` and compiled as the runtime compiles it."""
     from numaov.custom_ops import compile_ir
@@ -293,12 +281,15 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
     """For E = 64 and 128: the op in each weight format (OpenVINO) and eager f32 / bf16, at
     every row count, timed in alternating rounds (one sample of every competitor per round);
     medians and ranges over the rounds."""
-    bandwidth = copy_bandwidth()
-    log(f"copy bandwidth (read + write, 1 GiB): {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = copy_bandwidth(5)
+    log(f"copy bandwidth (read + write of a 256 MiB copy): {bandwidth / 1e9:.1f} GB/s")
     results: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "layers": []}
     rng = np.random.default_rng(SEED)
     inputs = {rows: rng.standard_normal((rows, BENCH_CONFIG.hidden_size), dtype=np.float32)
               for rows in MOE_ROWS}
+    # Both expert counts are built first and timed in the same rounds, so load from other
+    # processes falls on E=64 and E=128 alike and the doubling ratio compares like with like.
+    layers: list[dict[str, Any]] = []
     for experts in (64, 128):
         moe = _moe_module(experts)
         eager_bf16 = copy.deepcopy(moe).to(torch.bfloat16)
@@ -315,23 +306,28 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
             xb = xt.bfloat16()
             competitors[f"eager_f32_{rows}"] = lambda xt=xt, m=moe: m(xt)
             competitors[f"eager_bf16_{rows}"] = lambda xb=xb, m=eager_bf16: m(xb)
-        samples: dict[str, list[float]] = {k: [] for k in competitors}
-        with torch.inference_mode():
-            for call in competitors.values():  # warm-up
+        layers.append({"experts": experts, "moe": moe, "groups": groups,
+                       "competitors": competitors, "samples": {k: [] for k in competitors}})
+    with torch.inference_mode():
+        for layer in layers:
+            for call in layer["competitors"].values():  # warm-up
                 call()
-            for _ in range(rounds):
-                for key, call in competitors.items():
-                    samples[key].append(1e3 * _timed(call))
+        for _ in range(rounds):
+            for key in layers[0]["competitors"]:
+                for layer in layers:
+                    layer["samples"][key].append(1e3 * _timed(layer["competitors"][key]))
+    for built in layers:
+        moe, experts = built["moe"], built["experts"]
         layer: dict[str, Any] = {"experts": experts, "top_k": BENCH_CONFIG.num_experts_per_tok,
                                  "times_ms": {}}
-        for key, times in samples.items():
+        for key, times in built["samples"].items():
             layer["times_ms"][key] = {"median": statistics.median(times), "min": min(times),
                                       "max": max(times)}
         decode = MOE_ROWS[0]
         layer["decode"] = {}
         for weights in formats:
             need = decode_weight_bytes(moe, torch.from_numpy(inputs[decode]), weights,
-                                       groups[weights])
+                                       built["groups"][weights])
             ms = layer["times_ms"][f"openvino_{weights}_{decode}"]["median"]
             achieved = need["bytes"] / (ms / 1e3)
             layer["decode"][weights] = {**need, "gb_s": achieved / 1e9,

@@ -63,12 +63,24 @@ float from_bf16(uint16_t value) {
     return out;
 }
 
+// The M x kTileCols accumulators of a micro-tile: zeroed, and summed into c.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 inline void zero_tile(__m512 (&acc)[M][kTileCols]) {
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+}
+
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 inline void store_tile(__m512 (&acc)[M][kTileCols], float* c) {
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
 // Dot products c[m * kTileCols + n] = a[m] . w[n] over K values, m < M, n < kTileCols.
 template <int M>
 NUMAOV_TARGET_AVX512_BF16 void dot_tile(const float* const* a, const float* const* w, size_t K, float* c) {
     __m512 acc[M][kTileCols];
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    zero_tile<M>(acc);
     size_t k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[kTileCols];
@@ -87,16 +99,14 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile(const float* const* a, const float* cons
             for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
         }
     }
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+    store_tile<M>(acc, c);
 }
 
 // The same over bf16 pairs (vdpbf16ps: 32 products per instruction, f32 sums).
 template <int M>
 NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a, const uint16_t* const* w, size_t K, float* c) {
     __m512 acc[M][kTileCols];
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    zero_tile<M>(acc);
     for (size_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
         __m512i wv[kTileCols];
@@ -107,8 +117,7 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a, const uint16_t
                 acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)av, (__m512bh)wv[n]);
         }
     }
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+    store_tile<M>(acc, c);
 }
 
 // int8 rows: 16 weights widened to f32 and scaled by their group's scale, then
@@ -117,8 +126,7 @@ template <int M>
 NUMAOV_TARGET_AVX512_BF16 void dot_tile_int8(const float* const* a, const int8_t* const* w,
                                              const float* const* scale, size_t K, size_t group, float* c) {
     __m512 acc[M][kTileCols];
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    zero_tile<M>(acc);
     for (size_t k = 0; k < K; k += 16) {
         const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
         const size_t g = k / group;
@@ -132,8 +140,7 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile_int8(const float* const* a, const int8_t
             for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
         }
     }
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+    store_tile<M>(acc, c);
 }
 
 // int4 rows: each 16 bytes hold 32 weights (low nibbles first, then high
@@ -142,8 +149,7 @@ template <int M>
 NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a, const uint8_t* const* w,
                                              const float* const* scale, size_t K, size_t group, float* c) {
     __m512 acc[M][kTileCols];
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    zero_tile<M>(acc);
     const __m128i nibble = _mm_set1_epi8(0x0F);
     const __m512i offset = _mm512_set1_epi32(8);
     for (size_t k = 0; k < K; k += 32) {
@@ -166,8 +172,7 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a, const uint8_
             }
         }
     }
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+    store_tile<M>(acc, c);
 }
 
 // One weight stack (gate_up or down) in its format: `rows` rows of K values per expert.
