@@ -15,12 +15,21 @@ Workload: 4 prompts of 32 tokens (prompts round-robin over the ranks), one prefi
 8 decode steps of one token per prompt; one untimed warm-up generation first in each worker.
 Printed: ms per prefill and per decode step, and ratios against torch eager dp=2 (gloo).
 
-Second part: one MoE layer (router + routed + shared experts) exported alone and run in
-OpenVINO (and torch eager), with ``n_routed_experts`` 64 and doubled to 128 at the same top-k,
-for a decode-sized (4 rows) and a prefill-sized (128 rows) input. Target: doubling the experts
-makes a decode-sized call less than 30% slower.
+The whole model is also exported at dp=1 in each other weight format of ``--formats`` (int8,
+int4, bf16: ``numaov export deepseek --weights``) and run on one worker.
 
-    python benchmarks/moe.py [--decode-steps 8] [--rounds 20] [--part all|model|moe]
+Second part: one MoE layer (router + routed experts in numaov's MoeExperts op + shared
+experts) exported alone in each weight format and compiled as the runtime does, against torch
+eager f32 and bf16 (the op's eager face: the grouped loop), with ``n_routed_experts`` 64 and
+doubled to 128 at the same top-k, at 4 rows (decode) and 128 / 1,024 rows (prefill). Every
+competitor is sampled once per round, rounds alternate, medians and ranges are printed. The
+decode call is also set against the memory traffic it needs: the bytes of the experts its rows
+hit (in the format, with scales), the shared experts and the router, per second, as a share
+of a measured copy bandwidth (``fallback_ops.copy_bandwidth``: bytes read + written per second
+by torch's threaded copy of a 256 MiB tensor).
+
+    python benchmarks/moe.py [--decode-steps 8] [--rounds 15] [--part all|model|moe]
+        [--formats f32,bf16,int8,int4]
 
 Writes benchmarks/out/moe.json. A benchmark, not a test: it asserts nothing.
 """
@@ -28,6 +37,7 @@ Writes benchmarks/out/moe.json. A benchmark, not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -42,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fallback_ops import copy_bandwidth  # the one copy-bandwidth probe of the benchmarks
 
 from numaov.exporter.deepseek_export import export_deepseek
 from numaov.exporter.onnx_export import export_onnx
@@ -63,8 +74,7 @@ OUT = Path(__file__).resolve().parent / "out" / "moe.json"
 SEED = 0
 PROMPTS = 4
 PROMPT_LEN = 32
-MOE_ROWS = (4, 128)
-MOE_TARGET = 1.30
+MOE_ROWS = (4, 128, 1024)
 
 BENCH_CONFIG = DeepseekV2Config(
     vocab_size=16384,
@@ -178,7 +188,7 @@ def build_checkpoint(directory: Path) -> tuple[Path, int]:
     return path, nbytes
 
 
-# -- one MoE layer, experts doubled -----------------------------------------------------------
+# -- one MoE layer: the numaov op in every weight format against eager -------------------
 
 
 class _MoEOnly(torch.nn.Module):
@@ -190,12 +200,7 @@ class _MoEOnly(torch.nn.Module):
         return self.moe(x)
 
 
-def moe_layer(experts: int, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One MoE layer with ``experts`` routed experts: its facts, and a callable per
-    (backend, rows) point."""
-
-    from numaov.custom_ops import compile_ir
-
+def _moe_module(experts: int) -> DeepseekV2MoE:
     config = dataclasses.replace(BENCH_CONFIG, n_routed_experts=experts)
     torch.manual_seed(SEED)
     moe = DeepseekV2MoE(config, 1)
@@ -203,29 +208,157 @@ def moe_layer(experts: int, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         for param in moe.parameters():
             param.copy_(torch.randn(param.shape) / math.sqrt(param.shape[-1]))
         moe.gate.weight.mul_(4.0)
-    module = _MoEOnly(moe).eval()
+    return moe.eval()
+
+
+def _format_bytes(numel: int, weights: str, row_length: int, group: int | None) -> float:
+    """Bytes a stack of ``numel`` weights (rows of ``row_length``) takes in ``weights``."""
+    per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[weights]
+    scales = 0.0
+    if weights in ("int8", "int4"):
+        scales = 4.0 * numel / (group or row_length)
+    return numel * per + scales
+
+
+def decode_weight_bytes(moe: DeepseekV2MoE, x: torch.Tensor, weights: str,
+                        group: int | None) -> dict[str, float]:
+    """The bytes a call on ``x`` must read: the hit experts' stacks, the shared experts and the
+    router (f32), in the weight format."""
+    with torch.no_grad():
+        ids, _ = moe.gate(x)
+    hit = int(torch.unique(ids).numel())
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    per_expert = (_format_bytes(gate_up[0].numel(), weights, gate_up.shape[2], group)
+                  + _format_bytes(down[0].numel(), weights, down.shape[2], group))
+    shared = sum(_format_bytes(p.numel(), weights, p.shape[-1], group)
+                 for p in moe.shared_experts.parameters()) if moe.shared_experts else 0.0
+    router = moe.gate.weight.numel() * 4.0
+    return {"hit_experts": hit, "bytes": hit * per_expert + shared + router}
+
+
+def compile_moe_layer(moe: DeepseekV2MoE, weights: str, tmp: Path) -> Any:
+    """The layer exported alone in ``weights`` and compiled as the runtime compiles it."""
+    from numaov.custom_ops import compile_ir
+    from numaov.exporter.weight_formats import (
+        compress_other_weights,
+        expert_group_size,
+        store_experts,
+    )
+
+    layer = copy.deepcopy(moe)
+    config = BENCH_CONFIG
+    group = expert_group_size(weights, config.hidden_size, config.moe_intermediate_size)
+    store_experts(layer, weights, group)
+    module = _MoEOnly(layer).eval()
     example = torch.randn(8, config.hidden_size)
-    # Dim.DYNAMIC, not a named Dim: the reshapes make torch.export ask whether rows == 1 (a
-    # view-or-copy question), which a named Dim turns into an error (see deepseek_export).
+    where = tmp / f"moe{moe.gate.num_experts}-{weights}"
     graph = export_onnx(module, (example,), None, {"x": {0: torch.export.Dim.DYNAMIC}},
-                        tmp / f"moe{experts}" / "moe.onnx")
-    xml = convert_to_ir(graph.path, tmp / f"moe{experts}" / "moe.xml", "f32")
+                        where / "moe.onnx")
+    compress = None
+    if weights in ("int8", "int4"):
+        def compress(model: Any) -> None:
+            compress_other_weights(model, weights, group, moe.gate.num_experts)
+    xml = convert_to_ir(graph.path, where / "moe.xml", "bf16" if weights == "bf16" else "f32",
+                        compress=compress)
     threads = len(os.sched_getaffinity(0))
-    compiled = compile_ir(xml, "f32", {"INFERENCE_NUM_THREADS": threads})
-    request = compiled.create_infer_request()
-    facts = {"experts": experts, "top_k": config.num_experts_per_tok,
-             "weights_mb": sum(p.numel() * 4 for p in moe.parameters()) / 1e6}
-    calls: dict[str, Any] = {}
+    precision = "bf16" if weights == "bf16" else "f32"
+    compiled = compile_ir(xml, precision, {"INFERENCE_NUM_THREADS": threads})
+    return compiled.create_infer_request(), group
+
+
+def _timed(call: Any, min_s: float = 0.02) -> float:
+    """Seconds per call: calls repeated until ``min_s`` has passed (one call for slow ones)."""
+    count, start = 0, time.perf_counter()
+    while True:
+        call()
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / count
+
+
+def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any]:
+    """For E = 64 and 128: the op in each weight format (OpenVINO) and eager f32 / bf16, at
+    every row count, timed in alternating rounds (one sample of every competitor per round);
+    medians and ranges over the rounds."""
+    bandwidth = copy_bandwidth(5)
+    log(f"copy bandwidth (read + write of a 256 MiB copy): {bandwidth / 1e9:.1f} GB/s")
+    results: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "layers": []}
     rng = np.random.default_rng(SEED)
-    for rows in MOE_ROWS:
-        x = rng.standard_normal((rows, config.hidden_size), dtype=np.float32)
-        calls[f"openvino_{rows}_ms"] = lambda x=x: request.infer({0: x})
-        xt = torch.from_numpy(x)
-        calls[f"torch_{rows}_ms"] = lambda xt=xt: moe(xt)
-    return facts, calls
+    inputs = {rows: rng.standard_normal((rows, BENCH_CONFIG.hidden_size), dtype=np.float32)
+              for rows in MOE_ROWS}
+    # Both expert counts are built first and timed in the same rounds, so load from other
+    # processes falls on E=64 and E=128 alike and the doubling ratio compares like with like.
+    layers: list[dict[str, Any]] = []
+    for experts in (64, 128):
+        moe = _moe_module(experts)
+        eager_bf16 = copy.deepcopy(moe).to(torch.bfloat16)
+        competitors: dict[str, Any] = {}
+        groups: dict[str, int | None] = {}
+        for weights in formats:
+            log(f"  E={experts}: exporting the layer with {weights} weights")
+            request, groups[weights] = compile_moe_layer(moe, weights, tmp)
+            for rows, x in inputs.items():
+                competitors[f"openvino_{weights}_{rows}"] = (
+                    lambda request=request, x=x: request.infer({0: x}))
+        for rows, x in inputs.items():
+            xt = torch.from_numpy(x)
+            xb = xt.bfloat16()
+            competitors[f"eager_f32_{rows}"] = lambda xt=xt, m=moe: m(xt)
+            competitors[f"eager_bf16_{rows}"] = lambda xb=xb, m=eager_bf16: m(xb)
+        layers.append({"experts": experts, "moe": moe, "groups": groups,
+                       "competitors": competitors, "samples": {k: [] for k in competitors}})
+    with torch.inference_mode():
+        for layer in layers:
+            for call in layer["competitors"].values():  # warm-up
+                call()
+        for _ in range(rounds):
+            for key in layers[0]["competitors"]:
+                for layer in layers:
+                    layer["samples"][key].append(1e3 * _timed(layer["competitors"][key]))
+    for built in layers:
+        moe, experts = built["moe"], built["experts"]
+        layer: dict[str, Any] = {"experts": experts, "top_k": BENCH_CONFIG.num_experts_per_tok,
+                                 "times_ms": {}}
+        for key, times in built["samples"].items():
+            layer["times_ms"][key] = {"median": statistics.median(times), "min": min(times),
+                                      "max": max(times)}
+        decode = MOE_ROWS[0]
+        layer["decode"] = {}
+        for weights in formats:
+            need = decode_weight_bytes(moe, torch.from_numpy(inputs[decode]), weights,
+                                       built["groups"][weights])
+            ms = layer["times_ms"][f"openvino_{weights}_{decode}"]["median"]
+            achieved = need["bytes"] / (ms / 1e3)
+            layer["decode"][weights] = {**need, "gb_s": achieved / 1e9,
+                                        "of_copy_bandwidth": achieved / bandwidth}
+        results["layers"].append(layer)
+        log(f"  E={experts} (top-{BENCH_CONFIG.num_experts_per_tok}), ms median [min-max] "
+            f"over {rounds} rounds:")
+        for key, t in layer["times_ms"].items():
+            log(f"    {key:24s} {t['median']:9.3f} [{t['min']:.3f}-{t['max']:.3f}]")
+        for weights, d in layer["decode"].items():
+            log(f"    decode {weights}: {d['hit_experts']} experts hit, {d['bytes'] / 1e6:.1f} MB "
+                f"read, {d['gb_s']:.1f} GB/s = {100 * d['of_copy_bandwidth']:.0f}% of copy")
+    first, second = results["layers"]
+    results["experts_doubled"] = {
+        k: second["times_ms"][k]["median"] / first["times_ms"][k]["median"]
+        for k in first["times_ms"]}
+    for layer in results["layers"]:
+        times = layer["times_ms"]
+        layer["speedup"] = {
+            f"{weights}_{rows}_vs_eager_{base}": times[f"eager_{base}_{rows}"]["median"]
+            / times[f"openvino_{weights}_{rows}"]["median"]
+            for weights in formats for rows in MOE_ROWS for base in ("f32", "bf16")}
+        log(f"  E={layer['experts']} speed-ups: " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in layer["speedup"].items()))
+    log("  experts doubled (E=128 / E=64): " + ", ".join(
+        f"{k} {v:.2f}x" for k, v in results["experts_doubled"].items()))
+    return results
 
 
-def whole_model(tmp: Path, decode_steps: int, l3: int | None) -> dict[str, Any]:
+def whole_model(tmp: Path, decode_steps: int, l3: int | None,
+                formats: tuple[str, ...] = ()) -> dict[str, Any]:
     results: dict[str, Any] = {}
     checkpoint, nbytes = build_checkpoint(tmp / "checkpoint")
     results["weights_bytes"] = nbytes
@@ -246,6 +379,13 @@ def whole_model(tmp: Path, decode_steps: int, l3: int | None) -> dict[str, Any]:
         "torch_gloo_dp2": run_model("torch-gloo", tmp / "dp2", 2, prompts, new_tokens, tmp),
         "torch_shm_dp2": run_model("torch-shm", tmp / "dp2", 2, prompts, new_tokens, tmp),
     }
+    for weights in formats:  # dp=1 only: the format changes the weight bytes, not the DP split
+        if weights == "f32":
+            continue
+        export_deepseek(checkpoint, tmp / f"dp1-{weights}", dp=1, precision="f32",
+                        weights=weights, progress=lambda m: log(f"    export: {m}"))
+        runs[f"openvino_dp1_{weights}"] = run_model("openvino", tmp / f"dp1-{weights}", 1,
+                                                    prompts, new_tokens, tmp)
     results["runs"] = runs
     base = runs["torch_gloo_dp2"]
     log(f"{'':18s}{'prefill ms':>12s}{'decode ms/step':>16s}   speed vs torch eager dp=2 gloo")
@@ -256,36 +396,13 @@ def whole_model(tmp: Path, decode_steps: int, l3: int | None) -> dict[str, Any]:
     return results
 
 
-def moe_doubling(tmp: Path, rounds: int) -> dict[str, Any]:
-    """E=64 and E=128 timed round-robin, one call of each point per round, best of the
-    rounds: load from other processes hits both alike, and the best is the least disturbed."""
-    log(f"one MoE layer, routed experts doubled at top-k {BENCH_CONFIG.num_experts_per_tok}")
-    layers = [moe_layer(e, tmp) for e in (64, 128)]
-    best: list[dict[str, float]] = [{} for _ in layers]
-    with torch.inference_mode():
-        for round_index in range(rounds + 1):
-            for (_, calls), times in zip(layers, best, strict=True):
-                for key, call in calls.items():
-                    start = time.perf_counter()
-                    call()
-                    elapsed = 1e3 * (time.perf_counter() - start)
-                    if round_index > 0:  # round 0 warms up
-                        times[key] = min(times.get(key, float("inf")), elapsed)
-    ratios = {}
-    for key in best[0]:
-        ratios[key] = best[1][key] / best[0][key]
-        verdict = "" if not key.startswith("openvino_4_") else (
-            f" (target < {MOE_TARGET:.2f}: {'met' if ratios[key] < MOE_TARGET else 'missed'})")
-        log(f"  {key}: E=64 {best[0][key]:.2f} ms, E=128 {best[1][key]:.2f} ms, "
-            f"{ratios[key]:.2f}x{verdict}")
-    facts = [{**f, **times} for (f, _), times in zip(layers, best, strict=True)]
-    return {"moe_layer": facts, "moe_doubling_ratio": ratios}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=20, help="timed MoE rounds (best of)")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="timed MoE-layer rounds (medians and ranges)")
+    parser.add_argument("--formats", default="f32,bf16,int8,int4",
+                        help="weight formats of the MoE layer (comma-separated)")
     parser.add_argument("--part", choices=["all", "model", "moe"], default="all",
                         help="the whole model, the MoE layer, or both (default)")
     args = parser.parse_args()
@@ -301,10 +418,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="numaov-moe-") as tmp_name:
         tmp = Path(tmp_name)
         if args.part in ("all", "model"):
-            results.update(whole_model(tmp, args.decode_steps, l3))
+            results.update(whole_model(tmp, args.decode_steps, l3,
+                                       tuple(args.formats.split(","))))
             save(results)
         if args.part in ("all", "moe"):
-            results.update(moe_doubling(tmp, args.rounds))
+            results.update(moe_layer_bench(tmp, args.rounds, args.formats.split(",")))
     save(results)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from numaov import NumaovError, __version__
-from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS
+from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS, WEIGHT_FORMATS
 from numaov.runtime import lm_engine, wan_pipeline
 
 
@@ -352,7 +352,7 @@ def cmd_export_deepseek(args: argparse.Namespace) -> int:
     from numaov.exporter.deepseek_export import export_deepseek
 
     manifest = export_deepseek(args.checkpoint, args.out, args.dp, args.precision,
-                               _progress(args), force=args.force)
+                               _progress(args), force=args.force, weights=args.weights)
     print(manifest.summary(args.out))
     for note in manifest.notes:
         print(f"note: {note}")
@@ -370,6 +370,10 @@ def _add_export_deepseek_parser(sub: argparse._SubParsersAction) -> None:
                    help="where rank_<r>/ graphs and manifest.json go")
     p.add_argument("--precision", choices=PRECISIONS, default="f32",
                    help="IR weights and inference precision (default f32)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="weight format of the IR (default: the --precision): bf16 stores every "
+                   "expert and weight bf16; int8 / int4 are weight-only, the routed experts in "
+                   "numaov's MoE op and the other layers through NNCF")
     _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_deepseek)

@@ -15,6 +15,11 @@ Fields:
   an expression of it such as ``"2*height_patches"``).
 - ``precision``: ``"f32"`` or ``"bf16"``; ``inference_precision`` is the OpenVINO
   ``INFERENCE_PRECISION_HINT`` the runtime must compile the IR with.
+- ``weights``: the format the IR stores its weights in, ``WEIGHT_FORMATS`` (``"f32"``,
+  ``"bf16"``, ``"int8"``, ``"int4"``; DeepSeek exports: the routed experts in numaov's MoE op
+  and, for int8 / int4, the other layers through NNCF); ``weights_group_size`` the int4 scale
+  group (values per scale; null: one scale per output channel). Null in exports from before
+  the field (and in Wan exports): the weights are in ``precision``.
 - ``lowering``: how the fallback ops were written into ONNX (``"decomposed"`` / ``"opset23"``).
 - ``timestep``: for a Wan model, ``"scalar"`` (input ``timestep [batch]``) or ``"per-frame"``
   (``[batch, frame_patches]``, Wan 2.2 TI2V); the sampler feeds that form. Null for other kinds.
@@ -59,6 +64,7 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2
 PRECISIONS = ("f32", "bf16")
+WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
 # How the fallback ops are written into ONNX (numaov.custom_ops.fallback_onnx).
 LOWERINGS = ("decomposed", "opset23")
 TIMESTEP_KINDS = ("scalar", "per-frame")
@@ -156,6 +162,8 @@ class ExportManifest:
     notes: list[str] = field(default_factory=list)
     components: list[str] = field(default_factory=list)
     world_size: int = 1
+    weights: str | None = None
+    weights_group_size: int | None = None
     format_version: int = FORMAT_VERSION
 
     def summary(self, model_dir: str | Path) -> str:
@@ -169,8 +177,10 @@ class ExportManifest:
         timestep = ", per-frame timestep" if self.timestep == "per-frame" else ""
         attention = (f" ({self.parity_attention} attention)"
                      if self.parity_attention == "numaov" else "")
+        weights = (f", {self.weights} weights"
+                   if self.weights is not None and self.weights != self.precision else "")
         return (
-            f"exported {self.kind} ({self.precision}, {self.lowering} ops{timestep}) to "
+            f"exported {self.kind} ({self.precision}{weights}, {self.lowering} ops{timestep}) to "
             f"{model_dir}; parity vs torch (max rel error): {parity}{attention}"
         )
 
@@ -239,6 +249,10 @@ class ExportManifest:
                 raise ModelDirError(
                     f"{where}: {key} {getattr(self, key)!r} is not one of {PRECISIONS}"
                 )
+        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
+            raise ModelDirError(
+                f"{where}: weights {self.weights!r} is not one of {WEIGHT_FORMATS}"
+            )
         if not isinstance(self.components, list) or not all(
             isinstance(c, str) and c and not c.startswith(("/", ".")) for c in self.components
         ):

@@ -102,6 +102,62 @@ def test_export_writes_rank_graphs_with_collectives_and_one_manifest(exported) -
         check_onnxruntime_can_run(model_dir / "rank_0/model.onnx")
 
 
+def _reaches(start, kind: str, upstream: bool, limit: int = 64) -> bool:
+    """Whether a node of type `kind` is found walking from `start` (up its inputs or down its
+    outputs) within `limit` nodes."""
+    seen, todo = set(), [start]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node.get_type_name() == kind and node is not start:
+            return True
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if upstream:
+            todo.extend(v.get_node() for v in node.input_values())
+        else:
+            todo.extend(t.get_node() for o in node.outputs() for t in o.get_target_inputs())
+    return False
+
+
+def test_compiled_rank_graph_runs_the_moe_op_between_gather_and_reduce_scatter(exported) -> None:
+    """Each MoE layer is one MoeExperts op on the rank's expert shard, fed by the all-gather
+    and feeding the reduce-scatter; the compiled runtime graph runs it (as a Reference layer)
+    and holds no If and no Gather of an expert stack (the per-(row, expert) weight copy)."""
+    import openvino as ov
+
+    from numaov.custom_ops import add_extension, compile_ir
+
+    model_dir = exported["model_dir"]
+    config = json.loads((model_dir / "manifest.json").read_text())["config"]
+    experts, hidden = config["n_routed_experts"], config["hidden_size"]
+    core = ov.Core()
+    add_extension(core)
+    xml = model_dir / "rank_0/model.xml"
+    model = core.read_model(str(xml))
+    moe = [n for n in model.get_ordered_ops() if n.get_type_name() == "MoeExperts"]
+    assert len(moe) == config["num_hidden_layers"] - config["first_k_dense_replace"]
+    shard = config["moe_intermediate_size"] // 2
+    for node in moe:
+        assert list(node.get_input_shape(3)) == [experts, 2 * shard, hidden]
+        assert list(node.get_input_shape(4)) == [experts, hidden, shard]
+        assert _reaches(node, "AllGatherIntoTensor", upstream=True)
+        assert _reaches(node, "ReduceScatterTensor", upstream=False)
+    runtime = compile_ir(xml, "f32").model.get_runtime_model().get_ordered_ops()
+    layers = [(op.get_rt_info()["layerType"].astype(str),
+               op.get_rt_info()["originalLayersNames"].astype(str).split(","), op)
+              for op in runtime]
+    for node in moe:
+        assert any(kind == "Reference" and node.get_friendly_name() in names
+                   for kind, names, _ in layers), node.get_friendly_name()
+    assert not [names for kind, names, _ in layers if kind == "If"]
+    stacks = {(experts, 2 * shard, hidden), (experts, hidden, shard)}
+    expert_stacks = [op for kind, _, op in layers if kind == "Gather"
+                     and op.get_input_partial_shape(0).is_static
+                     and tuple(op.get_input_partial_shape(0).to_shape()) in stacks]
+    assert not expert_stacks
+
+
 def test_dp_not_dividing_the_sharded_dims_is_a_clear_cli_error(exported, tmp_path: Path) -> None:
     proc = subprocess.run(
         [*CLI, "export", "deepseek", "--checkpoint", str(exported["checkpoint"]), "--dp", "3",

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config as HFConfig
 from transformers import DeepseekV2ForCausalLM
 
+from numaov.custom_ops import moe_experts
 from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, build_tiny_deepseek
 from numaov.models.checkpoint import CheckpointError
 from numaov.models.deepseek import (
-    EXPERT_IMPLS,
     DeepseekConfigError,
     DeepseekV2,
     DeepseekV2Config,
@@ -156,25 +156,27 @@ def test_bf16_load_keeps_the_router_in_fp32(tmp_path: Path) -> None:
     torch.testing.assert_close(model(ids).float(), ref(ids), atol=0.25, rtol=0.05)
 
 
-def test_expert_faces_agree() -> None:
-    """The eager loop and both graph forms compute the same sum (float32 rounding apart)."""
+def test_experts_are_the_moe_op_eagerly_and_under_export() -> None:
+    """The module is numaov::moe_experts on its stacks; torch.export captures that one op
+    (no torch.cond, no per-row weight gather), with the row count still dynamic."""
     gen = torch.Generator().manual_seed(SEED)
     experts = DeepseekV2Experts(num_experts=8, hidden=16, intermediate=12)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(8, 24, 16, generator=gen) / 4)
         experts.down_proj.copy_(torch.randn(8, 16, 12, generator=gen) / 4)
-    for rows in (1, 3, 40):  # 3*2 <= 8 picks the gather inside "graph", 40*2 the dense form
-        x = torch.randn(rows, 16, generator=gen)
-        ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(rows)])
-        weights = torch.rand(rows, 2, generator=gen)
-        results = {}
-        for impl in EXPERT_IMPLS:
-            experts.impl = impl
-            with torch.no_grad():
-                results[impl] = experts(x, ids, weights)
-        for impl, value in results.items():
-            torch.testing.assert_close(value, results["grouped"], atol=1e-5, rtol=1e-5,
-                                       msg=f"{impl} vs grouped, {rows} rows")
+    x = torch.randn(5, 16, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    with torch.no_grad():
+        got = experts(x, ids, weights)
+        assert torch.equal(got, moe_experts(x, ids, weights, experts.gate_up_proj,
+                                            experts.down_proj))
+    rows = torch.export.Dim("rows")
+    program = torch.export.export(experts, (x, ids, weights),
+                                  dynamic_shapes=({0: rows}, {0: rows}, {0: rows}))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert targets == ["numaov.moe_experts.default"], targets
+    torch.testing.assert_close(program.module()(x, ids, weights), got)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,15 +277,20 @@ def test_config_round_trips_through_config_json(tiny_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
+def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_openvino(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
     """torch.onnx.export(dynamo=True) of the cached step, one graph for every batch size,
-    new-token count and cache length; ONNX Runtime runs both MoE branches (the ``If`` picks
-    the per-row weight gather for few rows and the dense form for many)."""
-    import onnxruntime as ort
-
-    from numaov.custom_ops import onnx_translation_table
+    new-token count and cache length, run by OpenVINO with numaov's MoeExperts op at row
+    counts from 3 to 40; ONNX Runtime, which has no kernel for the numaov.moe node, refuses
+    the graph clearly."""
+    from numaov.custom_ops import (
+        OnnxRuntimeUnsupportedError,
+        check_onnxruntime_can_run,
+        compile_ir,
+        onnx_translation_table,
+    )
+    from numaov.exporter.openvino_convert import convert_to_ir
 
     model = DeepseekV2.from_pretrained(tiny_dir)
     step = DeepseekV2Step(model).eval()
@@ -317,14 +324,15 @@ def test_dp1_step_exports_with_dynamic_shapes_and_runs_in_onnxruntime(
                         "past_slots": {0: batch, 1: past}},
         custom_translation_table=onnx_translation_table("decomposed"),
     )
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    # (batch, new tokens, cached tokens): prefill with an empty cache, decode, mixed;
-    # 1x5 and 1x40 rows take the dense branch (rows*top_k > 8 experts), 3x1 the gather.
+    with pytest.raises(OnnxRuntimeUnsupportedError, match=r"numaov\.moe nodes \(MoeExperts x"):
+        check_onnxruntime_can_run(path)
+    run = compile_ir(convert_to_ir(path, tmp_path / "step.xml"), "f32").runner()
+    # (batch, new tokens, cached tokens): prefill with an empty cache, decode, mixed
     for b, t, p in ((1, 5, 0), (3, 1, 7), (1, 40, 0), (2, 2, 3)):
         feed = inputs(b, t, p)
         with torch.no_grad():
             logits, new = step(*feed.values())
-        got = session.run(None, {k: v.numpy() for k, v in feed.items()})
+        got = run({k: v.numpy() for k, v in feed.items()})
         # float32 graph vs float32 eager; same tolerance and reason as the transformers parity
         torch.testing.assert_close(torch.from_numpy(got[0]), logits, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(torch.from_numpy(got[1]), new, atol=ATOL, rtol=RTOL)

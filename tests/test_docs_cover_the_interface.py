@@ -11,7 +11,7 @@ from numaov.cli import build_parser
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 # Names that look like variables but are compile-time names (C++ macros, CMake variables).
-COMPILE_TIME = re.compile(r"NUMAOV_(TARGET_\w+|MEMORY_BARRIER|COLLECTIVE_DOMAIN|OPENVINO_VERSION"
+COMPILE_TIME = re.compile(r"NUMAOV_(TARGET_\w+|MEMORY_BARRIER|COLLECTIVE_DOMAIN|MOE_DOMAIN|OPENVINO_VERSION"
                           r"|\w+_CMAKE_DIR)$")
 
 

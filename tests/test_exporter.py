@@ -275,7 +275,7 @@ def test_a_specialised_dynamic_axis_is_an_export_error(tmp_path: Path) -> None:
 
 
 def test_bf16_storage_reaches_weights_inside_if_branches(tmp_path) -> None:
-    """The MoE's experts live in If branches; bf16 storage must compress them too."""
+    """Weights inside If branches are stored as bf16 too."""
     import openvino as ov
     from openvino import opset13 as ops
 

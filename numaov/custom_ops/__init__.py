@@ -19,6 +19,7 @@ from numaov.custom_ops.fallback_ops import (
     rows_copy,
     scale_residual_norm_scale_shift,
 )
+from numaov.custom_ops.moe_ops import MoeOpError, moe_experts
 from numaov.custom_ops.native import add_extension, library_path
 from numaov.custom_ops.openvino_compile import CompiledIR, CompileError, compile_ir
 from numaov.manifest import LOWERINGS
@@ -33,9 +34,11 @@ def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:
     """
     from numaov.custom_ops.collective_ops import collective_translation_table
     from numaov.custom_ops.fallback_onnx import fallback_translation_table
+    from numaov.custom_ops.moe_ops import moe_translation_table
 
     table = fallback_translation_table(lowering)
     table.update(collective_translation_table())
+    table.update(moe_translation_table())
     return table
 
 
@@ -52,6 +55,7 @@ __all__ = [
     "CompileError",
     "CompiledIR",
     "FallbackOpError",
+    "MoeOpError",
     "OnnxRuntimeUnsupportedError",
     "add_extension",
     "all_gather_into_tensor",
@@ -60,6 +64,7 @@ __all__ = [
     "compile_ir",
     "fuse_scale_shift",
     "library_path",
+    "moe_experts",
     "norm_infer",
     "onnx_opset_version",
     "onnx_translation_table",

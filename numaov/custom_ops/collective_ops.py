@@ -35,6 +35,7 @@ from torch import Tensor
 
 from numaov import NumaovError
 from numaov.custom_ops.collectives import CollectiveError, Communicator, find_communicator
+from numaov.custom_ops.moe_ops import MOE_DOMAIN
 
 if TYPE_CHECKING:
     import onnx
@@ -65,7 +66,11 @@ class CollectiveOpError(CollectiveError):
 
 
 class OnnxRuntimeUnsupportedError(NumaovError):
-    """An ONNX model holds numaov.collective nodes, which ONNX Runtime cannot run."""
+    """An ONNX model holds numaov nodes (collectives, MoE experts), which ONNX Runtime cannot run."""
+
+
+#: The ONNX domains only OpenVINO with numaov's extension runs.
+OPENVINO_ONLY_DOMAINS = (COLLECTIVE_DOMAIN, MOE_DOMAIN)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +244,8 @@ def _graph_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
 
 
 def check_onnxruntime_can_run(model: onnx.ModelProto | str | os.PathLike[str]) -> None:
-    """Raise OnnxRuntimeUnsupportedError if `model` holds numaov.collective nodes.
+    """Raise OnnxRuntimeUnsupportedError if `model` holds nodes of a numaov domain
+    (``OPENVINO_ONLY_DOMAINS``: the collectives, the MoE experts).
 
     ONNX Runtime has no kernels for them and would fail at session creation with a message about
     an unregistered op; call this before creating an ``onnxruntime.InferenceSession``. Only the
@@ -254,11 +260,12 @@ def check_onnxruntime_can_run(model: onnx.ModelProto | str | os.PathLike[str]) -
     nodes = list(_graph_nodes(model.graph))
     for function in model.functions:
         nodes.extend(function.node)
-    found = Counter(node.op_type for node in nodes if node.domain == COLLECTIVE_DOMAIN)
+    found = Counter(node.op_type for node in nodes if node.domain in OPENVINO_ONLY_DOMAINS)
     if found:
+        domains = " and ".join(sorted({n.domain for n in nodes if n.domain in OPENVINO_ONLY_DOMAINS}))
         listed = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(found.items()))
         raise OnnxRuntimeUnsupportedError(
-            f"ONNX Runtime cannot run {COLLECTIVE_DOMAIN} nodes ({listed}){where}; "
+            f"ONNX Runtime cannot run {domains} nodes ({listed}){where}; "
             "use OpenVINO with the numaov extension (numaov.custom_ops.add_extension(core))"
         )
 

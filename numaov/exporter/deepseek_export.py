@@ -3,10 +3,12 @@
 ``export_deepseek`` writes, into ``out_dir``:
 
 - ``rank_<r>/model.onnx`` + ``model.onnx.data`` (always f32) and ``rank_<r>/model.xml`` +
-  ``model.bin`` (bf16 weights for ``precision="bf16"``, see ``openvino_convert``) for every rank
+  ``model.bin`` (weights in the format ``weights`` names, see ``weight_formats``) for every rank
   ``r < dp``: the cached step (:class:`numaov.models.deepseek.DeepseekV2Step`) of the model that
-  holds rank r's MLP / expert shard, with the ``numaov.collective`` nodes (group
-  ``COLLECTIVE_GROUP``) around every MLP and MoE block when ``dp > 1``;
+  holds rank r's MLP / expert shard, the routed experts of every MoE layer as one
+  ``numaov.moe::MoeExperts`` node (``custom_ops/moe_ops.py``) on the rank's expert shard, and
+  the ``numaov.collective`` nodes (group ``COLLECTIVE_GROUP``) around every MLP and MoE block
+  when ``dp > 1``;
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
 - ``manifest.json``, written last, with every other file's size and digest.
 
@@ -33,12 +35,13 @@ both 1 and several new tokens, so a graph that only worked for one of them would
 
 Parity at export:
 
-- ``dp == 1``: PyTorch versus ONNX Runtime versus OpenVINO (``numaov.exporter.parity``).
-- ``dp > 1``: ONNX Runtime has no kernels for the collective nodes (the manifest's ``notes``
-  say so, with ONNX Runtime's refusal as checked on the graph). Every rank's OpenVINO graph runs
+- ONNX Runtime has no kernels for the numaov.moe node (nor, for ``dp > 1``, the collective
+  nodes): the manifest's ``notes`` say so, with ONNX Runtime's refusal as checked on the graph.
+- ``dp == 1``: PyTorch versus OpenVINO (``numaov.exporter.parity``).
+- ``dp > 1``: every rank's OpenVINO graph runs
   in its own process of a rank group (``numaov.custom_ops.rank_group``, which joins the
   shared-memory group the nodes name), each on its own share of the sequences: uneven prefill,
-  decode with idle ranks, both MoE branches. Each rank's outputs are compared with the
+  decode with idle ranks. Each rank's outputs are compared with the
   unsharded PyTorch model (dp=1) on the same sequences. The ranks are not pinned: placement
   changes the speed, not the numbers, and an export should not need a two-socket machine to be
   checked; each rank gets an equal share of the allowed CPUs as OpenVINO threads.
@@ -75,6 +78,13 @@ from numaov.exporter.parity import (
     openvino_runner,
     parity_attention,
     torch_reference,
+)
+from numaov.exporter.weight_formats import (
+    check_weights,
+    compress_other_weights,
+    expert_group_size,
+    parity_tolerance,
+    store_experts,
 )
 from numaov.manifest import ExportManifest, RankFiles, TensorSpec
 
@@ -225,6 +235,7 @@ def _check_ranks_on_workers(
     references: list[list[list[np.ndarray]]],
     inference_precision: str,
     progress: Callable[[str], None],
+    tolerance: float | None = None,
 ) -> tuple[list[ParityFigure], str]:
     """Run every rank's IR in its own worker and compare with PyTorch dp=1; returns the
     figures and a description of the placement used."""
@@ -249,7 +260,7 @@ def _check_ranks_on_workers(
             shapes = {name: list(array.shape) for name, array in feeds.items()}
             for name, r, g in zip(OUTPUT_NAMES, ref, got, strict=True):
                 figure = measure(r, g, "openvino", inference_precision, f"rank{rank}.{name}",
-                                 shapes, attention=attention)
+                                 shapes, tolerance, attention=attention)
                 logger.info("parity: %s", figure.describe())
                 figures.append(figure)
     failed = [f for f in figures if not f.passed]
@@ -265,7 +276,8 @@ def _check_ranks_on_workers(
 
 
 def _onnxruntime_refusal(onnx_path: Path) -> str:
-    """Why ONNX Runtime is not in a DP export's parity check, as ONNX Runtime's own check says."""
+    """Why ONNX Runtime is not in a DeepSeek export's parity check, as ONNX Runtime's own check
+    says: every MoE layer is a numaov.moe node (and, for several ranks, collectives)."""
     from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can_run
 
     try:
@@ -273,8 +285,8 @@ def _onnxruntime_refusal(onnx_path: Path) -> str:
     except OnnxRuntimeUnsupportedError as exc:
         return f"onnxruntime not checked: {exc}"
     raise DeepseekExportError(
-        f"{str(onnx_path)!r} holds no numaov.collective nodes although it was exported for "
-        "several ranks; expected the collectives around every MLP and MoE block"
+        f"{str(onnx_path)!r} holds no numaov nodes; expected a numaov.moe MoeExperts node in "
+        "every MoE layer (and collectives around every MLP and MoE block for several ranks)"
     )
 
 
@@ -285,10 +297,12 @@ def export_deepseek(
     precision: str = "f32",
     progress: Callable[[str], None] | None = None,
     force: bool = False,
+    weights: str | None = None,
 ) -> ExportManifest:
     """Export the DeepSeek-V2 checkpoint in ``checkpoint_dir`` for ``dp`` ranks; returns the
     manifest written to ``out_dir``. ``force`` replaces an ``out_dir`` that holds something
-    other than a numaov export.
+    other than a numaov export. ``weights`` is the IR's weight format (``weight_formats``:
+    f32, bf16, int8, int4; default: ``precision``'s).
 
     Raises ``ShardError`` when ``dp`` does not divide the sharded dims, ``CheckpointError``
     when the checkpoint does not fit its config, ``ParityError`` (``out_dir`` left as it was)
@@ -299,10 +313,13 @@ def export_deepseek(
     report = progress or (lambda _msg: None)
     checkpoint_dir = Path(checkpoint_dir)
     _check_request(checkpoint_dir, dp, precision)
+    weights = check_weights(weights, precision)
     config = DeepseekV2Config.from_pretrained(checkpoint_dir)
     check_dp_divides(config, dp)
+    group_size = expert_group_size(weights, config.hidden_size, config.moe_intermediate_size // dp)
     with staged_output(out_dir, force) as staging:  # published when the block returns
-        return _export_into(checkpoint_dir, staging, config, dp, precision, report)
+        return _export_into(checkpoint_dir, staging, config, dp, precision, report,
+                            weights, group_size)
 
 
 def _export_into(
@@ -312,10 +329,18 @@ def _export_into(
     dp: int,
     precision: str,
     report: Callable[[str], None],
+    weights: str,
+    group_size: int | None,
 ) -> ExportManifest:
     from numaov.models.deepseek import DataParallelGroup, DeepseekV2, DeepseekV2Step
 
     inference_precision = INFERENCE_PRECISION[precision]
+    tolerance = parity_tolerance(weights, inference_precision)
+    # bf16 storage is a conversion step; int8 / int4 are quantized experts plus NNCF
+    storage = "bf16" if weights == "bf16" else "f32"
+
+    def compress(model: Any) -> None:
+        compress_other_weights(model, weights, group_size, config.n_routed_experts)
     timings: dict[str, float] = {}
     rank_inputs = _rank_inputs(config, dp)
 
@@ -343,6 +368,8 @@ def _export_into(
         group = DataParallelGroup(COLLECTIVE_GROUP, rank, dp) if dp > 1 else None
         shard = DeepseekV2.from_pretrained(checkpoint_dir, dtype=torch.float32, dp=group)
         timings["load"] += time.perf_counter() - start
+        if store_experts(shard, weights, group_size):
+            report(f"rank {rank}/{dp}: routed experts stored as {weights}")
         start = time.perf_counter()
         rank_dir = out_dir / f"rank_{rank}"
         graph = export_onnx(
@@ -353,7 +380,8 @@ def _export_into(
         del shard
         gc.collect()
         start = time.perf_counter()
-        xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, precision, report)
+        xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, storage, report,
+                                 compress if weights in ("int8", "int4") else None)
         timings["openvino_convert"] = (
             timings.get("openvino_convert", 0.0) + time.perf_counter() - start
         )
@@ -372,10 +400,12 @@ def _export_into(
     start = time.perf_counter()
     notes: list[str] = []
     reference_sample = None
+    notes.append(_onnxruntime_refusal(graphs[0].path))
     if dp == 1:
         figures = check_parity(
-            rank_inputs[0], references[0], list(OUTPUT_NAMES), graphs[0].path, xml_paths[0],
+            rank_inputs[0], references[0], list(OUTPUT_NAMES), None, xml_paths[0],
             openvino_precision=inference_precision, progress=report,
+            tolerances=None if tolerance is None else {inference_precision: tolerance},
         )
         write_reference_sample(
             out_dir / REFERENCE_SAMPLE_NAME, rank_inputs[0][0],
@@ -383,9 +413,8 @@ def _export_into(
         )
         reference_sample = REFERENCE_SAMPLE_NAME
     else:
-        notes.append(_onnxruntime_refusal(graphs[0].path))
         figures, placement = _check_ranks_on_workers(
-            xml_paths, rank_inputs, references, inference_precision, report
+            xml_paths, rank_inputs, references, inference_precision, report, tolerance
         )
         notes.append(
             f"openvino checked with the {dp} rank graphs in {dp} worker processes sharing "
@@ -411,6 +440,8 @@ def _export_into(
         collective_group=COLLECTIVE_GROUP if dp > 1 else None,
         notes=notes,
         world_size=dp,
+        weights=weights,
+        weights_group_size=group_size,
         parity_attention=parity_attention(figures),
         files=digest_export(out_dir),
     )

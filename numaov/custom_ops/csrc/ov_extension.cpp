@@ -11,10 +11,13 @@
 
 #include "attention_op.hpp"
 #include "collective_ops.hpp"
+#include "moe_op.hpp"
 
 // The ONNX domain the exporter writes the collectives in
 // (numaov/custom_ops/collective_ops.py uses the same string).
 #define NUMAOV_COLLECTIVE_DOMAIN "numaov.collective"
+// The ONNX domain of the MoE experts node (numaov/custom_ops/moe_ops.py).
+#define NUMAOV_MOE_DOMAIN "numaov.moe"
 
 // clang-format off
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
@@ -37,5 +40,10 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     // ONNX: numaov.collective::ReduceScatterTensor nodes become ReduceScatterTensor.
     std::make_shared<ov::frontend::onnx::OpExtension<numaov::ReduceScatterTensor>>(
         "ReduceScatterTensor", NUMAOV_COLLECTIVE_DOMAIN),
+    // IR: the routed experts of a MoE layer (grouped by expert, weights as inputs).
+    std::make_shared<ov::OpExtension<numaov::MoeExperts>>(),
+    // ONNX: numaov.moe::MoeExperts nodes written by the exporter become MoeExperts.
+    std::make_shared<ov::frontend::onnx::OpExtension<numaov::MoeExperts>>(
+        "MoeExperts", NUMAOV_MOE_DOMAIN),
 }));
 // clang-format on

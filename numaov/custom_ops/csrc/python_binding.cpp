@@ -12,6 +12,7 @@
 
 #include "communicator.hpp"
 #include "flash_attention.hpp"
+#include "moe_kernels.hpp"
 #include "reduce_kernels.hpp"
 #include "shm_communicator.hpp"
 #include "shm_segment.hpp"
@@ -235,6 +236,17 @@ PYBIND11_MODULE(_native, m) {
         "The collectives' sum kernel on local buffers (for tests and benchmarks): "
         "dst = sum of srcs in order, in fp32, rounded to the dtype.");
 
+    m.def(
+        "moe_unavailable_reason",
+        [](const std::string& format) {
+            if (format == "f32") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::f32);
+            if (format == "bf16") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::bf16);
+            if (format == "int8") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int8);
+            if (format == "int4") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int4);
+            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8 or int4");
+        },
+        py::arg("format"),
+        "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
     m.def("amx_unavailable_reason", &numaov::attention::amx_unavailable_reason,
           "Why the flash-attention kernel cannot run here (\"\" when AMX is usable).");
     m.def(

@@ -70,7 +70,6 @@ from numaov.models.deepseek.checkpoint_layout import (
 from numaov.models.deepseek.config import DeepseekConfigError, DeepseekV2Config
 from numaov.models.deepseek.decoder import DeepseekV2DecoderLayer as DeepseekV2DecoderLayer
 from numaov.models.deepseek.decoder import DeepseekV2Model as DeepseekV2Model
-from numaov.models.deepseek.experts import EXPERT_IMPLS as EXPERT_IMPLS
 from numaov.models.deepseek.experts import DeepseekV2Experts as DeepseekV2Experts
 from numaov.models.deepseek.mlp import DeepseekV2MLP as DeepseekV2MLP
 from numaov.models.deepseek.moe import DeepseekV2MoE as DeepseekV2MoE

@@ -1,0 +1,456 @@
+#include "moe_kernels.hpp"
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include <openvino/core/parallel.hpp>
+
+// Only the functions marked with this attribute use AVX-512 code; the rest of
+// the file stays baseline x86-64, so loading the library on an older CPU is
+// safe (the kernel then refuses with unavailable_reason()).
+#define NUMAOV_TARGET_AVX512_BF16 \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+namespace numaov::moe {
+
+namespace {
+
+// A micro-tile is up to kTileRows (row, slot) pairs by kTileCols weight rows:
+// 16 zmm accumulators, 4 weight and 4 activation registers.
+constexpr size_t kTileRows = 4;
+constexpr size_t kTileCols = 4;
+// Rows of one expert taken through a block of columns before moving on, so the
+// block's weights stay in L2 while the rows stream (long prefill).
+constexpr size_t kRowChunk = 64;
+
+struct Features {
+    bool avx512 = false;
+    bool avx512_bf16 = false;
+};
+
+const Features& features() {
+    static const Features f = [] {
+        Features s;
+        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return s;
+        const bool f512 = (ebx >> 16) & 1, dq = (ebx >> 17) & 1, bw = (ebx >> 30) & 1, vl = (ebx >> 31) & 1;
+        s.avx512 = f512 && dq && bw && vl;
+        s.avx512_bf16 = s.avx512 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1);
+        return s;
+    }();
+    return f;
+}
+
+uint16_t to_bf16(float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1);  // round to nearest even
+    return uint16_t(bits >> 16);
+}
+
+float from_bf16(uint16_t value) {
+    const uint32_t bits = uint32_t(value) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+// The M x kTileCols accumulators of a micro-tile: zeroed, and summed into c.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 inline void zero_tile(__m512 (&acc)[M][kTileCols]) {
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+}
+
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 inline void store_tile(__m512 (&acc)[M][kTileCols], float* c) {
+    for (int m = 0; m < M; ++m)
+        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+// Dot products c[m * kTileCols + n] = a[m] . w[n] over K values, m < M, n < kTileCols.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile(const float* const* a, const float* const* w, size_t K, float* c) {
+    __m512 acc[M][kTileCols];
+    zero_tile<M>(acc);
+    size_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_loadu_ps(w[n] + k);
+        for (int m = 0; m < M; ++m) {
+            const __m512 av = _mm512_loadu_ps(a[m] + k);
+            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
+        }
+    }
+    if (k < K) {
+        const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
+        __m512 wv[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, w[n] + k);
+        for (int m = 0; m < M; ++m) {
+            const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k);
+            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
+        }
+    }
+    store_tile<M>(acc, c);
+}
+
+// The same over bf16 pairs (vdpbf16ps: 32 products per instruction, f32 sums).
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a, const uint16_t* const* w, size_t K, float* c) {
+    __m512 acc[M][kTileCols];
+    zero_tile<M>(acc);
+    for (size_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
+        __m512i wv[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_epi16(mask, w[n] + k);
+        for (int m = 0; m < M; ++m) {
+            const __m512i av = _mm512_maskz_loadu_epi16(mask, a[m] + k);
+            for (size_t n = 0; n < kTileCols; ++n)
+                acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)av, (__m512bh)wv[n]);
+        }
+    }
+    store_tile<M>(acc, c);
+}
+
+// int8 rows: 16 weights widened to f32 and scaled by their group's scale, then
+// one FMA per activation row. `group` is K (one scale per row) or a multiple of 16.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_int8(const float* const* a, const int8_t* const* w,
+                                             const float* const* scale, size_t K, size_t group, float* c) {
+    __m512 acc[M][kTileCols];
+    zero_tile<M>(acc);
+    for (size_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+        const size_t g = k / group;
+        __m512 wv[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) {
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[n] + k));
+            wv[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale[n][g]));
+        }
+        for (int m = 0; m < M; ++m) {
+            const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k);
+            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
+        }
+    }
+    store_tile<M>(acc, c);
+}
+
+// int4 rows: each 16 bytes hold 32 weights (low nibbles first, then high
+// nibbles; q + 8), widened and scaled like int8. K and `group` are multiples of 32.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a, const uint8_t* const* w,
+                                             const float* const* scale, size_t K, size_t group, float* c) {
+    __m512 acc[M][kTileCols];
+    zero_tile<M>(acc);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m512i offset = _mm512_set1_epi32(8);
+    for (size_t k = 0; k < K; k += 32) {
+        const size_t g = k / group;
+        __m512 lo[kTileCols], hi[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + k / 2));
+            const __m512 s = _mm512_set1_ps(scale[n][g]);
+            const __m512i ql = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), offset);
+            const __m512i qh =
+                _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), offset);
+            lo[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), s);
+            hi[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), s);
+        }
+        for (int m = 0; m < M; ++m) {
+            const __m512 al = _mm512_loadu_ps(a[m] + k), ah = _mm512_loadu_ps(a[m] + k + 16);
+            for (size_t n = 0; n < kTileCols; ++n) {
+                acc[m][n] = _mm512_fmadd_ps(al, lo[n], acc[m][n]);
+                acc[m][n] = _mm512_fmadd_ps(ah, hi[n], acc[m][n]);
+            }
+        }
+    }
+    store_tile<M>(acc, c);
+}
+
+// One weight stack (gate_up or down) in its format: `rows` rows of K values per expert.
+struct Stack {
+    const void* data;
+    const float* scale;  // int8 / int4: [E, rows, groups]
+    size_t rows, K, groups;
+    WeightFormat format;
+
+    size_t row_bytes() const {
+        switch (format) {
+            case WeightFormat::f32: return K * 4;
+            case WeightFormat::bf16: return K * 2;
+            case WeightFormat::int8: return K;
+            default: return K / 2;
+        }
+    }
+    const uint8_t* row(size_t expert, size_t r) const {
+        return static_cast<const uint8_t*>(data) + (expert * rows + r) * row_bytes();
+    }
+    const float* row_scale(size_t expert, size_t r) const { return scale + (expert * rows + r) * groups; }
+};
+
+template <int M, class T>
+void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t* r, float* c) {
+    const uint8_t* w[kTileCols];
+    for (size_t n = 0; n < kTileCols; ++n) w[n] = s.row(expert, r[n]);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        dot_tile<M>(a, reinterpret_cast<const uint16_t* const*>(w), s.K, c);
+    } else {
+        if (s.format == WeightFormat::f32) return dot_tile<M>(a, reinterpret_cast<const float* const*>(w), s.K, c);
+        const float* scale[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(expert, r[n]);
+        if (s.format == WeightFormat::int8) {
+            return dot_tile_int8<M>(a, reinterpret_cast<const int8_t* const*>(w), scale, s.K, s.K / s.groups, c);
+        }
+        dot_tile_int4<M>(a, w, scale, s.K, s.K / s.groups, c);
+    }
+}
+
+// `rows` (1 .. kTileRows) activation rows against weight rows r[0 .. kTileCols)
+// of one expert; unused entries of c stay 0.
+template <class T>
+void dot_rows(const T* const* a, size_t rows, const Stack& s, size_t expert, const size_t* r, float* c) {
+    std::fill(c, c + kTileRows * kTileCols, 0.0f);
+    switch (rows) {
+        case 1: return dot_tile_of<1>(a, s, expert, r, c);
+        case 2: return dot_tile_of<2>(a, s, expert, r, c);
+        case 3: return dot_tile_of<3>(a, s, expert, r, c);
+        default: return dot_tile_of<4>(a, s, expert, r, c);
+    }
+}
+
+// silu(g) * u on 16 lanes. e^-g with a Cody-Waite reduction and a degree-7
+// Taylor series (relative error near 1e-7, an f32 ulp), so f32 weights keep
+// f32 accuracy.
+NUMAOV_TARGET_AVX512_BF16 void silu_mul(const float* g, const float* u, float* h) {
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g)),
+                                                 _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(p, n);  // e^-g
+    const __m512 gv = _mm512_loadu_ps(g);
+    const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_storeu_ps(h, _mm512_mul_ps(silu, _mm512_loadu_ps(u)));
+}
+
+void store(float* dst, float v) { *dst = v; }
+void store(uint16_t* dst, float v) { *dst = to_bf16(v); }
+
+// The (row, slot) pairs counting-sorted by expert.
+struct Routing {
+    std::vector<size_t> row;    // token row of each sorted pair
+    std::vector<float> weight;  // its routing weight
+    struct Hit {
+        size_t expert, start, count;
+    };
+    std::vector<Hit> hits;  // experts that got pairs, in expert order
+};
+
+Routing route(const Tensors& t, const Shape& s) {
+    const size_t pairs = s.rows * s.top_k;
+    std::vector<size_t> expert_of(pairs), count(s.experts, 0);
+    for (size_t p = 0; p < pairs; ++p) {
+        const int64_t e = t.ids_int64 ? static_cast<const int64_t*>(t.ids)[p] : static_cast<const int32_t*>(t.ids)[p];
+        if (e < 0 || e >= int64_t(s.experts)) {
+            std::ostringstream msg;
+            msg << "expert id " << e << " at row " << p / s.top_k << ", slot " << p % s.top_k
+                << "; expected 0 .. " << s.experts - 1 << " (the model's " << s.experts << " experts)";
+            throw std::invalid_argument(msg.str());
+        }
+        expert_of[p] = size_t(e);
+        ++count[size_t(e)];
+    }
+    Routing r;
+    r.row.resize(pairs);
+    r.weight.resize(pairs);
+    std::vector<size_t> next(s.experts);
+    for (size_t e = 0, start = 0; e < s.experts; start += count[e], ++e) {
+        next[e] = start;
+        if (count[e]) r.hits.push_back({e, start, count[e]});
+    }
+    for (size_t p = 0; p < pairs; ++p) {
+        const size_t at = next[expert_of[p]]++;
+        r.row[at] = p / s.top_k;
+        r.weight[at] = t.weights[p];
+    }
+    return r;
+}
+
+// Columns per work item: small enough that every thread gets about four items,
+// a multiple of the micro-tile, at most 64 (one item's weights stay in L2).
+size_t block_columns(size_t columns, size_t groups, int threads) {
+    const size_t want = (columns * groups + size_t(threads) * 4 - 1) / (size_t(threads) * 4);
+    const size_t rounded = (want + kTileCols - 1) / kTileCols * kTileCols;
+    return std::clamp(rounded, kTileCols, size_t(64));
+}
+
+template <class T>
+void run(const Tensors& t, const Shape& s) {
+    const size_t H = s.hidden, I = s.inter;
+    const Routing routing = route(t, s);
+    const size_t pairs = s.rows * s.top_k;
+    const int threads = parallel_get_max_threads();
+
+    // 0. Activations in the weights' type (x itself when it already is).
+    constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+    std::vector<T> converted;
+    const T* x = static_cast<const T*>(t.x);
+    if (t.x_bf16 != kBf16) {
+        converted.resize(s.rows * H);
+        ov::parallel_for(s.rows, [&](size_t n) {
+            for (size_t h = 0; h < H; ++h) {
+                if constexpr (kBf16) {
+                    converted[n * H + h] = to_bf16(static_cast<const float*>(t.x)[n * H + h]);
+                } else {
+                    converted[n * H + h] = from_bf16(static_cast<const uint16_t*>(t.x)[n * H + h]);
+                }
+            }
+        });
+        x = converted.data();
+    }
+    const Stack gate_up{t.gate_up, t.gate_up_scale, 2 * I, H, t.gate_up_groups, t.format};
+    const Stack down{t.down, t.down_scale, H, I, t.down_groups, t.format};
+
+    // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I].
+    std::vector<T> act(pairs * I);
+    const size_t bi = block_columns(I, routing.hits.size(), threads);
+    const size_t i_blocks = (I + bi - 1) / bi;
+    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
+        size_t begin = 0, end = 0;
+        ov::splitter(routing.hits.size() * i_blocks, nthr, ithr, begin, end);
+        const T* a[kTileRows];
+        size_t wg[kTileCols], wu[kTileCols];
+        alignas(64) float g[kTileRows * kTileCols], u[kTileRows * kTileCols], h[kTileRows * kTileCols];
+        for (size_t item = begin; item < end; ++item) {
+            const auto& hit = routing.hits[item / i_blocks];
+            const size_t c0 = (item % i_blocks) * bi, c1 = std::min(I, c0 + bi);
+            for (size_t r0 = hit.start; r0 < hit.start + hit.count; r0 += kRowChunk) {
+                const size_t r1 = std::min(hit.start + hit.count, r0 + kRowChunk);
+                for (size_t j = c0; j < c1; j += kTileCols) {
+                    const size_t cols = std::min(kTileCols, c1 - j);
+                    for (size_t n = 0; n < kTileCols; ++n) {
+                        const size_t col = j + std::min(n, cols - 1);  // past the end: a repeat, dropped
+                        wg[n] = col;
+                        wu[n] = I + col;
+                    }
+                    for (size_t m0 = r0; m0 < r1; m0 += kTileRows) {
+                        const size_t rows = std::min(kTileRows, r1 - m0);
+                        for (size_t m = 0; m < rows; ++m) a[m] = x + routing.row[m0 + m] * H;
+                        dot_rows(a, rows, gate_up, hit.expert, wg, g);
+                        dot_rows(a, rows, gate_up, hit.expert, wu, u);
+                        silu_mul(g, u, h);
+                        for (size_t m = 0; m < rows; ++m)
+                            for (size_t n = 0; n < cols; ++n) store(&act[(m0 + m) * I + j + n], h[m * kTileCols + n]);
+                    }
+                }
+            }
+        }
+    });
+
+    // 2. down: out[row] += weight * (act . down[e]) over each row's pairs, by output columns.
+    std::vector<float> sums;
+    float* out = static_cast<float*>(t.out);
+    if (t.x_bf16) {
+        sums.resize(s.rows * H);
+        out = sums.data();
+    }
+    const size_t bh = block_columns(H, 1, threads);
+    const size_t h_blocks = (H + bh - 1) / bh;
+    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
+        size_t begin = 0, end = 0;
+        ov::splitter(h_blocks, nthr, ithr, begin, end);
+        const T* a[kTileRows];
+        size_t wd[kTileCols];
+        alignas(64) float y[kTileRows * kTileCols];
+        for (size_t item = begin; item < end; ++item) {
+            const size_t c0 = item * bh, c1 = std::min(H, c0 + bh);
+            for (size_t n = 0; n < s.rows; ++n) std::fill(out + n * H + c0, out + n * H + c1, 0.0f);
+            for (const auto& hit : routing.hits) {
+                for (size_t j = c0; j < c1; j += kTileCols) {
+                    const size_t cols = std::min(kTileCols, c1 - j);
+                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = j + std::min(n, cols - 1);
+                    for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
+                        const size_t rows = std::min(kTileRows, hit.start + hit.count - m0);
+                        for (size_t m = 0; m < rows; ++m) a[m] = act.data() + (m0 + m) * I;
+                        dot_rows(a, rows, down, hit.expert, wd, y);
+                        for (size_t m = 0; m < rows; ++m) {
+                            float* dst = out + routing.row[m0 + m] * H + j;
+                            const float weight = routing.weight[m0 + m];
+                            for (size_t n = 0; n < cols; ++n) dst[n] += weight * y[m * kTileCols + n];
+                        }
+                    }
+                }
+            }
+        }
+    });
+    if (t.x_bf16) {
+        uint16_t* dst = static_cast<uint16_t*>(t.out);
+        ov::parallel_for(s.rows, [&](size_t n) {
+            for (size_t h = 0; h < H; ++h) dst[n * H + h] = to_bf16(sums[n * H + h]);
+        });
+    }
+}
+
+// The kernel reads a group's scale once per 16 (int8) or 32 (int4) weights.
+void check_groups(WeightFormat format, const char* name, size_t K, size_t groups) {
+    const size_t step = format == WeightFormat::int4 ? 32 : 16;
+    const bool fits = groups >= 1 && K % groups == 0 &&
+                      (format == WeightFormat::int4 ? K % 32 == 0 && (K / groups) % 32 == 0
+                                                    : groups == 1 || (K / groups) % 16 == 0);
+    if (!fits) {
+        std::ostringstream msg;
+        msg << name << ": " << groups << " scale groups over rows of " << K << " values; expected groups dividing "
+            << K << " into multiples of " << step << (format == WeightFormat::int8 ? " (or one group)" : "");
+        throw std::invalid_argument(msg.str());
+    }
+}
+
+}  // namespace
+
+std::string unavailable_reason(WeightFormat format) {
+    const Features& f = features();
+    if (!f.avx512) return "the CPU has no AVX-512 (F, DQ, BW and VL are needed)";
+    if (format == WeightFormat::bf16 && !f.avx512_bf16) return "the CPU has no AVX512-BF16 (bf16 weights need it)";
+    return "";
+}
+
+void moe_experts(const Tensors& tensors, const Shape& shape) {
+    const std::string missing = unavailable_reason(tensors.format);
+    if (!missing.empty()) throw std::runtime_error("numaov MoE experts kernel: " + missing);
+    if (shape.rows == 0) return;
+    if (shape.top_k == 0 || shape.experts == 0 || shape.hidden == 0 || shape.inter == 0) {
+        throw std::invalid_argument("top_k, experts, hidden and intermediate sizes must be >= 1");
+    }
+    if (tensors.format == WeightFormat::int8 || tensors.format == WeightFormat::int4) {
+        check_groups(tensors.format, "gate_up", shape.hidden, tensors.gate_up_groups);
+        check_groups(tensors.format, "down", shape.inter, tensors.down_groups);
+        if (!tensors.gate_up_scale || !tensors.down_scale) {
+            throw std::invalid_argument("int8 / int4 weights need their scales");
+        }
+    }
+    if (tensors.format == WeightFormat::bf16) {
+        run<uint16_t>(tensors, shape);
+    } else {
+        run<float>(tensors, shape);
+    }
+}
+
+}  // namespace numaov::moe

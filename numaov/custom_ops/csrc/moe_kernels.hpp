@@ -1,0 +1,86 @@
+// The routed experts of a MoE layer as one grouped computation:
+//
+//   out[n] = sum_j weights[n, j] * down[e] . (silu(gate[e] . x[n]) * (up[e] . x[n])),
+//   e = ids[n, j], gate[e] = gate_up[e, :I], up[e] = gate_up[e, I:]
+//
+// Why our own kernel: an exported graph of standard ops can only either copy a
+// weight slice per (row, expert) pair (decode) or run every expert on every row
+// (prefill); OpenVINO 2026.4's own MoE fusion does not trigger on DeepSeek's
+// pattern (benchmarks/RESULTS.md). Here the (row, slot) pairs are counting-
+// sorted by expert, and each expert that got rows reads its weights once, in
+// place, for all of its rows: cost follows the routed rows, never the expert
+// count (an expert with no rows costs nothing).
+//
+// Two passes, each split across the OpenVINO/TBB threads of the caller:
+//   1. gate/up: work items are (hit expert, block of intermediate columns);
+//      each writes silu(gate) * up for its expert's rows into a scratch row
+//      per (row, slot) pair.
+//   2. down: work items are blocks of output columns; each walks every hit
+//      expert and adds weights[n, j] * (its rows . down[e]) into its own
+//      columns, so no two threads write one value and no atomics are needed.
+//
+// Numerics: f32 weights run in f32 (AVX-512 FMA). bf16 weights take the
+// activations rounded to bf16 (as PyTorch's bf16 linear and OpenVINO's bf16
+// inference do) and accumulate in f32 with AVX512-BF16 dot products.
+// int8 and int4 weights are weight-only: each weight is widened to f32 and
+// multiplied by its group's scale as it is read, and the activations stay f32
+// (so decode, which is bound by reading the weights, reads 1/4 or 1/8 of the
+// f32 bytes). The sums over slots are f32; the output is rounded once to x's
+// type.
+//
+// Weight formats (the layout moe_ops.py's quantizer writes):
+//   f32, bf16: gate_up [E, 2I, H], down [E, H, I] as they are.
+//   int8:      the same shapes in int8, q = round(w / scale), and scales f32
+//              [E, rows, G]: G groups of K / G along each row (G = 1: one
+//              scale per output channel). K / G is a multiple of 16 when G > 1.
+//   int4:      each row of K values packed in K / 2 bytes: block b of 32
+//              values is 16 bytes whose low nibbles hold values 32b .. 32b+15
+//              and high nibbles 32b+16 .. 32b+31, each stored as q + 8 with q
+//              in [-8, 7]; scales f32 [E, rows, G], K / G a multiple of 32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace numaov::moe {
+
+enum class WeightFormat { f32, bf16, int8, int4 };
+
+// Why the kernel cannot run `format` on this CPU, "" when it can: every format
+// needs AVX-512 F/DQ/BW/VL, bf16 also AVX512-BF16.
+std::string unavailable_reason(WeightFormat format);
+
+struct Shape {
+    size_t rows;     // N
+    size_t top_k;    // k
+    size_t experts;  // E
+    size_t hidden;   // H
+    size_t inter;    // I (this rank's shard)
+};
+
+// Dense row-major tensors. x and out share one element type (f32 or bf16);
+// gate_up [E, 2I, H] and down [E, H, I] are in `format`.
+struct Tensors {
+    const void* x;            // [N, H]
+    const void* ids;          // [N, k], int64 or int32
+    bool ids_int64;
+    const float* weights;     // [N, k], routing weights
+    const void* gate_up;      // [E, 2I, H]
+    const void* down;         // [E, H, I]
+    void* out;                // [N, H]
+    bool x_bf16;
+    WeightFormat format;
+    // int8 / int4 only: f32 scales [E, 2I, groups_gate_up] and [E, H, groups_down].
+    const float* gate_up_scale = nullptr;
+    const float* down_scale = nullptr;
+    size_t gate_up_groups = 1, down_groups = 1;
+};
+
+// Throws std::invalid_argument naming the (row, slot) of an expert id outside
+// [0, E) or a group count the format cannot take, and std::runtime_error when
+// the CPU lacks the instructions.
+// Runs on the calling thread's OpenVINO/TBB arena.
+void moe_experts(const Tensors& tensors, const Shape& shape);
+
+}  // namespace numaov::moe

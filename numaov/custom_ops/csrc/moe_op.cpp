@@ -1,0 +1,177 @@
+#include "moe_op.hpp"
+
+#include <sstream>
+#include <stdexcept>
+
+#include "moe_kernels.hpp"
+
+namespace numaov {
+
+namespace {
+
+const char* const kInputs[] = {"x", "expert ids", "routing weights", "gate_up", "down", "gate_up scales",
+                               "down scales"};
+const size_t kRanks[] = {2, 2, 2, 3, 3, 3, 3};
+
+bool is_float(const ov::element::Type& t) { return t == ov::element::f32 || t == ov::element::bf16; }
+bool is_index(const ov::element::Type& t) { return t == ov::element::i64 || t == ov::element::i32; }
+bool is_weight(const ov::element::Type& t) { return is_float(t) || t == ov::element::i8 || t == ov::element::u8; }
+bool is_quantized(const ov::element::Type& t) { return t == ov::element::i8 || t == ov::element::u8; }
+
+moe::WeightFormat format_of(const ov::element::Type& t) {
+    if (t == ov::element::bf16) return moe::WeightFormat::bf16;
+    if (t == ov::element::i8) return moe::WeightFormat::int8;
+    if (t == ov::element::u8) return moe::WeightFormat::int4;
+    return moe::WeightFormat::f32;
+}
+
+std::string describe(const ov::Node& op) { return "MoeExperts '" + op.get_friendly_name() + "'"; }
+
+}  // namespace
+
+MoeExperts::MoeExperts(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+
+bool MoeExperts::visit_attributes(ov::AttributeVisitor&) { return true; }
+
+void MoeExperts::validate_and_infer_types() {
+    const size_t inputs = get_input_size();
+    NODE_VALIDATION_CHECK(this, inputs == 5 || inputs == 7,
+                          "expected 5 inputs (x, expert ids, routing weights, gate_up, down) or 7 (and the gate_up "
+                          "and down scales of int8 / int4 weights), got ",
+                          inputs);
+    for (size_t i = 0; i < inputs; ++i) {
+        const auto& rank = get_input_partial_shape(i).rank();
+        NODE_VALIDATION_CHECK(this, rank.is_dynamic() || size_t(rank.get_length()) == kRanks[i], "input ",
+                              kInputs[i], " has rank ", rank, "; expected ", kRanks[i]);
+    }
+    const auto &xt = get_input_element_type(0), &idt = get_input_element_type(1), &wt = get_input_element_type(2);
+    const auto &gut = get_input_element_type(3), &dt = get_input_element_type(4);
+    NODE_VALIDATION_CHECK(this, xt.is_dynamic() || is_float(xt), "x has element type ", xt, "; expected f32 or bf16");
+    NODE_VALIDATION_CHECK(this, idt.is_dynamic() || is_index(idt), "expert ids have element type ", idt,
+                          "; expected i64 or i32");
+    NODE_VALIDATION_CHECK(this, wt.is_dynamic() || wt == ov::element::f32, "routing weights have element type ", wt,
+                          "; expected f32");
+    NODE_VALIDATION_CHECK(this, gut.is_dynamic() || is_weight(gut), "gate_up has element type ", gut,
+                          "; expected f32, bf16, i8 (int8) or u8 (packed int4)");
+    if (gut.is_static()) {
+        NODE_VALIDATION_CHECK(this, is_quantized(gut) == (inputs == 7), "gate_up has element type ", gut, " and the op ",
+                              inputs, " inputs; expected scales (7 inputs) exactly for i8 / u8 weights");
+    }
+    for (size_t i = 5; i < inputs; ++i) {
+        const auto& st = get_input_element_type(i);
+        NODE_VALIDATION_CHECK(this, st.is_dynamic() || st == ov::element::f32, kInputs[i], " have element type ", st,
+                              "; expected f32");
+    }
+    NODE_VALIDATION_CHECK(this, gut.is_dynamic() || dt.is_dynamic() || gut == dt, "down has element type ", dt,
+                          " but gate_up has ", gut, "; expected one weight format for both");
+    const auto &x = get_input_partial_shape(0), &ids = get_input_partial_shape(1), &w = get_input_partial_shape(2);
+    const auto &gu = get_input_partial_shape(3), &d = get_input_partial_shape(4);
+    if (ids.rank().is_static() && w.rank().is_static()) {
+        NODE_VALIDATION_CHECK(this, ids.compatible(w), "expert ids ", ids, " and routing weights ", w,
+                              " differ; expected both [N, k]");
+    }
+    if (x.rank().is_static() && ids.rank().is_static()) {
+        NODE_VALIDATION_CHECK(this, x[0].compatible(ids[0]), "x ", x, " and expert ids ", ids,
+                              " differ in rows; expected x [N, H] and ids [N, k]");
+    }
+    // packed int4 holds two values per byte along the last dim
+    const int64_t packing = gut == ov::element::u8 ? 2 : 1;
+    if (gu.rank().is_static() && d.rank().is_static()) {
+        NODE_VALIDATION_CHECK(this, gu[0].compatible(d[0]), "gate_up ", gu, " and down ", d,
+                              " differ in experts; expected [E, 2I, H] and [E, H, I]");
+        NODE_VALIDATION_CHECK(this, gu[1].compatible(d[2] * 2 * packing) && (gu[2] * packing).compatible(d[1]),
+                              "gate_up ", gu, " and down ", d, " do not fit; expected [E, 2I, H] and [E, H, I]",
+                              packing == 2 ? " with the last dims halved (packed int4)" : "");
+    }
+    if (x.rank().is_static() && d.rank().is_static()) {
+        NODE_VALIDATION_CHECK(this, x[1].compatible(d[1]), "x ", x, " and down ", d,
+                              " differ in hidden size; expected x [N, H] and down [E, H, I]");
+    }
+    if (inputs == 7) {
+        const auto &gs = get_input_partial_shape(5), &ds = get_input_partial_shape(6);
+        if (gs.rank().is_static() && gu.rank().is_static()) {
+            NODE_VALIDATION_CHECK(this, gs[0].compatible(gu[0]) && gs[1].compatible(gu[1]), "gate_up scales ", gs,
+                                  " do not fit gate_up ", gu, "; expected [E, 2I, groups]");
+        }
+        if (ds.rank().is_static() && d.rank().is_static()) {
+            NODE_VALIDATION_CHECK(this, ds[0].compatible(d[0]) && ds[1].compatible(d[1]), "down scales ", ds,
+                                  " do not fit down ", d, "; expected [E, H, groups]");
+        }
+    }
+    ov::PartialShape out = ov::PartialShape::dynamic(2);
+    if (x.rank().is_static()) out = x;
+    set_output_type(0, xt, out);
+}
+
+std::shared_ptr<ov::Node> MoeExperts::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    OPENVINO_ASSERT(new_args.size() == 5 || new_args.size() == 7, "MoeExperts takes 5 or 7 inputs, got ",
+                    new_args.size());
+    return std::make_shared<MoeExperts>(new_args);
+}
+
+bool MoeExperts::has_evaluate() const {
+    return is_float(get_input_element_type(0)) && is_weight(get_input_element_type(3));
+}
+
+bool MoeExperts::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const size_t count = inputs.size();
+    for (size_t i = 0; i < count; ++i) {
+        OPENVINO_ASSERT(inputs[i].get_shape().size() == kRanks[i] && inputs[i].is_continuous(), describe(*this),
+                        ": input ", kInputs[i], " ", inputs[i].get_shape(), " is not a dense rank-", kRanks[i],
+                        " tensor");
+    }
+    const auto xt = inputs[0].get_element_type(), wt = inputs[3].get_element_type();
+    const bool types_ok = is_float(xt) && is_weight(wt) && inputs[4].get_element_type() == wt &&
+                          is_index(inputs[1].get_element_type()) &&
+                          inputs[2].get_element_type() == ov::element::f32 && is_quantized(wt) == (count == 7) &&
+                          (count == 5 || (inputs[5].get_element_type() == ov::element::f32 &&
+                                          inputs[6].get_element_type() == ov::element::f32));
+    OPENVINO_ASSERT(types_ok, describe(*this), ": element types x ", xt, ", ids ", inputs[1].get_element_type(),
+                    ", weights ", inputs[2].get_element_type(), ", gate_up ", wt, ", down ",
+                    inputs[4].get_element_type(),
+                    "; expected x f32|bf16, ids i64|i32, weights f32, gate_up and down in one format "
+                    "(f32, bf16, or i8 / u8 with f32 scales)");
+    const auto &x = inputs[0].get_shape(), &ids = inputs[1].get_shape(), &w = inputs[2].get_shape();
+    const auto &gu = inputs[3].get_shape(), &d = inputs[4].get_shape();
+    const size_t packing = wt == ov::element::u8 ? 2 : 1;
+    bool shapes_ok = ids == w && x[0] == ids[0] && gu[0] == d[0] && gu[1] == 2 * d[2] * packing &&
+                     gu[2] * packing == d[1] && x[1] == d[1];
+    if (count == 7) {
+        const auto &gs = inputs[5].get_shape(), &ds = inputs[6].get_shape();
+        shapes_ok = shapes_ok && gs[0] == gu[0] && gs[1] == gu[1] && ds[0] == d[0] && ds[1] == d[1];
+    }
+    if (!shapes_ok) {
+        std::ostringstream msg;
+        msg << describe(*this) << ": x " << x << ", expert ids " << ids << ", routing weights " << w << ", gate_up "
+            << gu << ", down " << d;
+        if (count == 7) msg << ", scales " << inputs[5].get_shape() << " and " << inputs[6].get_shape();
+        msg << "; expected x [N, H], ids and weights [N, k], gate_up [E, 2I, H], down [E, H, I]"
+            << (packing == 2 ? " (last dims halved: packed int4)" : "")
+            << (count == 7 ? ", scales [E, 2I, groups] and [E, H, groups]" : "");
+        OPENVINO_THROW(msg.str());
+    }
+    outputs[0].set_shape(x);
+    moe::Tensors tensors{inputs[0].data(),
+                         inputs[1].data(),
+                         inputs[1].get_element_type() == ov::element::i64,
+                         inputs[2].data<const float>(),
+                         inputs[3].data(),
+                         inputs[4].data(),
+                         outputs[0].data(),
+                         xt == ov::element::bf16,
+                         format_of(wt)};
+    if (count == 7) {
+        tensors.gate_up_scale = inputs[5].data<const float>();
+        tensors.down_scale = inputs[6].data<const float>();
+        tensors.gate_up_groups = inputs[5].get_shape()[2];
+        tensors.down_groups = inputs[6].get_shape()[2];
+    }
+    try {
+        moe::moe_experts(tensors, {x[0], ids[1], gu[0], x[1], gu[1] / 2});
+    } catch (const std::exception& e) {
+        OPENVINO_THROW(describe(*this), ": ", e.what());
+    }
+    return true;
+}
+
+}  // namespace numaov

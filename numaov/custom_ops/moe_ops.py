@@ -1,0 +1,354 @@
+"""The routed experts of a MoE layer as one op, ``numaov::moe_experts``, with its three faces.
+
+``moe_experts(x, ids, weights, gate_up, down)`` computes, for every row ``n`` of ``x [N, H]``::
+
+    out[n] = sum_j weights[n, j] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, j]
+
+with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then up) and
+``down [E, H, I]``. ``ids`` and ``weights`` are ``[N, k]`` (the router's top-k).
+
+- **eager**: the ``torch.library`` op below, a grouped loop: the (row, slot) pairs sorted by
+  expert, one pair of matmuls per expert that got rows, over just those rows; every hit
+  expert's weights are read once, in place. Its fake kernel is right below it.
+- **ONNX**: node ``numaov.moe::MoeExperts`` with the five tensors as inputs (the weights are
+  initializers, so an export's weight format is the IR constants' format). Written by
+  :func:`moe_translation_table` for a captured program (what ``numaov.exporter`` does) and
+  by ``torch.onnx.ops.symbolic`` when ``torch.onnx.export`` traces the public function.
+  ONNX Runtime has no kernel for it: ``check_onnxruntime_can_run`` refuses such a graph.
+- **OpenVINO**: the extension op ``MoeExperts`` (``csrc/moe_op.cpp``, kernel in
+  ``csrc/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
+  products, int8 / int4 weights widened and scaled as they are read; cost proportional to the
+  routed rows.
+
+Weight formats (``WEIGHT_FORMATS``; :func:`quantize_experts` writes them, the layout is drawn
+in ``csrc/moe_kernels.hpp``): ``f32`` and ``bf16`` stacks as they are; ``int8``: int8 stacks
+plus f32 scales ``[E, rows, groups]`` (symmetric, ``q = round(w / scale)``, one group per
+output channel by default); ``int4``: uint8 stacks holding two values per byte (the last dim
+halved) plus f32 scales per group of 32 / 64 / 128 values. The scales are two more inputs of
+the op (and of the ONNX node), so an IR carries them as constants.
+
+Numerics: sums over a row's slots are fp32 and the result is rounded once to ``x``'s dtype.
+With bf16 weights the activations are rounded to bf16 before each projection (what a bf16
+``F.linear`` does); int8 / int4 weights are weight-only (the activations stay f32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from numaov import NumaovError
+from numaov.manifest import WEIGHT_FORMATS
+
+__all__ = [
+    "MOE_DOMAIN",
+    "WEIGHT_FORMATS",
+    "MoeOpError",
+    "dequantize_experts",
+    "quantize_experts",
+    "kernel_unavailable_reason",
+    "moe_experts",
+    "moe_translation_table",
+]
+
+#: The ONNX domain of the MoeExperts node; the C++ extension maps the same string.
+MOE_DOMAIN = "numaov.moe"
+MOE_DOMAIN_VERSION = 1
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
+ID_DTYPES = (torch.int64, torch.int32)
+#: int4 group sizes tried largest first (a group must divide the row; the kernel reads 32
+#: values per step).
+INT4_GROUP_SIZES = (128, 64, 32)
+
+
+class MoeOpError(NumaovError):
+    """moe_experts was called with tensors of the wrong shape, dtype or expert ids."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks, run before dispatch so eager calls and export tracing fail the same way.
+# ---------------------------------------------------------------------------------------------
+
+
+def _known(size: Any) -> int | None:
+    """A size's concrete value, or None for a dynamic (symbolic) one, without adding a guard."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else None
+    return int(size)
+
+
+def _check_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+                gate_up_scale: Tensor | None, down_scale: Tensor | None) -> None:
+    def fail(message: str, parameter: str) -> None:
+        raise MoeOpError(f"moe_experts: {message}", parameter=parameter)
+
+    expected = {"x": 2, "ids": 2, "weights": 2, "gate_up": 3, "down": 3}
+    tensors = {"x": x, "ids": ids, "weights": weights, "gate_up": gate_up, "down": down}
+    if gate_up_scale is not None or down_scale is not None:
+        tensors.update(gate_up_scale=gate_up_scale, down_scale=down_scale)
+        expected.update(gate_up_scale=3, down_scale=3)
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, Tensor):
+            fail(f"{name} is {type(tensor).__name__}; expected a tensor", name)
+        if tensor.dim() != expected[name]:
+            fail(f"{name} has shape {list(tensor.shape)}; expected {expected[name]} dimensions",
+                 name)
+        if tensor.device.type != "cpu":
+            fail(f"{name} is on {tensor.device}; expected a CPU tensor", name)
+    if x.dtype not in ACTIVATION_DTYPES:
+        fail(f"x dtype is {x.dtype}; expected torch.float32 or torch.bfloat16", "x")
+    if ids.dtype not in ID_DTYPES:
+        fail(f"ids dtype is {ids.dtype}; expected torch.int64 or torch.int32", "ids")
+    if weights.dtype != torch.float32:
+        fail(f"weights dtype is {weights.dtype}; expected torch.float32 (the router's)",
+             "weights")
+    if gate_up.dtype not in WEIGHT_DTYPES or down.dtype != gate_up.dtype:
+        fail(f"gate_up / down dtypes are {gate_up.dtype} / {down.dtype}; expected both "
+             "torch.float32, torch.bfloat16, torch.int8 (int8) or torch.uint8 (packed int4)",
+             "gate_up")
+    quantized = gate_up.dtype in (torch.int8, torch.uint8)
+    if quantized != (gate_up_scale is not None and down_scale is not None):
+        fail(f"gate_up is {gate_up.dtype} and the scales are "
+             f"{'given' if gate_up_scale is not None or down_scale is not None else 'None'}; "
+             "expected both scales exactly for int8 / int4 weights", "gate_up_scale")
+    packing = 2 if gate_up.dtype == torch.uint8 else 1  # packed int4: last dims halved
+    n, h = (_known(d) for d in x.shape)
+    e, i2, hg = (_known(d) for d in gate_up.shape)
+    ed, hd, i = (_known(d) for d in down.shape)
+    hg, i = hg * packing, i * packing
+    if [_known(d) for d in ids.shape] != [_known(d) for d in weights.shape]:
+        fail(f"ids {list(ids.shape)} and weights {list(weights.shape)} differ; expected both "
+             "[N, k]", "weights")
+    if n is not None and _known(ids.shape[0]) not in (None, n):
+        fail(f"x has {n} rows but ids has {_known(ids.shape[0])}; expected one ids row per x row",
+             "ids")
+    if e != ed or i2 != 2 * i or hg != h or hd != h:
+        fail(f"x {list(x.shape)}, gate_up {list(gate_up.shape)} and down {list(down.shape)} do "
+             "not fit; expected x [N, H], gate_up [E, 2I, H] and down [E, H, I]"
+             + (" with the last dims halved (packed int4)" if packing == 2 else ""), "gate_up")
+    if quantized:
+        for name, scale, stack, k in (("gate_up_scale", gate_up_scale, gate_up, h),
+                                      ("down_scale", down_scale, down, i)):
+            if scale.dtype != torch.float32 or list(scale.shape[:2]) != list(stack.shape[:2]):
+                fail(f"{name} is {scale.dtype} {list(scale.shape)}; expected torch.float32 "
+                     f"[{stack.shape[0]}, {stack.shape[1]}, groups]", name)
+            _check_groups(name, k, scale.shape[2], packing == 2)
+
+
+def _check_groups(name: str, k: int, groups: int, int4: bool) -> None:
+    """What the kernel reads: a group's scale per 16 (int8) or 32 (int4) values."""
+    step = 32 if int4 else 16
+    size = k // groups if groups and k % groups == 0 else 0
+    if not size or (int4 and k % 32) or (size % step and not (groups == 1 and not int4)):
+        raise MoeOpError(
+            f"moe_experts: {name} has {groups} groups over rows of {k} values; expected groups "
+            f"of a multiple of {step} values dividing the row" + ("" if int4 else
+                                                                  " (or one group per row)"),
+            parameter=name,
+        )
+
+
+def _check_ids(ids: Tensor, experts: int) -> None:
+    """Expert ids in range: read from the data, so only where data exists (not when tracing)."""
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= experts:
+        bad = low if low < 0 else high
+        row, slot = (int(v) for v in (ids == bad).nonzero()[0])
+        raise MoeOpError(
+            f"moe_experts: expert id {bad} at row {row}, slot {slot}; expected 0 .. "
+            f"{experts - 1} (gate_up holds {experts} experts)", parameter="ids",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager face: the torch.library op, with its fake (shape-only) kernel right below it.
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("numaov::moe_experts", mutates_args=())
+def _moe_experts_op(
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+    gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
+) -> Tensor:
+    _check_ids(ids, gate_up.shape[0])
+    n, k = ids.shape
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = order // k  # token row of each (sorted) pair
+    slot_weights = weights.reshape(-1)[order]
+    quantized = gate_up_scale is not None
+    xw = x.float() if quantized else x.to(gate_up.dtype)
+    out = torch.zeros(n, x.shape[1], dtype=torch.float32)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        idx = rows[start:start + count]
+        if quantized:  # weight-only: this expert's weights widened to f32, activations f32
+            w_gate_up = dequantize_experts(gate_up[expert:expert + 1],
+                                           gate_up_scale[expert:expert + 1])[0]
+            w_down = dequantize_experts(down[expert:expert + 1], down_scale[expert:expert + 1])[0]
+        else:
+            w_gate_up, w_down = gate_up[expert], down[expert]
+        gate, up = F.linear(xw[idx], w_gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down)
+        out.index_add_(0, idx, y.float() * slot_weights[start:start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
+@_moe_experts_op.register_fake
+def _(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+      gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+                gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+    """The routed experts' weighted sum per row: ``[N, H]`` in ``x``'s dtype (see the module
+    docstring). Any ``N`` from 0; an expert that gets no rows costs nothing. int8 / int4
+    stacks (from :func:`quantize_experts`) come with their scales."""
+    _check_args(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
+    tensors = (x, ids, weights, gate_up, down)
+    if gate_up_scale is not None:
+        tensors += (gate_up_scale, down_scale)
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            f"{MOE_DOMAIN}::MoeExperts", tensors, {},
+            dtype=x.dtype, shape=x.shape, version=MOE_DOMAIN_VERSION,
+        )
+    return torch.ops.numaov.moe_experts(*tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight formats: the stacks as the op (and the IR) hold them.
+# ---------------------------------------------------------------------------------------------
+
+
+def int4_group_size(*row_lengths: int) -> int:
+    """The largest of ``INT4_GROUP_SIZES`` dividing every row length (H for gate_up, I for
+    down); a MoeOpError when none does."""
+    for size in INT4_GROUP_SIZES:
+        if all(k % size == 0 for k in row_lengths):
+            return size
+    raise MoeOpError(
+        f"int4 expert weights need rows whose lengths {list(row_lengths)} are multiples of one "
+        f"of the group sizes {list(INT4_GROUP_SIZES)}; expected hidden and intermediate sizes "
+        "divisible by 32", parameter="weights",
+    )
+
+
+def quantize_experts(stack: Tensor, weight_format: str, group_size: int | None = None
+                     ) -> tuple[Tensor, Tensor | None]:
+    """An expert stack ``[E, rows, K]`` in ``weight_format``: ``(stored, scales)``.
+
+    ``f32`` / ``bf16``: the stack cast, no scales. ``int8``: symmetric, ``scale =
+    max|w| / 127`` per group (``group_size`` None: one group per row, i.e. per output
+    channel). ``int4``: symmetric, ``scale = max|w| / 7`` per group of ``group_size`` values
+    (default: :func:`int4_group_size`), ``q`` in [-8, 7] stored as ``q + 8``, two per byte:
+    each block of 32 values is 16 bytes, low nibbles the first 16 values, high nibbles the
+    next 16 (``csrc/moe_kernels.hpp``).
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise MoeOpError(f"weight format {weight_format!r}; expected one of "
+                         f"{', '.join(WEIGHT_FORMATS)}", parameter="weights")
+    if weight_format == "f32":
+        return stack.float().contiguous(), None
+    if weight_format == "bf16":
+        return stack.bfloat16().contiguous(), None
+    e, rows, k = stack.shape
+    int4 = weight_format == "int4"
+    size = group_size or (int4_group_size(k) if int4 else k)
+    step = 32 if int4 else 16
+    if k % size or (size % step and size != k) or (int4 and k % 32):
+        raise MoeOpError(
+            f"{weight_format} group_size {size} for rows of {k} values; expected a multiple of "
+            f"{step} dividing {k}" + ("" if int4 else f" (or {k}: one scale per row)"),
+            parameter="group_size",
+        )
+    groups = stack.detach().float().reshape(e, rows, k // size, size)
+    limit = 7.0 if int4 else 127.0
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / limit).clamp_min(1e-12)
+    q = torch.round(groups / scale).clamp(-8 if int4 else -127, limit).reshape(e, rows, k)
+    scales = scale.squeeze(-1).contiguous()
+    if not int4:
+        return q.to(torch.int8).contiguous(), scales
+    nibbles = (q + 8).to(torch.uint8).reshape(e, rows, k // 32, 2, 16)
+    packed = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)
+    return packed.reshape(e, rows, k // 2).contiguous(), scales
+
+
+def dequantize_experts(stored: Tensor, scales: Tensor | None) -> Tensor:
+    """The f32 stack ``[E, rows, K]`` a stored one stands for (the inverse of
+    :func:`quantize_experts` up to its rounding); f32 / bf16 stacks are only cast."""
+    if scales is None:
+        return stored.float()
+    e, rows = stored.shape[:2]
+    if stored.dtype == torch.uint8:
+        blocks = stored.reshape(e, rows, -1, 16)
+        q = torch.stack([blocks & 0xF, blocks >> 4], dim=-2).reshape(e, rows, -1).float() - 8
+    else:
+        q = stored.float()
+    k = q.shape[-1]
+    groups = scales.shape[-1]
+    return (q.reshape(e, rows, groups, k // groups) * scales.unsqueeze(-1)).reshape(e, rows, k)
+
+
+def kernel_unavailable_reason(weight_format: str) -> str:
+    """Why the OpenVINO op's kernel cannot run weights of ``weight_format`` on this CPU
+    (``""`` when it can): it needs AVX-512, and AVX512-BF16 for bf16 weights."""
+    from numaov.custom_ops.native import native_module
+
+    return native_module().moe_unavailable_reason(weight_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX face of the captured op.
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_translation_table() -> dict[Any, Any]:
+    """``{torch op overload: onnxscript function}`` writing the ``numaov.moe::MoeExperts``
+    node, for ``torch.onnx.export`` of a program captured with ``torch.export`` (see
+    ``collective_ops.collective_translation_table``). Imported lazily: onnx and onnxscript are
+    only needed when exporting."""
+    from onnx.defs import OpSchema
+    from onnxscript.values import Op, Opset
+
+    def formal(name: str, type_str: str, optional: bool = False) -> OpSchema.FormalParameter:
+        option = (OpSchema.FormalParameterOption.Optional if optional
+                  else OpSchema.FormalParameterOption.Single)
+        return OpSchema.FormalParameter(name, type_str, param_option=option)
+
+    # The domain is not registered with onnx, so onnxscript needs the schema given.
+    schema = OpSchema(
+        "MoeExperts", MOE_DOMAIN, MOE_DOMAIN_VERSION,
+        inputs=[formal("x", "T"), formal("ids", "I"), formal("weights", "tensor(float)"),
+                formal("gate_up", "W"), formal("down", "W"),
+                formal("gate_up_scale", "tensor(float)", optional=True),
+                formal("down_scale", "tensor(float)", optional=True)],
+        outputs=[formal("y", "T")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(bfloat16)"], "activations"),
+            ("I", ["tensor(int64)", "tensor(int32)"], "expert ids"),
+            ("W", ["tensor(float)", "tensor(bfloat16)", "tensor(int8)", "tensor(uint8)"],
+             "expert weights: f32, bf16, int8, packed int4"),
+        ],
+    )
+    node = Op(Opset(MOE_DOMAIN, MOE_DOMAIN_VERSION), "MoeExperts", schema)
+
+    def moe_experts_onnx(x, ids, weights, gate_up, down, gate_up_scale=None, down_scale=None):
+        if gate_up_scale is None:
+            return node(x, ids, weights, gate_up, down)
+        return node(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
+
+    return {torch.ops.numaov.moe_experts.default: moe_experts_onnx}

@@ -1,0 +1,146 @@
+"""The weight formats a DeepSeek export can store (``numaov export deepseek --weights``).
+
+- ``f32``: as trained.
+- ``bf16``: every large weight constant stored bf16 (``openvino_convert``); the routed experts
+  reach numaov's MoE kernel as bf16 (its AVX512-BF16 path), the other layers are widened back
+  when OpenVINO compiles them.
+- ``int8`` / ``int4``: weight-only compression. The routed experts are quantized in PyTorch
+  before the ONNX export (``moe_ops.quantize_experts``: symmetric, int8 per output channel,
+  int4 per group of ``weights_group_size`` values), so the ``MoeExperts`` node takes the
+  integer stacks and their scales as its inputs, the IR holds them as constants and the op's
+  kernel reads them in place. Every other matmul and the embeddings are compressed on the
+  converted ``openvino.Model`` by NNCF's ``compress_weights`` (``INT8_SYM`` / ``INT4_SYM`` with
+  the same group size), which OpenVINO's CPU plugin runs as weight-compressed
+  ``FullyConnected`` nodes; the embedding lookup stays f32 (see ``compress_other_weights``). The router stays f32, as in PyTorch (a rounded router flips
+  near-tied experts): its matmuls, found as those whose constant weight has
+  ``n_routed_experts`` rows, go into NNCF's ``ignored_scope``.
+
+The parity check at export compares against the f32 PyTorch model, with a tolerance per format
+(``WEIGHT_TOLERANCES``, reasons beside them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from numaov import NumaovError
+from numaov.manifest import WEIGHT_FORMATS
+
+logger = logging.getLogger(__name__)
+
+# Largest |OpenVINO - PyTorch f32| over the largest |PyTorch f32| of an output, per format.
+WEIGHT_TOLERANCES: dict[str, float] = {
+    # int8: each weight moves by at most half a step (max|w| / 254 of its row or group); with
+    # every matmul compressed the tiny model's logits move by 0.027 .. 0.036 of their scale
+    # (its routed experts alone: 0.005). 0.06 leaves a 1.7x margin; a wrong scale, layout or
+    # expert is off by O(1).
+    "int8": 6e-2,
+    # int4: half a step is max|w| / 14 per group of 32, ~7% of a group's largest weight;
+    # measured 0.19 .. 0.33 of the logits' scale on the tiny model (hidden size 64: every
+    # output sums few weights, so their errors average out little; the routed experts alone:
+    # 0.14). 0.5 bounds that; a graph that reads the packed values wrongly is off by O(1).
+    "int4": 0.5,
+}
+
+
+def parity_tolerance(weights: str, inference_precision: str) -> float | None:
+    """The parity tolerance of an export storing ``weights``; None: the inference precision's
+    own (``parity.TOLERANCES``), which bf16 weights share with bf16 inference."""
+    from numaov.exporter.parity import TOLERANCES
+
+    if weights in WEIGHT_TOLERANCES:
+        return max(WEIGHT_TOLERANCES[weights], TOLERANCES[inference_precision].max_rel_error)
+    if weights == "bf16":
+        return TOLERANCES["bf16"].max_rel_error
+    return None
+
+
+class WeightFormatError(NumaovError):
+    """An export was asked for a weight format it cannot store for this model."""
+
+
+def check_weights(weights: str | None, precision: str) -> str:
+    """The export's weight format: ``weights``, or ``precision``'s own when None."""
+    chosen = precision if weights is None else weights
+    if chosen not in WEIGHT_FORMATS:
+        raise WeightFormatError(
+            f"weights format {chosen!r}; expected one of {', '.join(WEIGHT_FORMATS)}",
+            parameter="weights",
+        )
+    return chosen
+
+
+def expert_group_size(weights: str, hidden: int, intermediate: int) -> int | None:
+    """The int4 scale group for expert rows of ``hidden`` (gate_up) and ``intermediate``
+    (down, this rank's shard) values; None (one scale per row) for the other formats."""
+    if weights != "int4":
+        return None
+    from numaov.custom_ops.moe_ops import int4_group_size
+
+    try:
+        return int4_group_size(hidden, intermediate)
+    except NumaovError as exc:
+        raise WeightFormatError(f"{exc} (this rank's expert shard)", parameter="weights") from exc
+
+
+def store_experts(model: Any, weights: str, group_size: int | None) -> int:
+    """Put every routed-expert module of ``model`` in ``weights`` (int8 / int4 only: the float
+    formats are stored at conversion); returns how many."""
+    from numaov.models.deepseek import DeepseekV2Experts
+
+    if weights not in ("int8", "int4"):
+        return 0
+    modules = [m for m in model.modules() if isinstance(m, DeepseekV2Experts)]
+    for module in modules:
+        module.store_as(weights, group_size)
+    return len(modules)
+
+
+def compress_other_weights(model: Any, weights: str, group_size: int | None,
+                           keep_rows: int | None) -> None:
+    """NNCF ``compress_weights`` on an ``openvino.Model`` for int8 / int4 (in place): every
+    matmul weight but the router's.
+
+    ``keep_rows``: matmuls whose constant weight has this many rows (the router's
+    ``[n_routed_experts, hidden]``) are left in f32.
+    """
+    import nncf
+    from nncf.quantization.advanced_parameters import (
+        AdvancedCompressionParameters,
+        GroupSizeFallbackMode,
+    )
+
+    ignored = [node.get_friendly_name() for node in model.get_ordered_ops()
+               if keep_rows is not None and _is_router(node, keep_rows)]
+    # The embedding (a Gather) stays f32: a step reads only its tokens' rows, so compressing
+    # it saves memory but no decode time, and on the tiny model it was most of int8's error
+    # (0.10 of the logits' scale with it, 0.03 without).
+    scope = nncf.IgnoredScope(names=ignored, types=["Gather"], validate=False)
+    if weights == "int8":
+        nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_SYM, ignored_scope=scope)
+    else:
+        # A matmul whose rows the group does not divide (e.g. MLA's small latent projections)
+        # gets the largest power of two that does, as NNCF's ADJUST mode computes.
+        nncf.compress_weights(
+            model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size or 32,
+            ratio=1.0, ignored_scope=scope,
+            advanced_parameters=AdvancedCompressionParameters(
+                group_size_fallback_mode=GroupSizeFallbackMode.ADJUST),
+        )
+    logger.info("NNCF compressed the non-expert weights to %s (%d router matmuls kept f32)",
+                weights, len(ignored))
+
+
+def _is_router(node: Any, rows: int) -> bool:
+    if node.get_type_name() != "MatMul":
+        return False
+    for value in node.input_values():
+        source = value.get_node()
+        while source.get_type_name() == "Convert":
+            source = source.input_value(0).get_node()
+        shape = source.get_output_partial_shape(0)
+        if (source.get_type_name() == "Constant" and shape.is_static and len(shape) == 2
+                and rows in (shape[0].get_length(), shape[1].get_length())):
+            return True
+    return False

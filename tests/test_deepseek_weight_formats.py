@@ -1,0 +1,71 @@
+"""numaov export deepseek --weights int8 | int4: the IR holds the routed experts as integer
+stacks with their scales, feeding the MoeExperts op; the other matmuls are NNCF-compressed; the
+manifest records the format; the export's parity (against the f32 PyTorch model, within the
+format's tolerance) passed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numaov.custom_ops import add_extension, compile_ir
+from numaov.exporter.deepseek_export import export_deepseek
+from numaov.exporter.weight_formats import WEIGHT_TOLERANCES, WeightFormatError
+from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
+
+pytestmark = pytest.mark.slow  # exports the tiny DeepSeek
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=0)
+
+
+@pytest.mark.parametrize(("weights", "stack_type", "group"), [("int8", "i8", None),
+                                                              ("int4", "u8", 32)])
+def test_quantized_export_stores_the_experts_for_the_moe_op(
+        checkpoint: Path, tmp_path: Path, weights: str, stack_type: str, group: int | None
+) -> None:
+    import openvino as ov
+
+    out = tmp_path / weights
+    manifest = export_deepseek(checkpoint, out, weights=weights)
+    data = json.loads((out / "manifest.json").read_text())
+    assert (data["weights"], data["weights_group_size"]) == (weights, group)
+    assert data["precision"] == "f32"
+    logits = [f for f in data["parity"] if f["output"] == "logits"]
+    assert logits and all(f["passed"] and f["tolerance"] == WEIGHT_TOLERANCES[weights]
+                          for f in logits)
+    assert "numaov.moe" in " ".join(data["notes"])
+    core = ov.Core()
+    add_extension(core)
+    model = core.read_model(str(out / "rank_0/model.xml"))
+    moe = [n for n in model.get_ordered_ops() if n.get_type_name() == "MoeExperts"]
+    assert len(moe) == 2
+    for node in moe:
+        assert node.get_input_size() == 7
+        assert [node.get_input_element_type(i).get_type_name() for i in (3, 4, 5, 6)] == [
+            stack_type, stack_type, "f32", "f32"]
+    # NNCF's weight-compressed matmuls: integer constants behind a Convert
+    compressed = [n for n in model.get_ordered_ops() if n.get_type_name() == "Constant"
+                  and n.get_element_type().get_type_name() in ("i8", "i4")]
+    assert len(compressed) >= 10
+    assert manifest.weights == weights
+    # the reference sample runs in the compiled graph within the format's tolerance
+    sample = np.load(out / "reference_sample.npz")
+    feeds = {k[len("input."):]: sample[k] for k in sample.files if k.startswith("input.")}
+    got = compile_ir(out / "rank_0/model.xml", "f32").runner()(feeds)[0]
+    ref = sample["output.logits"]
+    assert np.abs(got - ref).max() / np.abs(ref).max() < WEIGHT_TOLERANCES[weights]
+
+
+def test_int4_needs_rows_divisible_by_32(checkpoint: Path, tmp_path: Path) -> None:
+    # the tiny model's expert shard at dp=2 is 16 values wide
+    with pytest.raises(WeightFormatError, match=r"int4 expert weights need rows whose lengths "
+                       r"\[64, 16\] are multiples of one of the group sizes") as info:
+        export_deepseek(checkpoint, tmp_path / "out", dp=2, weights="int4")
+    assert info.value.parameter == "weights"
+    assert not (tmp_path / "out").exists()
