@@ -475,8 +475,18 @@ class LMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  keep_logits: bool = False) -> list[Completion]:
-        """Submit every prompt, wait for all; completions in prompt order."""
-        ids = [self.submit(p, params, keep_logits=keep_logits) for p in prompts]
+        """Submit every prompt, wait for all; completions in prompt order. The prompts are
+        queued under the engine's lock, so they start together in one step (a step that
+        began between two submits would run the first prompts alone)."""
+        ids: list[int] = []
+        with self._cond:  # reentrant: submit takes it again
+            try:
+                for prompt in prompts:
+                    ids.append(self.submit(prompt, params, keep_logits=keep_logits))
+            except BaseException:
+                for request_id in ids:  # a bad prompt: the ones before it do not run alone
+                    self.cancel(request_id)
+                raise
         return [self.result(i) for i in ids]
 
     def cancel(self, request_id: int) -> bool:
