@@ -139,11 +139,6 @@ def read_model_index(directory: Path) -> dict[str, Any]:
                 "timestep ratio where the second expert takes over (Wan 2.2 A14B: 0.875)",
                 parameter="checkpoint",
             )
-    if index.get("expand_timesteps"):
-        raise PipelineExportError(
-            f"{str(path)!r} sets expand_timesteps (Wan 2.2 TI2V); this numaov exports Wan 2.1 "
-            "text-to-video pipelines", parameter="checkpoint"
-        )
     return index
 
 
@@ -158,6 +153,10 @@ def export_pipeline_into(
 ) -> ExportManifest:
     """Export every component of ``pipeline_dir`` into the staging directory ``out_dir``."""
     index = read_model_index(pipeline_dir)
+    if index.get("expand_timesteps"):
+        # Wan 2.2 TI2V: diffusers gives every video token its own timestep (a conditioned
+        # first frame's at 0); the transformer takes them per latent frame.
+        timestep = "per-frame"
     start = time.perf_counter()
     timings: dict[str, float] = {}
     parts: list[ExportManifest] = []
@@ -206,7 +205,8 @@ def export_pipeline_into(
             "model_index": index,
             "vae": {key: _plain(vae_config[key]) for key in
                     ("z_dim", "latents_mean", "latents_std", "scale_factor_temporal",
-                     "scale_factor_spatial", "base_dim", "dim_mult") if key in vae_config},
+                     "scale_factor_spatial", "base_dim", "dim_mult", "patch_size",
+                     "is_residual") if key in vae_config},
         },
         inputs=[],
         outputs=[],
@@ -341,8 +341,12 @@ def _export_vae_decoder(
     example = torch.from_numpy(latents(*VAE_EXAMPLE))
     slots = first.cache_slots(example)
     cache_names = [f"cache_{i}" for i in range(len(slots))]
+    # scale_factor_spatial and patch_size: the runtime's VaeGeometry (Wan 2.2's VAE decodes
+    # to 2x2 patches, unpatchified after tiles are blended, as diffusers does).
     config = {"z_dim": z_dim, "cache_slots": len(slots),
-              "spatial_factors": [int(c.shape[3]) // h0 for c in slots]}
+              "spatial_factors": [int(c.shape[3]) // h0 for c in slots],
+              "scale_factor_spatial": int(vae.config.scale_factor_spatial or 8),
+              "patch_size": int(vae.config.patch_size or 1)}
     manifests = []
 
     report("VAE decoder, first frame")

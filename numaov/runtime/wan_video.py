@@ -47,16 +47,17 @@ from numaov.runtime.wan_pipeline import (
     Progress,
     SampleResult,
     SamplerInputError,
-    TimestepLayout,
     WanSampleRequest,
     check_memory,
     denoise,
     estimate_memory,
     latent_shape,
+    timestep_layout,
     validate_request,
 )
 from numaov.runtime.wan_vae import (
     VaeDecoder,
+    VaeGeometry,
     VaeTiling,
     decode_tiles_on_workers,
     decode_video,
@@ -214,7 +215,9 @@ def run_wan_pipeline(
     kind = output_format(out)
     pipeline = read_pipeline(model_dir)
     transformer = pipeline.components[TRANSFORMER]
-    shape = latent_shape(transformer.config, request.frames, request.height, request.width)
+    geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
+    shape = latent_shape(transformer.config, request.frames, request.height, request.width,
+                         geometry.spatial)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
     extra = ({} if kind == LATENTS_FORMAT
@@ -246,7 +249,7 @@ def run_wan_pipeline(
 
     start = time.perf_counter()
     latents, steps = denoise(pipeline.experts, plan, backend, text, negative, shape, request,
-                             TimestepLayout(), progress)
+                             timestep_layout(transformer, shape), progress)
     seconds["denoise"] = sum(steps)
     seconds["load"] += time.perf_counter() - start - sum(steps)
     sample = SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=steps)
@@ -256,15 +259,15 @@ def run_wan_pipeline(
 
     start = time.perf_counter()
     first, following = pipeline.components[VAE_FIRST_FRAME], pipeline.components[VAE_NEXT_FRAME]
-    tiled = vae_tiling is not None and vae_tiling.applies(*shape[3:])
+    tiled = vae_tiling is not None and vae_tiling.applies(*shape[3:], geometry)
     if tiled and plan is not None:  # each worker loads its own (counted as decoding here)
         video = decode_video(None, latents, vae_tiling,
-                             decode_tiles_on_workers(plan, first, following, backend))
+                             decode_tiles_on_workers(plan, first, following, backend), geometry)
     else:
         decoder = VaeDecoder(first, following, backend)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
-        video = decode_video(decoder, latents, vae_tiling)
+        video = decode_video(decoder, latents, vae_tiling, geometry=geometry)
     frames = to_frames(video)
     seconds["vae_decode"] = time.perf_counter() - start
     where = f"in tiles on {workers} worker(s)" if tiled else "whole"
