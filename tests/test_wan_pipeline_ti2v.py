@@ -7,12 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import TI2V_Z_DIM, build_tiny_pipeline
+from wan_pipeline_harness import TI2V_Z_DIM, diffusers_tiling, export_tiny_pipeline
 
-from numaov.exporter.wan_export import export_wan
 from numaov.runtime.wan_pipeline import WanSampleRequest
 from numaov.runtime.wan_vae import VaeGeometry, VaeTiling
-from numaov.runtime.wan_video import VAE_FIRST_FRAME, read_pipeline, run_wan_pipeline
+from numaov.runtime.wan_video import (
+    MAX_TEXT_TOKENS,
+    VAE_FIRST_FRAME,
+    read_pipeline,
+    run_wan_pipeline,
+)
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
 
@@ -28,11 +32,7 @@ SIZES = ((5, 32, 64), (9, 64, 32))
 
 @pytest.fixture(scope="module")
 def ti2v(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    print(f"seed {SEED}")
-    root = tmp_path_factory.mktemp("wan_ti2v")
-    pipe = build_tiny_pipeline(root / "pipeline", seed=SEED, ti2v=True)
-    export_wan(root / "pipeline", root / "export")
-    return {"root": root, "pipe": pipe, "export": root / "export"}
+    return export_tiny_pipeline(tmp_path_factory.mktemp("wan_ti2v"), SEED, ti2v=True)
 
 
 def _diffusers_frames(pipe, frames: int, height: int, width: int) -> np.ndarray:
@@ -82,12 +82,8 @@ TILING = VaeTiling(min_height=48, min_width=48, stride_height=32, stride_width=3
 
 def test_tiled_vae_equals_diffusers(ti2v: dict, tmp_path) -> None:
     pipe = ti2v["pipe"]
-    pipe.vae.enable_tiling(tile_sample_min_height=48, tile_sample_min_width=48,
-                           tile_sample_stride_height=32, tile_sample_stride_width=32)
-    try:
+    with diffusers_tiling(pipe, TILING):
         expected = _diffusers_frames(pipe, 5, 64, 96)
-    finally:
-        pipe.vae.disable_tiling()
     untiled = _diffusers_frames(pipe, 5, 64, 96)
     assert float(np.max(np.abs(expected - untiled))) > 10 * F32_FRAME_TOL  # tiling shows
     got = run_wan_pipeline(ti2v["export"], _request(5, 64, 96), PROMPT, tmp_path / "v.gif",
@@ -103,3 +99,90 @@ def test_sizes_follow_the_16x_vae(ti2v: dict, tmp_path) -> None:
     with pytest.raises(SamplerInputError, match=r"height=40; expected a multiple of 32 "
                                                 r"\(VAE factor 16 x patch size 2\)"):
         run_wan_pipeline(ti2v["export"], _request(5, 40, 64), PROMPT, tmp_path / "v.gif")
+
+
+# -- image to video (diffusers' WanImageToVideoPipeline with expand_timesteps) ----------------
+
+
+def _image(path, height: int, width: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _diffusers_i2v_frames(pipe, image_path, frames: int, height: int, width: int) -> np.ndarray:
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    i2v = WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder,
+                                  vae=pipe.vae, scheduler=pipe.scheduler,
+                                  transformer=pipe.transformer, expand_timesteps=True)
+    # The prompts encoded by WanPipeline: diffusers 0.42's image-to-video prompt_clean calls
+    # ftfy unguarded (WanPipeline's only when it is installed, as numaov's tokenize does);
+    # encode_prompt's default length is 226, its __call__'s (and numaov's) 512.
+    embeds, negative = pipe.encode_prompt(PROMPT, negative_prompt=NEGATIVE,
+                                          max_sequence_length=MAX_TEXT_TOKENS)
+    with Image.open(image_path) as image:
+        return i2v(image.convert("RGB"), prompt_embeds=embeds, negative_prompt_embeds=negative,
+                   num_frames=frames,
+                   height=height, width=width, num_inference_steps=STEPS, guidance_scale=5.0,
+                   generator=torch.Generator().manual_seed(SEED), output_type="np").frames[0]
+
+
+def test_image_encoder_is_exported_with_parity(ti2v: dict) -> None:
+    encoder = read_pipeline(ti2v["export"]).components["vae_encoder"]
+    assert {f["backend"] for f in encoder.record.parity} == {"onnxruntime", "openvino"}
+    assert all(f["rel_error"] <= f["tolerance"] for f in encoder.record.parity)
+
+
+@pytest.mark.parametrize(("backend", "size"), [("openvino", SIZES[1]), ("torch", SIZES[0])],
+                         ids=["openvino-9x64x32", "torch-5x32x64"])
+def test_image_to_video_equals_diffusers(ti2v: dict, backend: str, size: tuple,
+                                         tmp_path) -> None:
+    frames, height, width = size
+    image = _image(tmp_path / "first.png", height, width)
+    expected = _diffusers_i2v_frames(ti2v["pipe"], image, *size)
+    got = run_wan_pipeline(ti2v["export"], _request(*size), PROMPT, tmp_path / "v.gif",
+                           negative_prompt=NEGATIVE, backend=backend, image=image)
+    text_only = _diffusers_frames(ti2v["pipe"], *size)
+    # The image changes the video, so equality with diffusers' image-to-video is a real check.
+    assert float(np.max(np.abs(expected - text_only))) > 10 * F32_FRAME_TOL
+    assert "vae_encode" in got.seconds
+    error = float(np.max(np.abs(got.frames - expected)))
+    print(f"image to video, {backend} {size}: max |numaov - diffusers| = {error:.3g}")
+    assert error <= F32_FRAME_TOL
+
+
+def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "numaov.cli", "run", "wan", "--model-dir", str(ti2v["export"]),
+           "--prompt", "a", "--frames", "5", "--height", "32", "--width", "64", "--steps", "1",
+           "--guidance", "5", "--seed", "0", "--out", str(tmp_path / "v.gif")]
+    proc = subprocess.run([*run, "--image", str(_image(tmp_path / "small.png", 32, 32))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"numaov: error: --image: image {str(tmp_path / 'small.png')!r} is 32x32 pixels; "
+        "expected the video's 64x32 (width x height)"]
+    from numaov.runtime.image_input import ImageInputError
+    from numaov.runtime.wan_pipeline import SamplerInputError
+
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(ImageInputError, match="cannot read .*broken.png.* as an image"):
+        run_wan_pipeline(ti2v["export"], _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
+                         image=tmp_path / "broken.png")
+    # An export without the encoder (as every text-to-video-only pipeline's) refuses --image.
+    text_only = tmp_path / "export"
+    shutil.copytree(ti2v["export"], text_only)
+    manifest = json.loads((text_only / "manifest.json").read_text())
+    manifest["components"].remove("vae_encoder")
+    (text_only / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SamplerInputError, match="has no image conditioning"):
+        run_wan_pipeline(text_only, _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
+                         image=tmp_path / "small.png")

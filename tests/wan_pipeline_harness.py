@@ -9,6 +9,8 @@ with ``WanPipeline.save_pretrained``. Nothing is downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,3 +93,27 @@ def build_tiny_pipeline(directory: Path, seed: int = 0,
                        expand_timesteps=ti2v)
     pipe.save_pretrained(directory)
     return pipe
+
+
+def export_tiny_pipeline(root: Path, seed: int, **options: object) -> dict:
+    """``build_tiny_pipeline(root / "pipeline", seed, **options)`` exported to
+    ``root / "export"`` (a module's one export, shared by its tests)."""
+    from numaov.exporter.wan_export import export_wan
+
+    print(f"seed {seed}")
+    pipe = build_tiny_pipeline(root / "pipeline", seed=seed, **options)
+    export_wan(root / "pipeline", root / "export")
+    return {"root": root, "pipe": pipe, "export": root / "export"}
+
+
+@contextmanager
+def diffusers_tiling(pipe: object, tiling: object) -> Iterator[None]:
+    """diffusers' tiled VAE decoding with ``tiling``'s (a ``VaeTiling``) sizes, then off."""
+    pipe.vae.enable_tiling(tile_sample_min_height=tiling.min_height,
+                           tile_sample_min_width=tiling.min_width,
+                           tile_sample_stride_height=tiling.stride_height,
+                           tile_sample_stride_width=tiling.stride_width)
+    try:
+        yield
+    finally:
+        pipe.vae.disable_tiling()

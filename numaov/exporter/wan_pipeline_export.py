@@ -46,6 +46,7 @@ from numaov.exporter.parity import check_parity, parity_attention, torch_referen
 from numaov.manifest import (
     PIPELINE_KIND,
     TEXT_ENCODER_KIND,
+    VAE_ENCODER_KIND,
     VAE_FIRST_FRAME_KIND,
     VAE_NEXT_FRAME_KIND,
     ExportManifest,
@@ -54,6 +55,7 @@ from numaov.manifest import (
 from numaov.models.wan_components import (
     GraphInputs,
     VaeFirstFrameGraph,
+    VaeImageEncoderGraph,
     VaeNextFrameGraph,
     load_text_encoder,
     load_vae,
@@ -70,6 +72,7 @@ TRANSFORMER_DIR = "transformer"
 TRANSFORMER_2_DIR = "transformer_2"  # Wan 2.2 A14B's low-noise expert
 VAE_FIRST_FRAME_DIR = "vae_decoder/first_frame"
 VAE_NEXT_FRAME_DIR = "vae_decoder/next_frame"
+VAE_ENCODER_DIR = "vae_encoder"  # image conditioning (expand_timesteps pipelines)
 # Text: at least 2 tokens (torch.export specialises a length of 1; the runtime pads a 1-token
 # batch with a masked pad token, which changes no real token's output).
 _MAX_BATCH = 64
@@ -189,6 +192,13 @@ def export_pipeline_into(
     vae_config = dict(vae.config)
     parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, VAE_PRECISION, lowering,
                                  report)
+    vae_components = [VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
+    if index.get("expand_timesteps"):
+        # Wan 2.2 TI2V conditions on an image put in the first latent frame.
+        report("VAE encoder, one image")
+        parts.append(_export_vae_encoder(vae, pipeline_dir / "vae", out_dir / VAE_ENCODER_DIR,
+                                         VAE_PRECISION, lowering, report))
+        vae_components.append(VAE_ENCODER_DIR)
     del vae
     gc.collect()
     timings["vae_decoder"] = time.perf_counter() - start
@@ -196,7 +206,7 @@ def export_pipeline_into(
     for name in COPIED:
         shutil.copytree(pipeline_dir / name, out_dir / name)
     shutil.copy2(pipeline_dir / MODEL_INDEX_NAME, out_dir / MODEL_INDEX_NAME)
-    components = [TEXT_ENCODER_DIR, *experts, VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
+    components = [TEXT_ENCODER_DIR, *experts, *vae_components]
     files = {name: digest for name, digest in digest_export(out_dir).items()
              if not any(name.startswith(f"{c}/") for c in components)}
     manifest = ExportManifest(
@@ -374,3 +384,29 @@ def _export_vae_decoder(
         lowering, report, source, config,
     ))
     return manifests
+
+
+def _export_vae_encoder(
+    vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
+    report: Callable[[str], None],
+) -> ExportManifest:
+    """The encoder on one image ``[B, 3, 1, s*h, s*w]`` (``s`` the VAE's spatial factor)."""
+    scale = int(vae.config.scale_factor_spatial or 8)
+    rng = np.random.default_rng(PARITY_SEED)
+
+    def image(batch: int, height: int, width: int) -> np.ndarray:
+        pixels = rng.uniform(-1.0, 1.0, (batch, 3, 1, scale * height, scale * width))
+        return pixels.astype(np.float32)
+
+    dim = torch.export.Dim
+    height = dim("latent_height", min=1, max=_MAX_LATENT)
+    width = dim("latent_width", min=1, max=_MAX_LATENT)
+    out_dir.mkdir(parents=True)
+    return _export_graph(
+        VaeImageEncoderGraph(vae).eval(), VAE_ENCODER_KIND,
+        {"image": torch.from_numpy(image(*VAE_EXAMPLE))},
+        {"image": {0: dim("batch", min=1, max=_MAX_BATCH), 3: scale * height, 4: scale * width}},
+        [{"image": image(*sizes)} for sizes in VAE_PARITY], ["latents"], out_dir, precision,
+        lowering, report, source,
+        {"z_dim": int(vae.config.z_dim), "scale_factor_spatial": scale},
+    )
