@@ -84,15 +84,6 @@ TEXT_PARITY = ((1, 5), (2, 13))
 VAE_EXAMPLE = (2, 6, 10)
 VAE_PARITY = ((1, 4, 6), (3, 5, 3))
 PARITY_SEED = 0
-# The VAE decoder is exported at f32 whatever the precision asked for: OpenVINO 2026.4's CPU
-# plugin crashes (segmentation fault) running the bf16 next-frame graph at latent sizes of 24
-# and more (the Wan 1.3B VAE's channels; found by benchmarks/wan_pipeline.py), while f32 runs.
-VAE_PRECISION = "f32"
-VAE_NOTE = ("the VAE decoder is exported and run at f32 whatever the export's precision: "
-            "OpenVINO 2026.4's bf16 CPU kernels crash on its next-frame graph at latent sizes "
-            ">= 24")
-
-
 class PipelineExportError(NumaovError):
     """A pipeline directory that cannot be exported (a missing or unknown component)."""
 
@@ -190,14 +181,13 @@ def export_pipeline_into(
     start = time.perf_counter()
     vae = load_vae(pipeline_dir / "vae")
     vae_config = dict(vae.config)
-    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, VAE_PRECISION, lowering,
-                                 report)
+    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, precision, lowering, report)
     vae_components = [VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
     if index.get("expand_timesteps"):
         # Wan 2.2 TI2V conditions on an image put in the first latent frame.
         report("VAE encoder, one image")
         parts.append(_export_vae_encoder(vae, pipeline_dir / "vae", out_dir / VAE_ENCODER_DIR,
-                                         VAE_PRECISION, lowering, report))
+                                         precision, lowering, report))
         vae_components.append(VAE_ENCODER_DIR)
     del vae
     gc.collect()
@@ -231,7 +221,6 @@ def export_pipeline_into(
         export_seconds={k: round(v, 3) for k, v in timings.items()},
         components=components,
         files=files,
-        notes=[VAE_NOTE] if precision != VAE_PRECISION else [],
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

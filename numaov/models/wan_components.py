@@ -82,11 +82,19 @@ class _VaeFrameGraph(torch.nn.Module):
         self._slots = int(vae._cached_conv_counts["decoder"])
         # Inputs of the temporal upsamplers in the first frame: their "Rep" becomes zeros.
         self._upsampler_shapes: dict[int, tuple[Any, ...]] = {}
-        from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample, WanUpsample
 
         for module in vae.decoder.modules():
             if isinstance(module, WanResample) and module.mode == "upsample3d":
                 module.register_forward_pre_hook(self._record_upsampler_input, with_kwargs=True)
+            if (isinstance(module, WanUpsample) and module.mode == "nearest-exact"
+                    and all(float(f).is_integer() for f in module.scale_factor)):
+                # At an integer scale "nearest" picks the same pixels as "nearest-exact"
+                # (floor(i / s) = floor((i + 0.5) / s)), and exports as one ONNX Resize instead
+                # of an index computation ending in a GatherND. OpenVINO 2026.4's bf16 AMX
+                # convolution (brgconv_avx512_amx_bf16) that reads that GatherND's result
+                # crashes (segmentation fault) at 192x192 and larger; behind Interpolate it runs.
+                module.mode = "nearest"
 
     def _record_upsampler_input(self, _module: Any, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs["x"]
