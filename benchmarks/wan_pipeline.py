@@ -13,7 +13,8 @@ scheduler (UniPC, flow_shift 3) for ``--steps`` steps:
 - 17 frames at 256x256 (5 latent frames of 32x32: 1,280 video tokens);
 - 33 frames at 480x832 (9 latent frames of 60x104: 14,040 video tokens), with ``--large``.
 
-Per component the best of ``--rounds`` runs (round-robin: numaov, then diffusers); numaov's
+Per component the best, the median and the range of ``--rounds`` runs (round-robin: numaov,
+then diffusers); numaov's
 loading and compiling is timed apart ("load"), as diffusers' models are loaded before the run
 and its timers see only the forward calls; "total" is each run's whole wall time. With
 ``--large`` the VAE decode also runs tiled (diffusers' tiling defaults) on one worker and on
@@ -188,16 +189,28 @@ def main() -> int:
                 rows["diffusers"].append(run_diffusers(pipe, size, args.steps))
             best = {who: {k: min(run[k] for run in runs) for k in runs[0]}
                     for who, runs in rows.items()}
-            entry: dict[str, object] = {"best_seconds": best, "speedup": {
+            median = {who: {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
+                      for who, runs in rows.items()}
+            spread = {who: {k: [min(run[k] for run in runs), max(run[k] for run in runs)]
+                            for k in runs[0]} for who, runs in rows.items()}
+            entry: dict[str, object] = {"best_seconds": best, "median_seconds": median,
+                                        "range_seconds": spread, "speedup": {
                 k: best["diffusers"][k] / best["numaov"][k] for k in best["numaov"]
-                if k in best["diffusers"]}}
+                if k in best["diffusers"]}, "median_speedup": {
+                k: median["diffusers"][k] / median["numaov"][k] for k in median["numaov"]
+                if k in median["diffusers"]}}
             if name == "33x480x832":
                 entry["vae_workers"] = vae_workers(root / "export", size)
             results["configs"][name] = entry
             print(f"{name}:")
             for key, ratio in entry["speedup"].items():
+                lo, hi = spread["numaov"][key]
+                dlo, dhi = spread["diffusers"][key]
                 print(f"  {key:13s} numaov {best['numaov'][key]:8.2f} s  diffusers "
-                      f"{best['diffusers'][key]:8.2f} s  {ratio:.2f}x")
+                      f"{best['diffusers'][key]:8.2f} s  {ratio:.2f}x  (medians "
+                      f"{median['numaov'][key]:.2f} [{lo:.2f}-{hi:.2f}] / "
+                      f"{median['diffusers'][key]:.2f} [{dlo:.2f}-{dhi:.2f}] s, "
+                      f"{entry['median_speedup'][key]:.2f}x)")
             print(f"  numaov load and compile {best['numaov']['load']:.2f} s")
             if "vae_workers" in entry:
                 print(f"  tiled VAE: {entry['vae_workers']}")

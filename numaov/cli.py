@@ -269,7 +269,7 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
     other = ({"--shift": args.shift, "--negative-embeddings": args.negative_embeddings,
               "--first-frame-latents": args.first_frame_latents} if args.prompt is not None
              else {"--negative-prompt": args.negative_prompt, "--fps": args.fps,
-                   "--vae-tiling": args.vae_tiling or None})
+                   "--vae-tiling": args.vae_tiling or None, "--image": args.image})
     given = [flag for flag, value in other.items() if value is not None]
     if given:
         mode = "--prompt" if args.prompt is not None else "--text-embeddings"
@@ -289,7 +289,7 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
                                  backend=args.backend,
                                  workers=args.workers, fps=DEFAULT_FPS if args.fps is None else args.fps,
                                  vae_tiling=VaeTiling() if args.vae_tiling else None,
-                                 progress=_progress(args))
+                                 image=args.image, progress=_progress(args))
         print(video.summary(args.out))
         return 0
     result = run_wan(args.model_dir, request, args.text_embeddings, args.out,
@@ -314,6 +314,9 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --prompt: decode in overlapping tiles as diffusers' "
                    "vae.enable_tiling() (256-pixel tiles every 192); with --workers 2 the "
                    "tiles are spread over both workers")
+    p.add_argument("--image", metavar="FILE",
+                   help="with --prompt: image-to-video, the first frame (PNG/JPEG/WebP of "
+                   "--width x --height); needs a Wan 2.2 TI2V pipeline export")
     p.add_argument("--frames", type=int, required=True, help="video frames, 4k+1 (e.g. 81)")
     p.add_argument("--height", type=int, required=True,
                    help="video height in pixels, multiple of 16")

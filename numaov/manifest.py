@@ -76,14 +76,18 @@ PIPELINE_KIND = "wan-pipeline"
 TEXT_ENCODER_KIND = "umt5-encoder"
 VAE_FIRST_FRAME_KIND = "wan-vae-decoder-first-frame"
 VAE_NEXT_FRAME_KIND = "wan-vae-decoder-next-frame"
+# The VAE encoder on one image (Wan 2.2 TI2V's image-to-video; only pipelines with
+# expand_timesteps have it).
+VAE_ENCODER_KIND = "wan-vae-encoder-image"
 WAN_COMPONENTS = {
     "text_encoder": TEXT_ENCODER_KIND,
     "transformer": "wan",
     "transformer_2": "wan",
     "vae_decoder/first_frame": VAE_FIRST_FRAME_KIND,
     "vae_decoder/next_frame": VAE_NEXT_FRAME_KIND,
+    "vae_encoder": VAE_ENCODER_KIND,
 }
-OPTIONAL_COMPONENTS = ("transformer_2",)
+OPTIONAL_COMPONENTS = ("transformer_2", "vae_encoder")
 # Files are hashed in pieces of this size, so a 30 GB IR never sits in memory twice.
 _HASH_CHUNK = 16 << 20
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import build_tiny_pipeline
+from wan_pipeline_harness import build_tiny_pipeline, diffusers_tiling
 
 from numaov.runtime.wan_pipeline import WanSampleRequest
 from numaov.runtime.wan_vae import VaeTiling
@@ -197,12 +197,8 @@ TILING = VaeTiling(min_height=32, min_width=32, stride_height=16, stride_width=2
 def test_tiled_vae_equals_diffusers_and_splits_over_two_workers(pipeline: dict,
                                                                tmp_path: Path) -> None:
     pipe = pipeline["pipe"]
-    pipe.vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32,
-                           tile_sample_stride_height=16, tile_sample_stride_width=24)
-    try:
+    with diffusers_tiling(pipe, TILING):
         expected = _diffusers_frames(pipe, 5, 48, 64)
-    finally:
-        pipe.vae.disable_tiling()
     request = WanSampleRequest(frames=5, height=48, width=64, steps=STEPS, guidance=5.0,
                                seed=SEED)
     frames = {w: run_wan_pipeline(pipeline["export"], request, PROMPT, tmp_path / f"v{w}.gif",

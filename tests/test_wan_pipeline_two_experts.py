@@ -9,9 +9,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import build_tiny_pipeline
+from wan_pipeline_harness import export_tiny_pipeline
 
-from numaov.exporter.wan_export import export_wan
 from numaov.runtime.wan_pipeline import DiffusersSchedule, WanSampleRequest
 from numaov.runtime.wan_video import read_pipeline, run_wan_pipeline
 
@@ -27,11 +26,8 @@ F32_FRAME_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def two_experts(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    print(f"seed {SEED}")
-    root = tmp_path_factory.mktemp("wan_two_experts")
-    pipe = build_tiny_pipeline(root / "pipeline", seed=SEED, boundary_ratio=BOUNDARY)
-    export_wan(root / "pipeline", root / "export")
-    return {"root": root, "pipe": pipe, "export": root / "export"}
+    return export_tiny_pipeline(tmp_path_factory.mktemp("wan_two_experts"), SEED,
+                                boundary_ratio=BOUNDARY)
 
 
 def test_both_experts_are_exported_and_both_run(two_experts: dict) -> None:

@@ -9,6 +9,8 @@ with ``WanPipeline.save_pretrained``. Nothing is downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,24 +19,48 @@ WORDS = ["<pad>", "</s>", "<unk>", *(f"w{i}" for i in range(60)), *"abcdefghijkl
 TEXT_DIM = 32
 
 
-def _tiny_transformer() -> torch.nn.Module:
+# Wan 2.2 TI2V-5B's VAE options (its vae/config.json) at a tiny width: 48 latent channels,
+# residual up/down blocks, 2x2 patches in and out, 16x spatial compression.
+TI2V_Z_DIM = 48
+
+
+def _tiny_transformer(channels: int = 16) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-        out_channels=16, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
+        out_channels=channels, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
     ).eval()
 
 
+def _tiny_vae(ti2v: bool) -> torch.nn.Module:
+    from diffusers import AutoencoderKLWan
+
+    if not ti2v:
+        return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                temperal_downsample=[False, True, True]).eval()
+    # Latent statistics away from 0 / 1, so a graph that skipped de-normalising fails.
+    generator = torch.Generator().manual_seed(1)
+    mean = (torch.randn(TI2V_Z_DIM, generator=generator) * 0.5).tolist()
+    std = (torch.rand(TI2V_Z_DIM, generator=generator) + 0.5).tolist()
+    return AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=16, z_dim=TI2V_Z_DIM, dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1, temperal_downsample=[False, True, True], is_residual=True,
+        in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+        latents_mean=mean, latents_std=std,
+    ).eval()
+
+
 def build_tiny_pipeline(directory: Path, seed: int = 0,
-                        boundary_ratio: float | None = None) -> object:
+                        boundary_ratio: float | None = None, ti2v: bool = False) -> object:
     """Save a tiny ``WanPipeline`` to ``directory``; returns the pipeline (in memory).
 
     ``boundary_ratio`` makes it a Wan 2.2 A14B-style pipeline with a second expert
-    (``transformer_2``) taking the steps below ``boundary_ratio * 1000``."""
+    (``transformer_2``) taking the steps below ``boundary_ratio * 1000``; ``ti2v`` a Wan 2.2
+    TI2V-5B-style one (``expand_timesteps``, the 48-channel VAE with 2x2 patches and 16x
+    spatial compression)."""
     from diffusers import (
-        AutoencoderKLWan,
         UniPCMultistepScheduler,
         WanPipeline,
     )
@@ -55,14 +81,39 @@ def build_tiny_pipeline(directory: Path, seed: int = 0,
         relative_attention_num_buckets=8, relative_attention_max_distance=16,
         feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )).eval()
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                           temperal_downsample=[False, True, True]).eval()
-    transformer = _tiny_transformer()
-    transformer_2 = _tiny_transformer() if boundary_ratio is not None else None
+    vae = _tiny_vae(ti2v)
+    channels = TI2V_Z_DIM if ti2v else 16
+    transformer = _tiny_transformer(channels)
+    transformer_2 = _tiny_transformer(channels) if boundary_ratio is not None else None
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
     pipe = WanPipeline(tokenizer=fast, text_encoder=text_encoder, vae=vae,
                        transformer=transformer, scheduler=scheduler,
-                       transformer_2=transformer_2, boundary_ratio=boundary_ratio)
+                       transformer_2=transformer_2, boundary_ratio=boundary_ratio,
+                       expand_timesteps=ti2v)
     pipe.save_pretrained(directory)
     return pipe
+
+
+def export_tiny_pipeline(root: Path, seed: int, **options: object) -> dict:
+    """``build_tiny_pipeline(root / "pipeline", seed, **options)`` exported to
+    ``root / "export"`` (a module's one export, shared by its tests)."""
+    from numaov.exporter.wan_export import export_wan
+
+    print(f"seed {seed}")
+    pipe = build_tiny_pipeline(root / "pipeline", seed=seed, **options)
+    export_wan(root / "pipeline", root / "export")
+    return {"root": root, "pipe": pipe, "export": root / "export"}
+
+
+@contextmanager
+def diffusers_tiling(pipe: object, tiling: object) -> Iterator[None]:
+    """diffusers' tiled VAE decoding with ``tiling``'s (a ``VaeTiling``) sizes, then off."""
+    pipe.vae.enable_tiling(tile_sample_min_height=tiling.min_height,
+                           tile_sample_min_width=tiling.min_width,
+                           tile_sample_stride_height=tiling.stride_height,
+                           tile_sample_stride_width=tiling.stride_width)
+    try:
+        yield
+    finally:
+        pipe.vae.disable_tiling()

@@ -46,6 +46,7 @@ from numaov.exporter.parity import check_parity, parity_attention, torch_referen
 from numaov.manifest import (
     PIPELINE_KIND,
     TEXT_ENCODER_KIND,
+    VAE_ENCODER_KIND,
     VAE_FIRST_FRAME_KIND,
     VAE_NEXT_FRAME_KIND,
     ExportManifest,
@@ -54,6 +55,7 @@ from numaov.manifest import (
 from numaov.models.wan_components import (
     GraphInputs,
     VaeFirstFrameGraph,
+    VaeImageEncoderGraph,
     VaeNextFrameGraph,
     load_text_encoder,
     load_vae,
@@ -70,6 +72,7 @@ TRANSFORMER_DIR = "transformer"
 TRANSFORMER_2_DIR = "transformer_2"  # Wan 2.2 A14B's low-noise expert
 VAE_FIRST_FRAME_DIR = "vae_decoder/first_frame"
 VAE_NEXT_FRAME_DIR = "vae_decoder/next_frame"
+VAE_ENCODER_DIR = "vae_encoder"  # image conditioning (expand_timesteps pipelines)
 # Text: at least 2 tokens (torch.export specialises a length of 1; the runtime pads a 1-token
 # batch with a masked pad token, which changes no real token's output).
 _MAX_BATCH = 64
@@ -81,15 +84,6 @@ TEXT_PARITY = ((1, 5), (2, 13))
 VAE_EXAMPLE = (2, 6, 10)
 VAE_PARITY = ((1, 4, 6), (3, 5, 3))
 PARITY_SEED = 0
-# The VAE decoder is exported at f32 whatever the precision asked for: OpenVINO 2026.4's CPU
-# plugin crashes (segmentation fault) running the bf16 next-frame graph at latent sizes of 24
-# and more (the Wan 1.3B VAE's channels; found by benchmarks/wan_pipeline.py), while f32 runs.
-VAE_PRECISION = "f32"
-VAE_NOTE = ("the VAE decoder is exported and run at f32 whatever the export's precision: "
-            "OpenVINO 2026.4's bf16 CPU kernels crash on its next-frame graph at latent sizes "
-            ">= 24")
-
-
 class PipelineExportError(NumaovError):
     """A pipeline directory that cannot be exported (a missing or unknown component)."""
 
@@ -139,11 +133,6 @@ def read_model_index(directory: Path) -> dict[str, Any]:
                 "timestep ratio where the second expert takes over (Wan 2.2 A14B: 0.875)",
                 parameter="checkpoint",
             )
-    if index.get("expand_timesteps"):
-        raise PipelineExportError(
-            f"{str(path)!r} sets expand_timesteps (Wan 2.2 TI2V); this numaov exports Wan 2.1 "
-            "text-to-video pipelines", parameter="checkpoint"
-        )
     return index
 
 
@@ -158,6 +147,10 @@ def export_pipeline_into(
 ) -> ExportManifest:
     """Export every component of ``pipeline_dir`` into the staging directory ``out_dir``."""
     index = read_model_index(pipeline_dir)
+    if index.get("expand_timesteps"):
+        # Wan 2.2 TI2V: diffusers gives every video token its own timestep (a conditioned
+        # first frame's at 0); the transformer takes them per latent frame.
+        timestep = "per-frame"
     start = time.perf_counter()
     timings: dict[str, float] = {}
     parts: list[ExportManifest] = []
@@ -188,8 +181,14 @@ def export_pipeline_into(
     start = time.perf_counter()
     vae = load_vae(pipeline_dir / "vae")
     vae_config = dict(vae.config)
-    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, VAE_PRECISION, lowering,
-                                 report)
+    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, precision, lowering, report)
+    vae_components = [VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
+    if index.get("expand_timesteps"):
+        # Wan 2.2 TI2V conditions on an image put in the first latent frame.
+        report("VAE encoder, one image")
+        parts.append(_export_vae_encoder(vae, pipeline_dir / "vae", out_dir / VAE_ENCODER_DIR,
+                                         precision, lowering, report))
+        vae_components.append(VAE_ENCODER_DIR)
     del vae
     gc.collect()
     timings["vae_decoder"] = time.perf_counter() - start
@@ -197,7 +196,7 @@ def export_pipeline_into(
     for name in COPIED:
         shutil.copytree(pipeline_dir / name, out_dir / name)
     shutil.copy2(pipeline_dir / MODEL_INDEX_NAME, out_dir / MODEL_INDEX_NAME)
-    components = [TEXT_ENCODER_DIR, *experts, VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
+    components = [TEXT_ENCODER_DIR, *experts, *vae_components]
     files = {name: digest for name, digest in digest_export(out_dir).items()
              if not any(name.startswith(f"{c}/") for c in components)}
     manifest = ExportManifest(
@@ -206,7 +205,8 @@ def export_pipeline_into(
             "model_index": index,
             "vae": {key: _plain(vae_config[key]) for key in
                     ("z_dim", "latents_mean", "latents_std", "scale_factor_temporal",
-                     "scale_factor_spatial", "base_dim", "dim_mult") if key in vae_config},
+                     "scale_factor_spatial", "base_dim", "dim_mult", "patch_size",
+                     "is_residual") if key in vae_config},
         },
         inputs=[],
         outputs=[],
@@ -221,7 +221,6 @@ def export_pipeline_into(
         export_seconds={k: round(v, 3) for k, v in timings.items()},
         components=components,
         files=files,
-        notes=[VAE_NOTE] if precision != VAE_PRECISION else [],
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest
@@ -341,8 +340,12 @@ def _export_vae_decoder(
     example = torch.from_numpy(latents(*VAE_EXAMPLE))
     slots = first.cache_slots(example)
     cache_names = [f"cache_{i}" for i in range(len(slots))]
+    # scale_factor_spatial and patch_size: the runtime's VaeGeometry (Wan 2.2's VAE decodes
+    # to 2x2 patches, unpatchified after tiles are blended, as diffusers does).
     config = {"z_dim": z_dim, "cache_slots": len(slots),
-              "spatial_factors": [int(c.shape[3]) // h0 for c in slots]}
+              "spatial_factors": [int(c.shape[3]) // h0 for c in slots],
+              "scale_factor_spatial": int(vae.config.scale_factor_spatial or 8),
+              "patch_size": int(vae.config.patch_size or 1)}
     manifests = []
 
     report("VAE decoder, first frame")
@@ -370,3 +373,29 @@ def _export_vae_decoder(
         lowering, report, source, config,
     ))
     return manifests
+
+
+def _export_vae_encoder(
+    vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
+    report: Callable[[str], None],
+) -> ExportManifest:
+    """The encoder on one image ``[B, 3, 1, s*h, s*w]`` (``s`` the VAE's spatial factor)."""
+    scale = int(vae.config.scale_factor_spatial or 8)
+    rng = np.random.default_rng(PARITY_SEED)
+
+    def image(batch: int, height: int, width: int) -> np.ndarray:
+        pixels = rng.uniform(-1.0, 1.0, (batch, 3, 1, scale * height, scale * width))
+        return pixels.astype(np.float32)
+
+    dim = torch.export.Dim
+    height = dim("latent_height", min=1, max=_MAX_LATENT)
+    width = dim("latent_width", min=1, max=_MAX_LATENT)
+    out_dir.mkdir(parents=True)
+    return _export_graph(
+        VaeImageEncoderGraph(vae).eval(), VAE_ENCODER_KIND,
+        {"image": torch.from_numpy(image(*VAE_EXAMPLE))},
+        {"image": {0: dim("batch", min=1, max=_MAX_BATCH), 3: scale * height, 4: scale * width}},
+        [{"image": image(*sizes)} for sizes in VAE_PARITY], ["latents"], out_dir, precision,
+        lowering, report, source,
+        {"z_dim": int(vae.config.z_dim), "scale_factor_spatial": scale},
+    )

@@ -22,6 +22,12 @@ diffusers' ``WanPipeline`` does.
   later frame. The latents come in as the transformer sees them; the graphs de-normalise
   them (``z * std + mean``, diffusers' pipeline before ``vae.decode``). The output is not
   clamped: tiles are blended before diffusers clamps, so the runtime clamps at the end.
+  With Wan 2.2's VAE (``patch_size=2``) the frames are the decoder's patched output
+  ``[B, 12, T, 8h, 8w]`` (16x spatial in all), unpatchified by the runtime after blending.
+- ``VaeImageEncoderGraph(image [B, 3, 1, H, W] in [-1, 1]) -> latents [B, C, 1, H/s, W/s]``:
+  the encoder's first chunk on one image, the posterior's mode (diffusers'
+  ``retrieve_latents(..., sample_mode="argmax")``), normalised as the transformer sees latents
+  (``(z - mean) / std``): the conditioning first frame of Wan 2.2 TI2V's image-to-video.
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ from typing import Any
 
 import torch
 
-from numaov.manifest import TEXT_ENCODER_KIND, VAE_FIRST_FRAME_KIND, VAE_NEXT_FRAME_KIND
+from numaov.manifest import (
+    TEXT_ENCODER_KIND,
+    VAE_ENCODER_KIND,
+    VAE_FIRST_FRAME_KIND,
+    VAE_NEXT_FRAME_KIND,
+)
 
 
 class TextEncoderGraph(torch.nn.Module):
@@ -71,11 +82,19 @@ class _VaeFrameGraph(torch.nn.Module):
         self._slots = int(vae._cached_conv_counts["decoder"])
         # Inputs of the temporal upsamplers in the first frame: their "Rep" becomes zeros.
         self._upsampler_shapes: dict[int, tuple[Any, ...]] = {}
-        from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample, WanUpsample
 
         for module in vae.decoder.modules():
             if isinstance(module, WanResample) and module.mode == "upsample3d":
                 module.register_forward_pre_hook(self._record_upsampler_input, with_kwargs=True)
+            if (isinstance(module, WanUpsample) and module.mode == "nearest-exact"
+                    and all(float(f).is_integer() for f in module.scale_factor)):
+                # At an integer scale "nearest" picks the same pixels as "nearest-exact"
+                # (floor(i / s) = floor((i + 0.5) / s)), and exports as one ONNX Resize instead
+                # of an index computation ending in a GatherND. OpenVINO 2026.4's bf16 AMX
+                # convolution (brgconv_avx512_amx_bf16) that reads that GatherND's result
+                # crashes (segmentation fault) at 192x192 and larger; behind Interpolate it runs.
+                module.mode = "nearest"
 
     def _record_upsampler_input(self, _module: Any, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs["x"]
@@ -122,6 +141,23 @@ class VaeNextFrameGraph(_VaeFrameGraph):
         return self._decode(latents, list(caches))
 
 
+class VaeImageEncoderGraph(torch.nn.Module):
+    """One image to its normalised first-frame latents (diffusers' ``_encode`` on one frame:
+    patchify, the encoder's first chunk, ``quant_conv``; then the mean half)."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+        z_dim = int(vae.config.z_dim)
+        self.z_dim = z_dim
+        self.register_buffer("latents_mean", torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1))
+        self.register_buffer("latents_std", torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        moments = self.vae._encode(image)
+        return (moments[:, : self.z_dim] - self.latents_mean) / self.latents_std
+
+
 class GraphInputs(torch.nn.Module):
     """A graph module called with its ONNX graph's flat input names: the next-frame graph's
     cache list is ``caches_0``, ``caches_1``, ... there (and ``cache_0``, ... among outputs)."""
@@ -152,4 +188,6 @@ def load_component(kind: str, directory: str | Path) -> torch.nn.Module:
         return VaeFirstFrameGraph(load_vae(directory)).eval()
     if kind == VAE_NEXT_FRAME_KIND:
         return VaeNextFrameGraph(load_vae(directory)).eval()
+    if kind == VAE_ENCODER_KIND:
+        return VaeImageEncoderGraph(load_vae(directory)).eval()
     raise ValueError(f"unknown component kind {kind!r}")

@@ -131,12 +131,14 @@ class WanSampleRequest:
         return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
 
 
-def latent_shape(config: dict[str, Any], frames: int, height: int, width: int) -> tuple[int, ...]:
+def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
+                 spatial_factor: int = VAE_SPATIAL_FACTOR) -> tuple[int, ...]:
     """``(1, C, F, H, W)`` latents for a video of ``frames`` x ``height`` x ``width`` pixels.
 
     Wan's VAE maps ``frames = 4k + 1`` to ``k + 1`` latent frames and divides height and
-    width by 8; the transformer then needs latent sizes divisible by its patch size. Sizes
-    that do not fit are errors (diffusers rounds them; here nothing is silently changed).
+    width by ``spatial_factor`` (8; Wan 2.2's 48-channel VAE: 16); the transformer then needs
+    latent sizes divisible by its patch size. Sizes that do not fit are errors (diffusers
+    rounds them; here nothing is silently changed).
     """
     patch = list(config.get("patch_size", (1, 2, 2)))
     channels = int(config["in_channels"])
@@ -158,14 +160,14 @@ def latent_shape(config: dict[str, Any], frames: int, height: int, width: int) -
         )
     dims = [latent_frames]
     for name, value, p in (("height", height, patch[1]), ("width", width, patch[2])):
-        multiple = VAE_SPATIAL_FACTOR * p
+        multiple = spatial_factor * p
         if value % multiple != 0:
             lower = max(multiple, value // multiple * multiple)
             raise SamplerInputError(
                 f"{name}={value}; expected a multiple of {multiple} (VAE factor "
-                f"{VAE_SPATIAL_FACTOR} x patch size {p}), e.g. {lower} or {lower + multiple}"
+                f"{spatial_factor} x patch size {p}), e.g. {lower} or {lower + multiple}"
             )
-        dims.append(value // VAE_SPATIAL_FACTOR)
+        dims.append(value // spatial_factor)
     return (1, channels, *dims)
 
 
@@ -658,6 +660,17 @@ class TimestepLayout:
         return latents
 
 
+def timestep_layout(transformer: ModelManifest, shape: Sequence[int],
+                    first_frame: np.ndarray | None = None) -> TimestepLayout:
+    """Per-frame timesteps (F' of ``shape``'s latents) for a transformer exported with them
+    (Wan 2.2 TI2V: diffusers' ``expand_timesteps`` per-token timesteps are one value per
+    latent frame), else one per sample; ``first_frame`` conditions frame 0."""
+    if transformer.timestep != PER_FRAME:
+        return TimestepLayout(first_frame=first_frame)
+    patch_t = int(list(transformer.config.get("patch_size", (1, 2, 2)))[0])
+    return TimestepLayout(frames=shape[2] // patch_t, first_frame=first_frame)
+
+
 def sample(
     predictors: Sequence[GuidedPredictor],
     shape: Sequence[int],
@@ -799,11 +812,9 @@ def run_wan(
                 f"{list(text.shape)}; expected the same (pad both to the text encoder's length, "
                 "512 for Wan's UMT5)"
             )
-    frames = shape[2] // int(list(config["patch_size"])[0])
-    layout = TimestepLayout(
-        frames=frames if manifest.timestep == PER_FRAME else None,
-        first_frame=None
-        if first_frame_latents is None
+    layout = timestep_layout(
+        manifest, shape,
+        None if first_frame_latents is None
         else load_first_frame_latents(first_frame_latents, shape, manifest),
     )
     batch = 2 if workers == 1 else 1

@@ -13,6 +13,12 @@ does. The blending runs in the order diffusers' does and in place as its does, s
 blended with the one above is what the one below blends with. Tiles are independent, so
 with two workers each decodes every other tile (``decode_tiles_on_workers``) and this process
 blends them.
+
+Wan 2.2's VAE (TI2V-5B: 48 latent channels, ``patch_size=2``, 16x spatial) decodes to
+``3 * 2 * 2`` channels at half the video's size, which diffusers' ``unpatchify`` turns into
+RGB at the end. diffusers tiles that VAE in those patched units (tile, stride and blend
+extents divided by the patch size) and unpatchifies after blending; ``VaeGeometry`` carries
+the two factors, and tiling and the final unpatchify here follow the same order.
 """
 
 from __future__ import annotations
@@ -28,8 +34,34 @@ from numaov.runtime.binding import BindingPlan
 from numaov.runtime.graph_runner import GraphRunner
 from numaov.runtime.manifest_reader import ModelManifest, read_manifest
 
-SPATIAL_FACTOR = 8
+SPATIAL_FACTOR = 8  # Wan 2.1's VAE; Wan 2.2's is 16 (VaeGeometry)
 TEMPORAL_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class VaeGeometry:
+    """Pixels per latent (``scale_factor_spatial``) and the decoder's output patch
+    (``patch_size``: 1, or Wan 2.2's 2, unpatchified at the end)."""
+
+    spatial: int = SPATIAL_FACTOR
+    patch: int = 1
+
+    @classmethod
+    def of(cls, component: ModelManifest) -> VaeGeometry:
+        """A VAE decoder graph's geometry, from its manifest (exports before Wan 2.2 record
+        neither factor: Wan 2.1's 8 and no patch)."""
+        config = component.config
+        return cls(int(config.get("scale_factor_spatial") or SPATIAL_FACTOR),
+                   int(config.get("patch_size") or 1))
+
+    def unpatchify(self, video: np.ndarray) -> np.ndarray:
+        """``[B, C*p*p, T, h, w]`` to ``[B, C, T, h*p, w*p]``, as diffusers' ``unpatchify``."""
+        p = self.patch
+        if p == 1:
+            return video
+        b, c, t, h, w = video.shape
+        x = video.reshape(b, c // (p * p), p, p, t, h, w).transpose(0, 1, 4, 5, 3, 6, 2)
+        return np.ascontiguousarray(x.reshape(b, c // (p * p), t, h * p, w * p))
 
 
 class VaeTilingError(NumaovError):
@@ -57,18 +89,21 @@ class VaeTiling:
                                  "overlapping tiles", parameter="tiling")
         return self
 
-    def applies(self, latent_height: int, latent_width: int) -> bool:
+    def applies(self, latent_height: int, latent_width: int,
+                geometry: VaeGeometry = VaeGeometry()) -> bool:
         """diffusers tiles only latents larger than one tile."""
-        return (latent_width > self.min_width // SPATIAL_FACTOR
-                or latent_height > self.min_height // SPATIAL_FACTOR)
+        return (latent_width > self.min_width // geometry.spatial
+                or latent_height > self.min_height // geometry.spatial)
 
 
 class VaeDecoder:
-    """The decoder's frame loop: ``[1, C, F, h, w]`` latents to ``[1, 3, 4F-3, 8h, 8w]``
-    video, not clamped."""
+    """The decoder's frame loop: ``[1, C, F, h, w]`` latents to ``[1, 3*p*p, 4F-3, s*h/p,
+    s*w/p]`` video (``s``, ``p``: its ``geometry``; Wan 2.1: ``[1, 3, 4F-3, 8h, 8w]``), not
+    clamped and not unpatchified."""
 
     def __init__(self, first: ModelManifest, following: ModelManifest, backend: str,
                  config: dict[str, Any] | None = None) -> None:
+        self.geometry = VaeGeometry.of(first)
         self._first = GraphRunner(first, backend, config)
         self._following = GraphRunner(following, backend, config)
 
@@ -86,11 +121,13 @@ class VaeDecoder:
 TileDecoder = Callable[[Sequence[np.ndarray]], list[np.ndarray]]
 
 
-def tiles_of(latents: np.ndarray, tiling: VaeTiling) -> list[list[np.ndarray]]:
+def tiles_of(latents: np.ndarray, tiling: VaeTiling,
+             geometry: VaeGeometry = VaeGeometry()) -> list[list[np.ndarray]]:
     """The latent tiles, row by row (diffusers' grid: a tile every stride, cut at the edge)."""
     height, width = latents.shape[3:]
-    size_h, size_w = tiling.min_height // SPATIAL_FACTOR, tiling.min_width // SPATIAL_FACTOR
-    step_h, step_w = tiling.stride_height // SPATIAL_FACTOR, tiling.stride_width // SPATIAL_FACTOR
+    s = geometry.spatial
+    size_h, size_w = tiling.min_height // s, tiling.min_width // s
+    step_h, step_w = tiling.stride_height // s, tiling.stride_width // s
     return [[np.ascontiguousarray(latents[:, :, :, i:i + size_h, j:j + size_w])
              for j in range(0, width, step_w)] for i in range(0, height, step_h)]
 
@@ -114,22 +151,25 @@ def _blend_h(a: np.ndarray, b: np.ndarray, extent: int) -> np.ndarray:
 def decode_video(
     decoder: Callable[[np.ndarray], np.ndarray] | None, latents: np.ndarray,
     tiling: VaeTiling | None = None, decode_tiles: TileDecoder | None = None,
+    geometry: VaeGeometry = VaeGeometry(),
 ) -> np.ndarray:
     """``[1, 3, T, H, W]`` video in [-1, 1]: whole, or tiled as diffusers tiles when
     ``tiling`` is given and the latents exceed one tile. ``decode_tiles`` decodes a list of
     tiles (default: one after the other with ``decoder``; on workers:
-    ``decode_tiles_on_workers``)."""
-    if tiling is None or not tiling.applies(*latents.shape[3:]):
-        return np.clip(decoder(latents), -1.0, 1.0)
-    grid = tiles_of(latents, tiling)
+    ``decode_tiles_on_workers``); ``geometry`` is the decoder's (``VaeGeometry.of``)."""
+    if tiling is None or not tiling.applies(*latents.shape[3:], geometry):
+        return np.clip(geometry.unpatchify(decoder(latents)), -1.0, 1.0)
+    grid = tiles_of(latents, tiling, geometry)
     flat = [tile for row in grid for tile in row]
     decoded = (decode_tiles or (lambda tiles: [decoder(t) for t in tiles]))(flat)
     rows, k = [], 0
     for row in grid:
         rows.append(decoded[k:k + len(row)])
         k += len(row)
-    blend_h = tiling.min_height - tiling.stride_height
-    blend_w = tiling.min_width - tiling.stride_width
+    # Blending and cropping in the decoder's patched units, as diffusers' tiled_decode.
+    p = geometry.patch
+    stride_h, stride_w = tiling.stride_height // p, tiling.stride_width // p
+    blend_h, blend_w = tiling.min_height // p - stride_h, tiling.min_width // p - stride_w
     result_rows = []
     for i, row in enumerate(rows):
         result_row = []
@@ -138,11 +178,11 @@ def decode_video(
                 tile = _blend_v(rows[i - 1][j], tile, blend_h)
             if j > 0:
                 tile = _blend_h(row[j - 1], tile, blend_w)
-            result_row.append(tile[:, :, :, :tiling.stride_height, :tiling.stride_width])
+            result_row.append(tile[:, :, :, :stride_h, :stride_w])
         result_rows.append(np.concatenate(result_row, axis=-1))
-    height, width = (s * SPATIAL_FACTOR for s in latents.shape[3:])
+    height, width = (n * geometry.spatial // p for n in latents.shape[3:])
     video = np.concatenate(result_rows, axis=3)[:, :, :, :height, :width]
-    return np.clip(video, -1.0, 1.0)
+    return np.clip(geometry.unpatchify(video), -1.0, 1.0)
 
 
 def to_frames(video: np.ndarray) -> np.ndarray:
@@ -154,10 +194,11 @@ def vae_memory(component: ModelManifest, latent: Sequence[int],
                tiling: VaeTiling | None = None) -> dict[str, int]:
     """The decoder's caches (in, out and the layer at work) and the decoded video, in bytes."""
     _, _, frames, height, width = latent
-    pixels = 3 * ((frames - 1) * TEMPORAL_FACTOR + 1) * height * width * SPATIAL_FACTOR**2
-    if tiling is not None and tiling.applies(height, width):
-        height = min(height, tiling.min_height // SPATIAL_FACTOR)
-        width = min(width, tiling.min_width // SPATIAL_FACTOR)
+    geometry = VaeGeometry.of(component)
+    pixels = 3 * ((frames - 1) * TEMPORAL_FACTOR + 1) * height * width * geometry.spatial**2
+    if tiling is not None and tiling.applies(height, width, geometry):
+        height = min(height, tiling.min_height // geometry.spatial)
+        width = min(width, tiling.min_width // geometry.spatial)
     channels = [int(spec[1]) for name, spec in component.inputs.items()
                 if name.startswith("caches_")]
     factors = component.config.get("spatial_factors", [1] * len(channels))

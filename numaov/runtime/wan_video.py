@@ -35,6 +35,7 @@ from numaov import NumaovError
 from numaov.manifest import OPTIONAL_COMPONENTS, PIPELINE_KIND, WAN_COMPONENTS
 from numaov.runtime.binding import check_bind_string, plan_for_ranks
 from numaov.runtime.graph_runner import GraphRunner
+from numaov.runtime.image_input import read_image
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 from numaov.runtime.video_output import (
     DEFAULT_FPS,
@@ -47,16 +48,17 @@ from numaov.runtime.wan_pipeline import (
     Progress,
     SampleResult,
     SamplerInputError,
-    TimestepLayout,
     WanSampleRequest,
     check_memory,
     denoise,
     estimate_memory,
     latent_shape,
+    timestep_layout,
     validate_request,
 )
 from numaov.runtime.wan_vae import (
     VaeDecoder,
+    VaeGeometry,
     VaeTiling,
     decode_tiles_on_workers,
     decode_video,
@@ -72,6 +74,7 @@ TRANSFORMER = "transformer"
 TRANSFORMER_2 = "transformer_2"  # optional: Wan 2.2 A14B's low-noise expert
 VAE_FIRST_FRAME = "vae_decoder/first_frame"
 VAE_NEXT_FRAME = "vae_decoder/next_frame"
+VAE_ENCODER = "vae_encoder"  # optional: image conditioning (Wan 2.2 TI2V)
 
 
 class PromptError(NumaovError):
@@ -172,6 +175,17 @@ def encode(runner: GraphRunner, token_ids: list[list[int]], pad_id: int) -> list
 # -- the pipeline -----------------------------------------------------------------------------
 
 
+def _conditioning_image(pipeline: WanPipelineExport, image: str | Path,
+                        request: WanSampleRequest) -> np.ndarray:
+    """The image's pixels, after checking the export can condition on one."""
+    if VAE_ENCODER not in pipeline.components:
+        raise SamplerInputError(
+            f"image={str(image)!r}, but the pipeline in {str(pipeline.directory)!r} has no "
+            "image conditioning (no vae_encoder component: exports of Wan 2.2 TI2V pipelines, "
+            "with expand_timesteps, have one); expected no image", parameter="image")
+    return read_image(image, request.height, request.width)
+
+
 @dataclass
 class VideoResult:
     sample: SampleResult
@@ -197,10 +211,15 @@ def run_wan_pipeline(
     workers: int = 1,
     fps: int = DEFAULT_FPS,
     vae_tiling: VaeTiling | None = None,
+    image: str | Path | None = None,
     progress: Progress = None,
 ) -> VideoResult:
     """Text to video with an exported pipeline; writes ``out`` by its extension (``.npy``:
     the final latents, without decoding).
+
+    ``image`` (a file of the video's size) conditions the video on it as its first frame, as
+    diffusers' ``WanImageToVideoPipeline`` does with ``expand_timesteps`` (Wan 2.2 TI2V): the
+    exported VAE encoder's latents are the first latent frame at every step, at timestep 0.
 
     ``workers=2`` runs the guidance branches on two workers and, with ``vae_tiling``
     (diffusers' tiled VAE decoding), the tiles too, every other tile on each worker."""
@@ -214,7 +233,10 @@ def run_wan_pipeline(
     kind = output_format(out)
     pipeline = read_pipeline(model_dir)
     transformer = pipeline.components[TRANSFORMER]
-    shape = latent_shape(transformer.config, request.frames, request.height, request.width)
+    geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
+    shape = latent_shape(transformer.config, request.frames, request.height, request.width,
+                         geometry.spatial)
+    pixels = None if image is None else _conditioning_image(pipeline, image, request)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
     extra = ({} if kind == LATENTS_FORMAT
@@ -244,9 +266,20 @@ def run_wan_pipeline(
     seconds["text_encoder"] = time.perf_counter() - start
     report(f"encoded the prompts in {seconds['text_encoder']:.2f} s")
 
+    first_frame = None
+    if pixels is not None:
+        start = time.perf_counter()
+        image_encoder = GraphRunner(pipeline.components[VAE_ENCODER], backend)
+        seconds["load"] += time.perf_counter() - start
+        start = time.perf_counter()
+        (first_frame,) = image_encoder({"image": pixels})
+        del image_encoder
+        seconds["vae_encode"] = time.perf_counter() - start
+        report(f"encoded the image in {seconds['vae_encode']:.2f} s")
+
     start = time.perf_counter()
     latents, steps = denoise(pipeline.experts, plan, backend, text, negative, shape, request,
-                             TimestepLayout(), progress)
+                             timestep_layout(transformer, shape, first_frame), progress)
     seconds["denoise"] = sum(steps)
     seconds["load"] += time.perf_counter() - start - sum(steps)
     sample = SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=steps)
@@ -256,15 +289,15 @@ def run_wan_pipeline(
 
     start = time.perf_counter()
     first, following = pipeline.components[VAE_FIRST_FRAME], pipeline.components[VAE_NEXT_FRAME]
-    tiled = vae_tiling is not None and vae_tiling.applies(*shape[3:])
+    tiled = vae_tiling is not None and vae_tiling.applies(*shape[3:], geometry)
     if tiled and plan is not None:  # each worker loads its own (counted as decoding here)
         video = decode_video(None, latents, vae_tiling,
-                             decode_tiles_on_workers(plan, first, following, backend))
+                             decode_tiles_on_workers(plan, first, following, backend), geometry)
     else:
         decoder = VaeDecoder(first, following, backend)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
-        video = decode_video(decoder, latents, vae_tiling)
+        video = decode_video(decoder, latents, vae_tiling, geometry=geometry)
     frames = to_frames(video)
     seconds["vae_decode"] = time.perf_counter() - start
     where = f"in tiles on {workers} worker(s)" if tiled else "whole"

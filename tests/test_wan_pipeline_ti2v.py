@@ -1,0 +1,188 @@
+"""Wan 2.2 TI2V-5B-style text to video: a tiny pipeline with ``expand_timesteps`` and the
+48-channel VAE (residual blocks, 2x2 patches, 16x spatial), exported whole; numaov's frames
+against diffusers' WanPipeline, whole and with the VAE tiled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from wan_pipeline_harness import TI2V_Z_DIM, diffusers_tiling, export_tiny_pipeline
+
+from numaov.runtime.wan_pipeline import WanSampleRequest
+from numaov.runtime.wan_vae import VaeGeometry, VaeTiling
+from numaov.runtime.wan_video import (
+    MAX_TEXT_TOKENS,
+    VAE_FIRST_FRAME,
+    read_pipeline,
+    run_wan_pipeline,
+)
+
+pytestmark = pytest.mark.slow  # exports a whole pipeline
+
+SEED = 7
+STEPS = 3
+PROMPT, NEGATIVE = "a w1 w2", "w3"
+# As in test_wan_pipeline: f32 frames in [0, 1], 1.5e-6 measured on every backend; a wrong
+# timestep layout, latent statistics or patch order moves pixels by 1e-2 and more.
+F32_FRAME_TOL = 1e-4
+# Odd frame counts, non-square: 16x compression makes 32x64 pixels 2x4 latents.
+SIZES = ((5, 32, 64), (9, 64, 32))
+
+
+@pytest.fixture(scope="module")
+def ti2v(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return export_tiny_pipeline(tmp_path_factory.mktemp("wan_ti2v"), SEED, ti2v=True)
+
+
+def _diffusers_frames(pipe, frames: int, height: int, width: int) -> np.ndarray:
+    return pipe(PROMPT, negative_prompt=NEGATIVE, num_frames=frames, height=height,
+                width=width, num_inference_steps=STEPS, guidance_scale=5.0,
+                generator=torch.Generator().manual_seed(SEED), output_type="np").frames[0]
+
+
+def _request(frames: int, height: int, width: int) -> WanSampleRequest:
+    return WanSampleRequest(frames=frames, height=height, width=width, steps=STEPS,
+                            guidance=5.0, seed=SEED)
+
+
+def test_export_takes_per_frame_timesteps_and_the_patched_vae(ti2v: dict) -> None:
+    pipeline = read_pipeline(ti2v["export"])
+    assert pipeline.components["transformer"].timestep == "per-frame"
+    assert VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME]) == VaeGeometry(16, 2)
+    assert pipeline.record.config["vae"]["z_dim"] == TI2V_Z_DIM
+    for name, component in pipeline.components.items():
+        assert all(f["rel_error"] <= f["tolerance"] for f in component.record.parity), name
+
+
+# OpenVINO at both sizes; the other backends at one (the same graphs).
+CASES = [("openvino", SIZES[0]), ("openvino", SIZES[1]), ("onnxruntime", SIZES[0]),
+         ("torch", SIZES[0])]
+
+
+@pytest.mark.parametrize(("backend", "size"), CASES,
+                         ids=[f"{b}-{'x'.join(map(str, s))}" for b, s in CASES])
+def test_frames_equal_diffusers(ti2v: dict, backend: str, size: tuple, tmp_path) -> None:
+    expected = _diffusers_frames(ti2v["pipe"], *size)
+    result = run_wan_pipeline(ti2v["export"], _request(*size), PROMPT, tmp_path / "v.gif",
+                              negative_prompt=NEGATIVE, backend=backend)
+    assert result.frames.shape == expected.shape == (size[0], size[1], size[2], 3)
+    assert result.sample.latents.shape == (1, TI2V_Z_DIM, (size[0] - 1) // 4 + 1,
+                                           size[1] // 16, size[2] // 16)
+    error = float(np.max(np.abs(result.frames - expected)))
+    print(f"{backend} {size}: max |numaov - diffusers| = {error:.3g}")
+    assert error <= F32_FRAME_TOL
+
+
+# 64x96 pixels are 4x6 latents; 48-pixel tiles every 32 pixels are 3x3-latent tiles every 2
+# latents, blended over 8 patched pixels (diffusers divides tile, stride and blend by the
+# patch size 2): a 2 x 3 grid cut at the bottom and right.
+TILING = VaeTiling(min_height=48, min_width=48, stride_height=32, stride_width=32)
+
+
+def test_tiled_vae_equals_diffusers(ti2v: dict, tmp_path) -> None:
+    pipe = ti2v["pipe"]
+    with diffusers_tiling(pipe, TILING):
+        expected = _diffusers_frames(pipe, 5, 64, 96)
+    untiled = _diffusers_frames(pipe, 5, 64, 96)
+    assert float(np.max(np.abs(expected - untiled))) > 10 * F32_FRAME_TOL  # tiling shows
+    got = run_wan_pipeline(ti2v["export"], _request(5, 64, 96), PROMPT, tmp_path / "v.gif",
+                           negative_prompt=NEGATIVE, vae_tiling=TILING).frames
+    error = float(np.max(np.abs(got - expected)))
+    print(f"tiled 48-channel VAE: max |numaov - diffusers| = {error:.3g}")
+    assert error <= F32_FRAME_TOL
+
+
+def test_sizes_follow_the_16x_vae(ti2v: dict, tmp_path) -> None:
+    from numaov.runtime.wan_pipeline import SamplerInputError
+
+    with pytest.raises(SamplerInputError, match=r"height=40; expected a multiple of 32 "
+                                                r"\(VAE factor 16 x patch size 2\)"):
+        run_wan_pipeline(ti2v["export"], _request(5, 40, 64), PROMPT, tmp_path / "v.gif")
+
+
+# -- image to video (diffusers' WanImageToVideoPipeline with expand_timesteps) ----------------
+
+
+def _image(path, height: int, width: int, seed: int = 0):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _diffusers_i2v_frames(pipe, image_path, frames: int, height: int, width: int) -> np.ndarray:
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    i2v = WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder,
+                                  vae=pipe.vae, scheduler=pipe.scheduler,
+                                  transformer=pipe.transformer, expand_timesteps=True)
+    # The prompts encoded by WanPipeline: diffusers 0.42's image-to-video prompt_clean calls
+    # ftfy unguarded (WanPipeline's only when it is installed, as numaov's tokenize does);
+    # encode_prompt's default length is 226, its __call__'s (and numaov's) 512.
+    embeds, negative = pipe.encode_prompt(PROMPT, negative_prompt=NEGATIVE,
+                                          max_sequence_length=MAX_TEXT_TOKENS)
+    with Image.open(image_path) as image:
+        return i2v(image.convert("RGB"), prompt_embeds=embeds, negative_prompt_embeds=negative,
+                   num_frames=frames,
+                   height=height, width=width, num_inference_steps=STEPS, guidance_scale=5.0,
+                   generator=torch.Generator().manual_seed(SEED), output_type="np").frames[0]
+
+
+def test_image_encoder_is_exported_with_parity(ti2v: dict) -> None:
+    encoder = read_pipeline(ti2v["export"]).components["vae_encoder"]
+    assert {f["backend"] for f in encoder.record.parity} == {"onnxruntime", "openvino"}
+    assert all(f["rel_error"] <= f["tolerance"] for f in encoder.record.parity)
+
+
+@pytest.mark.parametrize(("backend", "size"), [("openvino", SIZES[1]), ("torch", SIZES[0])],
+                         ids=["openvino-9x64x32", "torch-5x32x64"])
+def test_image_to_video_equals_diffusers(ti2v: dict, backend: str, size: tuple,
+                                         tmp_path) -> None:
+    frames, height, width = size
+    image = _image(tmp_path / "first.png", height, width)
+    expected = _diffusers_i2v_frames(ti2v["pipe"], image, *size)
+    got = run_wan_pipeline(ti2v["export"], _request(*size), PROMPT, tmp_path / "v.gif",
+                           negative_prompt=NEGATIVE, backend=backend, image=image)
+    text_only = _diffusers_frames(ti2v["pipe"], *size)
+    # The image changes the video, so equality with diffusers' image-to-video is a real check.
+    assert float(np.max(np.abs(expected - text_only))) > 10 * F32_FRAME_TOL
+    assert "vae_encode" in got.seconds
+    error = float(np.max(np.abs(got.frames - expected)))
+    print(f"image to video, {backend} {size}: max |numaov - diffusers| = {error:.3g}")
+    assert error <= F32_FRAME_TOL
+
+
+def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "numaov.cli", "run", "wan", "--model-dir", str(ti2v["export"]),
+           "--prompt", "a", "--frames", "5", "--height", "32", "--width", "64", "--steps", "1",
+           "--guidance", "5", "--seed", "0", "--out", str(tmp_path / "v.gif")]
+    proc = subprocess.run([*run, "--image", str(_image(tmp_path / "small.png", 32, 32))],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"numaov: error: --image: image {str(tmp_path / 'small.png')!r} is 32x32 pixels; "
+        "expected the video's 64x32 (width x height)"]
+    from numaov.runtime.image_input import ImageInputError
+    from numaov.runtime.wan_pipeline import SamplerInputError
+
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(ImageInputError, match="cannot read .*broken.png.* as an image"):
+        run_wan_pipeline(ti2v["export"], _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
+                         image=tmp_path / "broken.png")
+    # An export without the encoder (as every text-to-video-only pipeline's) refuses --image.
+    text_only = tmp_path / "export"
+    shutil.copytree(ti2v["export"], text_only)
+    manifest = json.loads((text_only / "manifest.json").read_text())
+    manifest["components"].remove("vae_encoder")
+    (text_only / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SamplerInputError, match="has no image conditioning"):
+        run_wan_pipeline(text_only, _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
+                         image=tmp_path / "small.png")
