@@ -35,18 +35,23 @@ def deepseek_exported(tmp_path_factory: pytest.TempPathFactory, deepseek_bind: s
     return export_tiny_dp2(tmp_path_factory.mktemp("deepseek_export"), deepseek_bind)
 
 
+WAN_PIPELINE_SEED = 3
+
+
 @pytest.fixture(scope="session")
 def wan_pipeline_exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A tiny Wan 2.1 pipeline (wan_pipeline_harness) exported once through the CLI."""
+    """A tiny Wan 2.1 pipeline (wan_pipeline_harness) exported once through the CLI, shared by
+    the pipeline tests and the service's video tests (an export takes about a minute).
+    ``pipe`` is the diffusers pipeline it was exported from."""
     import subprocess
     import sys
 
     from wan_pipeline_harness import build_tiny_pipeline
 
     root = tmp_path_factory.mktemp("wan_pipeline_export")
-    build_tiny_pipeline(root / "pipeline", seed=0)
+    pipe = build_tiny_pipeline(root / "pipeline", seed=WAN_PIPELINE_SEED)
     proc = subprocess.run([sys.executable, "-m", "numaov.cli", "export", "wan", "--checkpoint",
                            str(root / "pipeline"), "--out", str(root / "export"), "--quiet"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
-    return {"root": root, "export": root / "export"}
+    return {"root": root, "pipe": pipe, "export": root / "export", "summary": proc.stdout}

@@ -213,7 +213,10 @@ def test_the_wheel_without_extras_runs_doctor_and_the_demo(demo: dict, tmp_path:
                               "torch==2.13.0"], capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     listed = subprocess.run([str(python), "-m", "pip", "list"], capture_output=True, text=True)
-    assert "scikit-learn" not in listed.stdout and "pytest" not in listed.stdout
+    # none of the dev extra's own tools (scikit-learn is not one: NNCF, which the exporter
+    # uses, depends on it)
+    installed = {line.split()[0].lower() for line in listed.stdout.splitlines()[2:] if line}
+    assert not installed & {"pytest", "ruff", "nbclient", "openai"}, installed
     numaov = venv / "bin" / "numaov"
     doctor = subprocess.run([str(numaov), "doctor"], capture_output=True, text=True, timeout=300,
                             cwd=tmp_path)

@@ -181,7 +181,10 @@ class WorkerRanks:
         if failure is not None:
             raise RankWorkersError(f"the rank workers failed earlier: {failure}")
         for pipe, step in zip(self._pipes, steps, strict=True):
-            pipe.send(step)
+            try:
+                pipe.send(step)
+            except OSError:  # the worker died: _collect waits for failure() to say which
+                pass
         return self._collect("step", STEP_TIMEOUT_S, "stepping")
 
     def _collect(self, kind: str, timeout_s: float, doing: str) -> list[Any]:
@@ -198,7 +201,7 @@ class WorkerRanks:
                 rank = self._pipes.index(pipe)
                 try:
                     reply_kind, payload = pipe.recv()
-                except EOFError:
+                except (EOFError, OSError):  # a reset pipe is a dead worker too
                     gone.add(rank)  # the worker is gone: failure() says why below
                     continue
                 if reply_kind == kind:
