@@ -31,6 +31,7 @@ import torch
 
 from numaov.models.builtin.digit_clips import (
     DIRECTIONS,
+    DigitJudge,
     all_prompts,
     load_digit_images,
     make_clip,
@@ -45,6 +46,7 @@ WORDS = ["<pad>", "</s>", "<unk>", "a", "handwritten", "moving",
 VAE_STEPS, VAE_BATCH = 300, 24
 TRANSFORMER_STEPS, TRANSFORMER_BATCH = 500, 96
 UNCONDITIONAL_RATE = 0.1
+CEILING_DIGITS = 50  # real digits (x 4 directions) whose reconstructions the judge labels
 
 
 def build_components(seed: int) -> dict[str, object]:
@@ -137,6 +139,21 @@ def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Genera
 
 
 @torch.no_grad()
+def judged_reconstructions(vae: torch.nn.Module, judge: DigitJudge, seed: int,
+                           count: int = CEILING_DIGITS) -> float:
+    """The share of the VAE's reconstructions of real clips that the judge labels as their
+    digit: the ceiling of what the denoiser can be judged to draw through this decoder. Its
+    own random generator, so measuring it leaves the training draws as they were."""
+    images, labels = load_digit_images()
+    rng = np.random.default_rng(seed + 1)
+    rows = rng.choice(len(images), count, replace=False)
+    clips, prompt_index = clip_set(images[rows], labels[rows], rng)
+    reconstruction = decode_unclamped(vae, encode_latents(vae, clips))
+    grey = ((reconstruction[:, 0].clamp(-1, 1) + 1) / 2).numpy()
+    return float((judge.clip_labels(grey) == prompt_index // len(DIRECTIONS)).mean())
+
+
+@torch.no_grad()
 def encode_latents(vae: torch.nn.Module, clips: torch.Tensor) -> torch.Tensor:
     return torch.cat([vae.encode(clips[i : i + 256]).latent_dist.mean
                       for i in range(0, len(clips), 256)])
@@ -199,6 +216,8 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
 
     vae_mse = train_vae(parts["vae"], clips, generator, say)
     vae_seconds = time.perf_counter() - started
+    vae_judged = judged_reconstructions(parts["vae"], DigitJudge.fit(), seed)
+    say(f"the judge labels {vae_judged:.0%} of the VAE's reconstructions of real clips right")
     mu = encode_latents(parts["vae"], clips)  # [N, 16, F', h, w]
     mean = mu.mean(dim=(0, 2, 3, 4))
     std = mu.std(dim=(0, 2, 3, 4))
@@ -216,7 +235,7 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
     pipe.save_pretrained(out)
     figures = {"seed": seed, "clips": len(clips), "vae_steps": VAE_STEPS,
                "transformer_steps": TRANSFORMER_STEPS, "vae_mse": round(vae_mse, 5),
-               "flow_mse": round(flow_mse, 5), "vae_seconds": round(vae_seconds, 1),
+               "flow_mse": round(flow_mse, 5), "vae_judged": round(vae_judged, 3), "vae_seconds": round(vae_seconds, 1),
                "seconds": round(seconds, 1), "threads": torch.get_num_threads()}
     (out / "training.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
     say(f"saved {out} in {seconds:.0f} s")
