@@ -50,5 +50,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/wan_pipeline.py
 	$(BIN)/python benchmarks/lm_engine.py  # optimum-intel side by side: run benchmarks/optimum_venv.sh once
 
+# Runs notebooks/*.ipynb top to bottom and saves them with their outputs, in place (their
+# exports go to out/notebooks); run it after the built-in models change.
+.PHONY: notebooks
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/execute.py
+
 clean:
 	rm -rf build $(VENV)
