@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_tokenizer
+
 WORDS = ["<pad>", "</s>", "<unk>", *(f"w{i}" for i in range(60)), *"abcdefghijklmnopqrstuvwxyz"]
 TEXT_DIM = 32
 
@@ -64,23 +66,10 @@ def build_tiny_pipeline(directory: Path, seed: int = 0,
         UniPCMultistepScheduler,
         WanPipeline,
     )
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    # T5's template: the prompt's tokens, then the end-of-sequence token.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A </s>", special_tokens=[("</s>", 1)]
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=512)
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )).eval()
+    fast = word_tokenizer(WORDS)
+    text_encoder = tiny_umt5_encoder(len(WORDS), TEXT_DIM)
     vae = _tiny_vae(ti2v)
     channels = TI2V_Z_DIM if ti2v else 16
     transformer = _tiny_transformer(channels)

@@ -36,6 +36,7 @@ from numaov.models.builtin.digit_clips import (
     load_digit_images,
     make_clip,
 )
+from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_tokenizer
 from numaov.models.builtin.training_run import set_up_threads, training_main
 
 DEFAULT_OUT = Path(__file__).parent / "digits-wan"
@@ -52,22 +53,10 @@ CEILING_DIGITS = 50  # real digits (x 4 directions) whose reconstructions the ju
 def build_components(seed: int) -> dict[str, object]:
     """The untrained pipeline components, seeded."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    # T5's template: the prompt's tokens, then the end-of-sequence token.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=512)
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )).eval()
+    fast = word_tokenizer(WORDS)
+    text_encoder = tiny_umt5_encoder(len(WORDS), TEXT_DIM)
     vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                            temperal_downsample=[False, True, True])
     transformer = WanTransformer3DModel(
