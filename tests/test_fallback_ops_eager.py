@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from numaov import NumaovError
@@ -203,6 +203,9 @@ def test_norm_infer_matches_formula(lead, c, rms, with_weight, with_bias, dtype,
     affine=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+# a row of two channels a hair apart: centring loses precision (see kappa below)
+@example(shape=(2, 2, 2, 1), dtype=torch.float32, gate_kind="channel", scale_kind="scalar",
+         shift_kind="scalar", rms=False, affine=False, seed=279)
 def test_scale_residual_norm_scale_shift_matches_formula(shape, dtype, gate_kind, scale_kind,
                                                          shift_kind, rms, affine, seed):
     b, frames, per_frame, c = shape
@@ -225,8 +228,22 @@ def test_scale_residual_norm_scale_shift_matches_formula(shape, dtype, gate_kind
     # The residual is rounded to its dtype before the norm (it is what the next block sees),
     # so the reference norms the rounded residual too.
     y = reference_norm(new_residual, weight, bias, 1e-6, rms)
-    expected = y * (1.0 + expand_reference(scale, b, seq, c)) + expand_reference(shift, b, seq, c)
-    assert_close(out, expected, dtype)
+    factor = 1.0 + expand_reference(scale, b, seq, c)
+    expected = y * factor + expand_reference(shift, b, seq, c)
+    # The op computes its statistics in fp32 by design. LayerNorm of a row whose values nearly
+    # agree (two channels a hair apart) loses |r| / sigma of that precision in the centring,
+    # which the float64 reference does not, so each row's absolute tolerance grows with that
+    # condition number (1 for a well-spread row, and for RMSNorm, which does not centre).
+    r64 = new_residual.double()
+    spread = (r64.pow(2).mean(-1, keepdim=True) if rms
+              else r64.var(-1, unbiased=False, keepdim=True))
+    kappa = (r64.abs().amax(-1, keepdim=True) / (spread + 1e-6).sqrt()).clamp(min=1.0)
+    gain = factor.abs() * (1.0 if weight is None else weight.double().abs())
+    rtol, atol = TOL[dtype]
+    error = (out.double() - expected.to(dtype).double()).abs()
+    allowed = atol * kappa * (1.0 + gain) + rtol * expected.abs()
+    assert out.dtype == dtype
+    assert bool((error <= allowed).all()), f"worst excess {float((error - allowed).max()):.3g}"
 
 
 @FEW
