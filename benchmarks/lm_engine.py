@@ -7,8 +7,10 @@ from seeded weights, exported by numaov (dp=1 and dp=2) and by optimum-intel
 
 - ``decode``: decode tokens/s at 1, 8 and 32 concurrent requests (prompt 32 tokens, 64 greedy
   tokens each, end-of-sequence ignored), numaov dp=1 (both cores to one rank), numaov dp=2
-  (``NUMAOV_CPU_BIND="0|1"``) and optimum-intel (both cores), and whether the greedy tokens
-  are the same as optimum-intel's;
+  (``NUMAOV_CPU_BIND="0|1"``) and optimum-intel (both cores), each kept running across
+  ``--rounds`` alternating rounds (medians and ranges), in the ``--weights`` format on both
+  sides (int8 / int4: numaov's ``--weights``, optimum-intel's NNCF weight compression at the
+  same symmetry and group size), and whether the greedy tokens are the same as optimum-intel's;
 - ``context``: time per decode step of one request at 128, 1,024 and 4,096 cached tokens;
 - ``kv``: the KV-cache candidates on the MLA cache (dp=1, one step graph each): numaov's pool
   (``kv_cache`` in, new entries out), the same pool at 8x the capacity (a copy in would show),
@@ -16,10 +18,12 @@ from seeded weights, exported by numaov (dp=1 and dp=2) and by optimum-intel
   transformation of that graph, and whether OpenVINO's paged-attention transformation applies.
 
 optimum-intel runs in its own venv (``benchmarks/optimum_venv.sh``), never in numaov's. The
-figures go to ``benchmarks/out/lm_engine_<precision>.json``; ``benchmarks/RESULTS.md`` records them.
+figures go to ``benchmarks/out/lm_engine_<precision>_<weights>.json``; ``benchmarks/RESULTS.md``
+records them.
 Run on a quiet machine: ``uptime`` is printed at the start and the end.
 
     .venv/bin/python benchmarks/lm_engine.py [--sections decode,context,kv] [--precision f32]
+        [--weights f32|bf16|int8|int4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from numaov.models.builtin.deepseek_tiny import init_tiny_weights
 from numaov.models.deepseek import DeepseekV2
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "out" / "lm_engine_{precision}.json"
+OUT = HERE / "out" / "lm_engine_{precision}_{weights}.json"
 WORK = HERE / "out" / "lm_engine"
 OPTIMUM_PYTHON = HERE / ".optimum-venv" / "bin" / "python"
 SEED = 0
@@ -97,48 +101,49 @@ def build_checkpoint() -> Path:
     return directory
 
 
-def numaov_export(checkpoint: Path, dp: int, precision: str) -> Path:
+def numaov_export(checkpoint: Path, dp: int, precision: str, weights: str) -> Path:
     from numaov.exporter.deepseek_export import export_deepseek
 
-    out = WORK / f"numaov_dp{dp}_{precision}"
+    out = WORK / f"numaov_dp{dp}_{precision}_{weights}"
     if (out / "manifest.json").is_file():
         return out
-    log(f"numaov export dp={dp} {precision}")
+    log(f"numaov export dp={dp} {precision}, {weights} weights")
     os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
-    export_deepseek(checkpoint, out, dp=dp, precision=precision, progress=log, force=True)
+    export_deepseek(checkpoint, out, dp=dp, precision=precision, weights=weights, progress=log,
+                    force=True)
     return out
 
 
 # -- numaov: the engine -----------------------------------------------------------------------
 
 
-def engine_decode(model_dir: Path, dp: int, batches: tuple[int, ...]) -> dict[str, Any]:
-    """Decode tokens/s per batch: all requests submitted at once, timed from the first step
-    after every prompt's prefill to the last token."""
-    from numaov.runtime.lm_engine import LMEngine, SamplingParams
+class EngineDecoder:
+    """One numaov engine kept running across the rounds (its workers load and compile once)."""
 
-    os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
-    params = SamplingParams(NEW_TOKENS, ignore_eos=True)
-    out: dict[str, Any] = {}
-    with LMEngine.start(model_dir, "openvino", cache_tokens=max(batches) * 128) as engine:
-        engine.generate(prompts(2), SamplingParams(4, ignore_eos=True))  # warm-up
-        for batch in batches:
-            before = len(engine.step_seconds)
-            done = engine.generate(prompts(batch), params)
-            steps = engine.step_seconds[before:]
-            # step 0 holds every prefill (batch * 32 tokens < one chunk per rank)
-            decode = steps[1:]
-            out[str(batch)] = {
-                "decode_tokens_per_s": batch * len(decode) / sum(decode),
+    def __init__(self, model_dir: Path, dp: int) -> None:
+        from numaov.runtime.lm_engine import LMEngine, SamplingParams
+
+        os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
+        self.name = f"numaov dp={dp}"
+        self._params = SamplingParams(NEW_TOKENS, ignore_eos=True)
+        self._engine = LMEngine.start(model_dir, "openvino", cache_tokens=max(BATCHES) * 128)
+        self._engine.generate(prompts(2), SamplingParams(4, ignore_eos=True))  # warm-up
+
+    def decode(self, batch: int) -> dict[str, Any]:
+        """Decode tokens/s of ``batch`` requests submitted at once, timed from the first step
+        after every prompt's prefill to the last token."""
+        engine = self._engine
+        before = len(engine.step_seconds)
+        done = engine.generate(prompts(batch), self._params)
+        steps = engine.step_seconds[before:]
+        decode = steps[1:]  # step 0 holds every prefill (batch * 32 tokens < one chunk per rank)
+        return {"decode_tokens_per_s": batch * len(decode) / sum(decode),
                 "decode_step_ms_median": 1e3 * statistics.median(decode),
-                "prefill_ms": 1e3 * steps[0],
-                "steps": len(steps),
-                "tokens": [c.tokens for c in done],
-            }
-            log(f"numaov dp={dp} batch {batch}: "
-                f"{out[str(batch)]['decode_tokens_per_s']:.1f} tok/s")
-        out["stats"] = engine.stats().as_dict()
-    return out
+                "prefill_ms": 1e3 * steps[0], "steps": len(steps),
+                "tokens": [c.tokens for c in done]}
+
+    def close(self) -> None:
+        self._engine.close()
 
 
 def engine_context(model_dir: Path, dp: int) -> dict[str, Any]:
@@ -387,8 +392,17 @@ _OPTIMUM = textwrap.dedent('''
     checkpoint, out_dir, request = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     t = time.perf_counter()
     if not (out_dir / "openvino_model.xml").is_file():
-        model = OVModelForCausalLM.from_pretrained(checkpoint, export=True, stateful=True,
-                                                   compile=False, ov_config=request["config"])
+        # int8 / int4: NNCF weight-only compression of every matmul (symmetric, as numaov's
+        # formats), int4 at numaov's group size; f32 / bf16: the weights as exported.
+        from optimum.intel import OVWeightQuantizationConfig
+        bits = {"int8": 8, "int4": 4}.get(request["weights"])
+        quantization = (None if bits is None else OVWeightQuantizationConfig(
+            bits=bits, sym=True, **({"group_size": request["group_size"], "ratio": 1.0}
+                                    if bits == 4 else {})))
+        model = OVModelForCausalLM.from_pretrained(
+            checkpoint, export=True, stateful=True, compile=False, ov_config=request["config"],
+            load_in_8bit=False if quantization is None else None,
+            quantization_config=quantization)
         model.save_pretrained(out_dir)
     model = OVModelForCausalLM.from_pretrained(out_dir, ov_config=request["config"])
     export_s = time.perf_counter() - t
@@ -401,7 +415,9 @@ _OPTIMUM = textwrap.dedent('''
             return False
 
     from transformers import StoppingCriteriaList
-    for batch, prompts in request["prompts"].items():
+    print("READY " + json.dumps(result), flush=True)
+    for line in sys.stdin:  # one batch of prompts per line, one answer line each
+        prompts = json.loads(line)
         ids = torch.tensor(prompts)
         mask = torch.ones_like(ids)
         model.generate(input_ids=ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=4,
@@ -412,34 +428,81 @@ _OPTIMUM = textwrap.dedent('''
                              do_sample=False, pad_token_id=0,
                              stopping_criteria=StoppingCriteriaList([timer]))
         steps = np.diff(timer.marks)  # one mark per generated token, after it
-        result["batches"][batch] = {
+        print("RESULT " + json.dumps({
             "decode_tokens_per_s": len(prompts) * len(steps) / float(steps.sum()),
             "decode_step_ms_median": 1e3 * float(np.median(steps)),
             "tokens": out[:, ids.shape[1]:].tolist(),
-        }
-    print(json.dumps(result))
+        }), flush=True)
 ''')
 
 
-def optimum_decode(checkpoint: Path, precision: str, batches: tuple[int, ...]
-                   ) -> dict[str, Any]:
-    if not OPTIMUM_PYTHON.is_file():
-        return {"error": f"no optimum-intel venv at {OPTIMUM_PYTHON}; run "
-                         "benchmarks/optimum_venv.sh"}
-    request = {
-        "prompts": {str(b): prompts(b) for b in batches}, "new_tokens": NEW_TOKENS,
-        "config": {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": "2",
-                   "NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY"},
-    }
-    log(f"optimum-intel {precision}")
-    proc = subprocess.run(
-        [str(OPTIMUM_PYTHON), "-c", _OPTIMUM, str(checkpoint),
-         str(WORK / f"optimum_{precision}"), json.dumps(request)],
-        capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed",
-                "stderr_tail": proc.stderr[-3000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class OptimumDecoder:
+    """optimum-intel in its own venv, one worker process kept across the rounds: it exports
+    (once; cached in WORK) and compiles at start, then decodes one batch per request line."""
+
+    name = "optimum-intel"
+
+    def __init__(self, checkpoint: Path, precision: str, weights: str,
+                 group_size: int | None) -> None:
+        if not OPTIMUM_PYTHON.is_file():
+            raise SystemExit(f"no optimum-intel venv at {OPTIMUM_PYTHON}; run "
+                             "benchmarks/optimum_venv.sh")
+        request = {
+            "new_tokens": NEW_TOKENS, "weights": weights, "group_size": group_size or 32,
+            "config": {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": "2",
+                       "NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY"},
+        }
+        log(f"optimum-intel: {weights} weights, {precision} inference")
+        self._proc = subprocess.Popen(
+            [str(OPTIMUM_PYTHON), "-c", _OPTIMUM, str(checkpoint),
+             str(WORK / f"optimum_{weights}_{precision}"), json.dumps(request)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.started = self._answer("READY ")
+
+    def _answer(self, prefix: str) -> dict[str, Any]:
+        for line in self._proc.stdout:
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+        raise SystemExit(f"the optimum-intel worker exited ({self._proc.wait()}); its "
+                         "stderr is above")
+
+    def decode(self, batch: int) -> dict[str, Any]:
+        self._proc.stdin.write(json.dumps(prompts(batch)) + "\n")
+        self._proc.stdin.flush()
+        return self._answer("RESULT ")
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=120)
+
+
+def decode_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """Every system at every batch once per round, the systems' order rotating each round
+    (the machine's speed drifts within minutes); medians and ranges over the rounds."""
+    samples: dict[str, dict[str, list[dict[str, Any]]]] = {
+        name: {str(b): [] for b in BATCHES} for name in decoders}
+    names = list(decoders)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for batch in BATCHES:
+            for name in order:
+                row = decoders[name].decode(batch)
+                samples[name][str(batch)].append(row)
+                log(f"round {r + 1}/{rounds} batch {batch:>2} {name}: "
+                    f"{row['decode_tokens_per_s']:.1f} tok/s")
+    summary: dict[str, Any] = {}
+    for name, per_batch in samples.items():
+        summary[name] = {}
+        for batch, rows in per_batch.items():
+            rates = [row["decode_tokens_per_s"] for row in rows]
+            summary[name][batch] = {
+                "decode_tokens_per_s_median": statistics.median(rates),
+                "decode_tokens_per_s_range": [min(rates), max(rates)],
+                "decode_step_ms_median": statistics.median(
+                    row["decode_step_ms_median"] for row in rows),
+                "tokens": rows[0]["tokens"],
+            }
+    return summary
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -448,31 +511,44 @@ def optimum_decode(checkpoint: Path, precision: str, batches: tuple[int, ...]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sections", default="decode,context,kv")
-    parser.add_argument("--precision", default="f32", choices=("f32", "bf16"))
+    parser.add_argument("--precision", default="f32", choices=("f32", "bf16"),
+                        help="inference precision of both systems")
+    parser.add_argument("--weights", choices=("f32", "bf16", "int8", "int4"),
+                        help="weight format of both systems (default: the precision's)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="decode rounds (every system at every batch once per round)")
     args = parser.parse_args()
+    args.weights = args.weights or args.precision
     sections = set(args.sections.split(","))
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
         "cpus": len(os.sched_getaffinity(0)), "load_start": uptime(),
-        "precision": args.precision,
+        "precision": args.precision, "weights": args.weights, "rounds": args.rounds,
     }
     log(f"load at start: {results['load_start']}")
     checkpoint = build_checkpoint()
-    dirs = {dp: numaov_export(checkpoint, dp, args.precision) for dp in (1, 2)}
+    dirs = {dp: numaov_export(checkpoint, dp, args.precision, args.weights) for dp in (1, 2)}
     inference = "f32" if args.precision == "f32" else "bf16"
     if "decode" in sections:
-        results["optimum"] = optimum_decode(checkpoint, inference, BATCHES)
-        results["numaov_dp1"] = engine_decode(dirs[1], 1, BATCHES)
-        results["numaov_dp2"] = engine_decode(dirs[2], 2, BATCHES)
+        group_size = json.loads((dirs[1] / "manifest.json").read_text()).get(
+            "weights_group_size")
+        decoders = {"optimum": OptimumDecoder(checkpoint, inference, args.weights, group_size)}
+        results["optimum_export_and_load_s"] = decoders["optimum"].started["export_and_load_s"]
+        decoders["numaov_dp1"] = EngineDecoder(dirs[1], 1)
+        decoders["numaov_dp2"] = EngineDecoder(dirs[2], 2)
+        try:
+            results.update(decode_rounds(decoders, args.rounds))
+        finally:
+            for decoder in decoders.values():
+                decoder.close()
         ratios = {}
         for b in map(str, BATCHES):
-            opt = results["optimum"].get("batches", {}).get(b, {})
-            one, two = results["numaov_dp1"][b], results["numaov_dp2"][b]
+            opt, one, two = (results[k][b] for k in ("optimum", "numaov_dp1", "numaov_dp2"))
+            rate = "decode_tokens_per_s_median"
             ratios[b] = {
-                "dp1_vs_optimum": (one["decode_tokens_per_s"] / opt["decode_tokens_per_s"]
-                                   if opt else None),
-                "dp2_vs_dp1": two["decode_tokens_per_s"] / one["decode_tokens_per_s"],
-                "dp1_same_tokens_as_optimum": one["tokens"] == opt.get("tokens"),
+                "dp1_vs_optimum": one[rate] / opt[rate],
+                "dp2_vs_dp1": two[rate] / one[rate],
+                "dp1_same_tokens_as_optimum": one["tokens"] == opt["tokens"],
                 "dp2_same_tokens_as_dp1": two["tokens"] == one["tokens"],
             }
             log(f"batch {b}: {ratios[b]}")
@@ -485,14 +561,11 @@ def main() -> None:
         results["kv_candidates_ms"] = kv_candidates(checkpoint, dirs[1])
     results["load_end"] = uptime()
     log(f"load at end: {results['load_end']}")
-    out = Path(str(OUT).format(precision=args.precision))
+    out = Path(str(OUT).format(precision=args.precision, weights=args.weights))
     out.parent.mkdir(parents=True, exist_ok=True)
-    for section in ("numaov_dp1", "numaov_dp2"):
+    for section in ("optimum", "numaov_dp1", "numaov_dp2"):
         for row in results.get(section, {}).values():
-            if isinstance(row, dict):
-                row.pop("tokens", None)
-    for row in results.get("optimum", {}).get("batches", {}).values():
-        row.pop("tokens", None)
+            row.pop("tokens", None)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 

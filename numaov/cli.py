@@ -398,10 +398,15 @@ def cmd_run_deepseek(args: argparse.Namespace) -> int:
             "give the prompts once: --prompt-ids '1,2,3;4,5' or --tokenizer DIR with one "
             "--prompt TEXT per prompt"
         )
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer is not None else None
+    tokenizer_dir = args.tokenizer
+    if tokenizer_dir is None and args.prompt and (Path(args.model_dir) / "tokenizer.json").is_file():
+        tokenizer_dir = args.model_dir  # the export carries its checkpoint's tokenizer
+    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if args.prompt:
         if tokenizer is None:
-            raise GenerationInputError("--prompt TEXT needs --tokenizer DIR (a tokenizer.json)")
+            raise GenerationInputError(
+                f"--prompt TEXT needs a tokenizer: {args.model_dir!r} has no tokenizer.json "
+                "(its checkpoint had none); expected --tokenizer DIR (a tokenizer.json)")
         prompts = encode_prompts(tokenizer, args.prompt)
     else:
         prompts = parse_prompt_ids(args.prompt_ids)

@@ -202,8 +202,17 @@ def test_tiny_moe_dp2_gives_the_tokens_of_dp1(demo: dict) -> None:
     prompts = encode_prompts(tokenizer, ["The for statement", "Strings are", "class"])
     model = DeepseekV2.from_pretrained(TINY_MOE_DIR)
     reference, _ = greedy_reference(model, prompts, 12, eos=model.config.eos_token_id)
-    got = run_deepseek(demo["out"] / "deepseek" / "model", prompts, 12, "openvino")
+    export = demo["out"] / "deepseek" / "model"
+    got = run_deepseek(export, prompts, 12, "openvino")
     assert got.tokens == reference
+    # The export carries the checkpoint's tokenizer: text prompts need no --tokenizer.
+    assert (export / "tokenizer.json").read_bytes() == (TINY_MOE_DIR / "tokenizer.json").read_bytes()
+    run = subprocess.run([*CLI, "run", "deepseek", "--quiet", "--model-dir",
+                          str(export), "--prompt", "Strings are", "--max-new-tokens", "12"],
+                         capture_output=True, text=True, timeout=600, env=demo["env"])
+    assert run.returncode == 0, run.stderr
+    first = run.stdout.splitlines()[0]
+    assert first.removesuffix(" [stop]") == f"[0] 'Strings are' -> {tokenizer.decode(reference[1])!r}", run.stdout
 
 
 # -- slow: a non-dev install ------------------------------------------------------------------

@@ -250,7 +250,7 @@ def test_cli_run_with_a_tokenizer_takes_and_prints_text(
     (["--prompt-ids", "1,2;x"], "'x' in prompt 1 is not a token id"),
     (["--prompt-ids", "1,2;;3"], "prompt 1 is empty"),
     (["--prompt-ids", "1,600"], r"token id\(s\) \[600\] outside the vocabulary"),
-    (["--prompt", "hello"], "--prompt TEXT needs --tokenizer"),
+    (["--prompt", "hello"], "--prompt TEXT needs a tokenizer: .* has no tokenizer.json"),
     ([], "give the prompts once"),
 ])
 def test_cli_run_rejects_bad_prompts_with_one_line(

@@ -10,6 +10,8 @@
   the ``numaov.collective`` nodes (group ``COLLECTIVE_GROUP``) around every MLP and MoE block
   when ``dp > 1``;
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
+- the checkpoint's tokenizer files (``TOKENIZER_FILES``), copied when present, so the export
+  alone takes text prompts;
 - ``manifest.json``, written last, with every other file's size and digest.
 
 The files are written into a staging directory that replaces ``out_dir`` only once parity
@@ -52,6 +54,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +101,9 @@ OUTPUT_NAMES = ("logits", "new_key_values")
 ONNX_NAME = "model.onnx"
 IR_NAME = "model.xml"
 REFERENCE_SAMPLE_NAME = "reference_sample.npz"
+# The Hugging Face tokenizer files an export carries along from its checkpoint, when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
 # The example the graph is traced with: (batch, new tokens, cached tokens), all different
 # from each other and from 0/1, which torch.export would specialise.
 EXAMPLE_SHAPE = (2, 3, 4)
@@ -322,6 +328,18 @@ def export_deepseek(
                             weights, group_size)
 
 
+def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> list[str]:
+    """Copy the checkpoint's tokenizer files into the export, so the export alone serves and
+    runs text prompts (``numaov serve`` / ``run deepseek`` read ``tokenizer.json`` and the chat
+    template from the model directory). The names of the files copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (checkpoint_dir / name).is_file():
+            shutil.copy2(checkpoint_dir / name, out_dir / name)
+            copied.append(name)
+    return copied
+
+
 def _export_into(
     checkpoint_dir: Path,
     out_dir: Path,
@@ -423,6 +441,9 @@ def _export_into(
         )
     timings["parity"] = time.perf_counter() - start
 
+    copied = _copy_tokenizer(checkpoint_dir, out_dir)
+    if copied:
+        report(f"copied the checkpoint's tokenizer ({', '.join(copied)})")
     manifest = ExportManifest(
         kind="deepseek",
         config=config.to_dict(),

@@ -224,6 +224,12 @@ class RankRunner:
             begin = time.perf_counter()
             logits, new = self.model.step(feeds)
             forward += time.perf_counter() - begin
+            if len(logits) != len(rows):
+                # Seen when a peer rank is killed inside the step's collectives: name it
+                # rather than fail below with an index error.
+                raise RuntimeError(
+                    f"rank {self.rank}'s step returned logits for {len(logits)} rows; expected "
+                    f"{len(rows)} (one per row of the step; did a peer rank fail mid-step?)")
             slots, batch_rows, columns = writes
             if len(slots):
                 self.pool[:, slots] = new[:, batch_rows, columns]  # only the new entries
