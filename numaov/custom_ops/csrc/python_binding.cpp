@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx.hpp"
 #include "communicator.hpp"
 #include "flash_attention.hpp"
 #include "moe_kernels.hpp"
@@ -247,8 +248,9 @@ PYBIND11_MODULE(_native, m) {
         },
         py::arg("format"),
         "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
-    m.def("amx_unavailable_reason", &numaov::attention::amx_unavailable_reason,
-          "Why the flash-attention kernel cannot run here (\"\" when AMX is usable).");
+    m.def("amx_unavailable_reason", &numaov::amx::unavailable_reason,
+          "Why AMX tiles cannot be used here (\"\" when they can): flash attention needs them, the MoE "
+          "experts kernel uses them for bf16 experts with many rows.");
     m.def(
         "flash_attention",
         [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, const std::vector<uint64_t>& shape,
