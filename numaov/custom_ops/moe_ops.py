@@ -49,6 +49,7 @@ __all__ = [
     "MoeOpError",
     "dequantize_experts",
     "quantize_experts",
+    "bf16_kernel",
     "kernel_unavailable_reason",
     "moe_experts",
     "moe_translation_table",
@@ -309,6 +310,19 @@ def kernel_unavailable_reason(weight_format: str) -> str:
     from numaov.custom_ops.native import native_module
 
     return native_module().moe_unavailable_reason(weight_format)
+
+
+def bf16_kernel() -> dict[str, Any]:
+    """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
+    (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
+    ``off``; ``always``): ``{"kernel": "amx" | "avx512_bf16" | None, "amx_min_rows": int |
+    None, "reason": str}``. Raises MoeOpError for another setting."""
+    from numaov.custom_ops.native import native_module
+
+    try:
+        return dict(native_module().moe_bf16_kernel())
+    except ValueError as exc:
+        raise MoeOpError(str(exc), parameter="NUMAOV_MOE_AMX") from None
 
 
 # ---------------------------------------------------------------------------------------------

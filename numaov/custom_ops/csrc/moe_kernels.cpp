@@ -627,6 +627,20 @@ std::string unavailable_reason(WeightFormat format) {
     return "";
 }
 
+Bf16Kernel bf16_kernel() {
+    const std::string missing = unavailable_reason(WeightFormat::bf16);
+    if (!missing.empty()) return {"", missing, 0};
+    switch (amx_setting()) {
+        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0};
+        case AmxSetting::always:
+            if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0};
+            return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1};
+        default:
+            if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0};
+            return {"amx", "AMX is usable; experts with fewer rows run on AVX512-BF16", kAmxMinRows};
+    }
+}
+
 void moe_experts(const Tensors& tensors, const Shape& shape) {
     const std::string missing = unavailable_reason(tensors.format);
     if (!missing.empty()) throw std::runtime_error("numaov MoE experts kernel: " + missing);
