@@ -2,7 +2,7 @@
 
 #include <immintrin.h>
 
-#include <cstring>
+#include <algorithm>
 
 #include "amx.hpp"
 
@@ -33,25 +33,62 @@ NUMAOV_TARGET_AMX const uint16_t* tile_source(const WeightBlock& w, size_t k0, s
     return tail;
 }
 
+// r[i][j] <- r[j][i] for 16 x 16 32-bit words: pairs within 128-bit lanes,
+// then 4 x 4 blocks within lanes, then the lanes themselves.
+NUMAOV_TARGET_AMX void transpose_words(__m512i (&r)[kTile]) {
+    __m512i t[kTile], u[kTile], v[kTile];
+    for (size_t i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (size_t i = 0; i < 4; ++i) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (size_t i = 0; i < 2; ++i) {
+        for (size_t j = 0; j < 4; ++j) {
+            v[8 * i + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + 4 + j], 0x88);
+            v[8 * i + 4 + j] = _mm512_shuffle_i32x4(u[8 * i + j], u[8 * i + 4 + j], 0xdd);
+        }
+    }
+    for (size_t j = 0; j < 8; ++j) {
+        r[j] = _mm512_shuffle_i32x4(v[j], v[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(v[j], v[8 + j], 0xdd);
+    }
+}
+
 }  // namespace
 
 size_t block_words(size_t K) { return padded_k(K) / 2 * kTile; }
 
 size_t panel_words(size_t M, size_t K) { return (M + kTile - 1) / kTile * block_words(K); }
 
-void pack_panel(const uint16_t* const* rows, size_t M, size_t K, uint32_t* panel) {
-    std::memset(panel, 0, panel_words(M, K) * sizeof(uint32_t));
-    const size_t pairs = K / 2, words = block_words(K);
-    for (size_t m = 0; m < M; ++m) {
-        uint32_t* dst = panel + (m / kTile) * words + m % kTile;
-        const uint16_t* src = rows[m];
-        for (size_t p = 0; p < pairs; ++p) {
-            uint32_t pair;
-            std::memcpy(&pair, src + 2 * p, 4);  // (a[2p], a[2p + 1]), low half first
-            dst[p * kTile] = pair;
+NUMAOV_TARGET_AMX void pack_panel(const uint16_t* const* rows, size_t M, size_t K, uint32_t* panel) {
+    const size_t words = block_words(K);
+    for (size_t b = 0; b * kTile < M; ++b) {
+        const size_t count = std::min(kTile, M - b * kTile);
+        uint32_t* dst = panel + b * words;
+        for (size_t k0 = 0; k0 < K; k0 += kTileK) {
+            // 16 rows x 16 pairs, each row's pairs read as 16 words, transposed
+            // into 16 tile rows of one pair per activation row.
+            const size_t left = K - k0;
+            const __mmask32 mask = left >= kTileK ? ~__mmask32(0) : __mmask32((1u << left) - 1);
+            __m512i r[kTile];
+            for (size_t m = 0; m < kTile; ++m)
+                r[m] = m < count ? _mm512_maskz_loadu_epi16(mask, rows[b * kTile + m] + k0) : _mm512_setzero_si512();
+            transpose_words(r);
+            for (size_t p = 0; p < kTile; ++p) _mm512_store_si512(dst + (k0 / 2 + p) * kTile, r[p]);
         }
-        if (K % 2) dst[pairs * kTile] = src[K - 1];
     }
+}
+
+NUMAOV_TARGET_AMX void transpose_tile(const float* tile, float* out) {
+    __m512i r[kTile];
+    for (size_t n = 0; n < kTile; ++n) r[n] = _mm512_load_si512(tile + n * kTile);
+    transpose_words(r);
+    for (size_t m = 0; m < kTile; ++m) _mm512_store_si512(out + m * kTile, r[m]);
 }
 
 // Tiles: tmm0-3 the four results (tmm0 = w[0] x block 0, tmm1 = w[0] x block 1,

@@ -33,6 +33,10 @@ size_t block_words(size_t K);
 // layout [ceil(M / 16)][ceil(K / 32) * 16][16], zero past M and K.
 void pack_panel(const uint16_t* const* rows, size_t M, size_t K, uint32_t* panel);
 
+// A 16 x 16 fp32 result tile [weight row][activation row] as [activation row][weight row]
+// (both 64-byte aligned), so an epilogue writes whole activation rows.
+void transpose_tile(const float* tile, float* out);
+
 // `count` (<= 16) weight rows of K bf16 values from `first`, one after the
 // other; count 0 marks an unused block.
 struct WeightBlock {

@@ -322,7 +322,7 @@ AmxSetting amx_setting() {
     const char* value = std::getenv("NUMAOV_MOE_AMX");
     const std::string v = value ? value : "";
     if (v.empty() || v == "auto") return AmxSetting::automatic;
-    if (v == "off" || v == "0") return AmxSetting::off;
+    if (v == "off") return AmxSetting::off;
     if (v == "always") return AmxSetting::always;
     throw std::invalid_argument("NUMAOV_MOE_AMX='" + v + "'; expected auto, off or always");
 }
@@ -387,22 +387,14 @@ PairBlock pair_block(const Routing::Hit& hit, size_t block) {
     return {hit.start + first, std::min(amx_tiles::kTile, hit.count - first)};
 }
 
-// A result tile [16 columns][16 pairs] as [16 pairs][16 columns], so the
-// epilogues below write whole rows.
-void transpose_tile(const float* tile, float* t) {
-    constexpr size_t kTile = amx_tiles::kTile;
-    for (size_t n = 0; n < kTile; ++n)
-        for (size_t m = 0; m < kTile; ++m) t[m * kTile + n] = tile[n * kTile + m];
-}
-
 // silu(gate) * up of one AMX block as bf16 into the block's rows of `act`
 // (rows of I values, `act` already at the block's first column), `cols` columns.
 NUMAOV_TARGET_AVX512_BF16 void store_gate_up_block(const float* gate, const float* up, size_t cols, PairBlock pb,
                                                    uint16_t* act, size_t I) {
     constexpr size_t kTile = amx_tiles::kTile;
     alignas(64) float g[kTile * kTile], u[kTile * kTile], h[kTile];
-    transpose_tile(gate, g);
-    transpose_tile(up, u);
+    amx_tiles::transpose_tile(gate, g);
+    amx_tiles::transpose_tile(up, u);
     const __mmask16 mask = __mmask16((1u << cols) - 1);
     for (size_t m = 0; m < pb.count; ++m) {
         silu_mul(g + m * kTile, u + m * kTile, h);
@@ -416,7 +408,7 @@ NUMAOV_TARGET_AVX512_BF16 void add_down_block(const float* tile, size_t cols, Pa
                                               float* out, size_t H) {
     constexpr size_t kTile = amx_tiles::kTile;
     alignas(64) float y[kTile * kTile];
-    transpose_tile(tile, y);
+    amx_tiles::transpose_tile(tile, y);
     const __mmask16 mask = __mmask16((1u << cols) - 1);
     for (size_t m = 0; m < pb.count; ++m) {
         float* dst = out + routing.row[pb.first + m] * H;
