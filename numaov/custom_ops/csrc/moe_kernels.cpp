@@ -35,11 +35,11 @@ constexpr size_t kTileCols = 4;
 // block's weights stay in L2 while the rows stream (long prefill).
 constexpr size_t kRowChunk = 64;
 // bf16 experts with at least this many (row, slot) pairs run on AMX tiles
-// (moe_amx.hpp) where usable. An expert's product is bound by reading its
-// weights up to ~16 rows, and the tiles' 16 row streams per weight block read
-// them slower than the dot products' one stream per row at a single row
-// (measured on this kernel: 1 row per expert 1.0-1.4x slower on tiles, 2 rows
-// 1.2-1.3x faster, 12 rows 2.3x faster; benchmarks/RESULTS.md).
+// (moe_amx.hpp) where usable. At a few rows an expert's product is bound by
+// reading its weights, and at one row the tiles' 16 row streams per weight
+// block read them no faster than the dot products' one stream per row; from
+// two rows the tiles win (benchmarks/moe.py --part amx-rows: 1 row 0.80x,
+// 2 rows 1.20x, 16 rows 2.04x; benchmarks/RESULTS.md).
 constexpr size_t kAmxMinRows = 2;
 
 struct Features {
