@@ -106,7 +106,7 @@ def test_auto_runs_experts_with_2_rows_or_more_on_amx(
 
 def test_amx_with_several_experts_per_row(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Top-6 over 16 experts at 1, 7 and 130 rows, x in bf16: the rows' pairs sum over
+    """Top-6 over 16 experts at 1, 7 and 130 rows: the rows' pairs sum over
     experts on both paths (the down pass adds each AMX block into the rows it belongs to)."""
     g = torch.Generator().manual_seed(5)
     gate_up = torch.randn(16, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5
