@@ -22,13 +22,19 @@ Second part: one MoE layer (router + routed experts in numaov's MoeExperts op + 
 experts) exported alone in each weight format and compiled as the runtime does, against torch
 eager f32 and bf16 (the op's eager face: the grouped loop), with ``n_routed_experts`` 64 and
 doubled to 128 at the same top-k, at 4 rows (decode) and 128 / 1,024 rows (prefill). Every
-competitor is sampled once per round, rounds alternate, medians and ranges are printed. The
+competitor is sampled once per round, rounds alternate, medians and ranges are printed; bf16 is
+timed twice where AMX is usable, as the runtime runs it (AMX tiles for experts of two rows or
+more) and with ``NUMAOV_MOE_AMX=off`` (AVX512-BF16 only). The
 decode call is also set against the memory traffic it needs: the bytes of the experts its rows
 hit (in the format, with scales), the shared experts and the router, per second, as a share
 of a measured copy bandwidth (``fallback_ops.copy_bandwidth``: bytes read + written per second
 by torch's threaded copy of a 256 MiB tensor).
 
-    python benchmarks/moe.py [--decode-steps 8] [--rounds 15] [--part all|model|moe]
+Third part (``--part amx-rows``): the bf16 MoeExperts op alone, 64 experts each given exactly
+c = 1 .. 64 rows, on AMX tiles against AVX512-BF16, where AMX is usable: the row count from
+which the kernel's automatic choice puts an expert on the tiles.
+
+    python benchmarks/moe.py [--decode-steps 8] [--rounds 15] [--part all|model|moe|amx-rows]
         [--formats f32,bf16,int8,int4]
 
 Writes benchmarks/out/moe.json. A benchmark, not a test: it asserts nothing.
@@ -277,13 +283,33 @@ def _timed(call: Any, min_s: float = 0.02) -> float:
             return elapsed / count
 
 
+def _with_amx(setting: str, call: Any) -> Any:
+    """``call`` run under NUMAOV_MOE_AMX=setting (read by the kernel at every call)."""
+    def run() -> None:
+        before = os.environ.get("NUMAOV_MOE_AMX")
+        os.environ["NUMAOV_MOE_AMX"] = setting
+        try:
+            call()
+        finally:
+            if before is None:
+                del os.environ["NUMAOV_MOE_AMX"]
+            else:
+                os.environ["NUMAOV_MOE_AMX"] = before
+    return run
+
+
 def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any]:
-    """For E = 64 and 128: the op in each weight format (OpenVINO) and eager f32 / bf16, at
-    every row count, timed in alternating rounds (one sample of every competitor per round);
-    medians and ranges over the rounds."""
+    """For E = 64 and 128: the op in each weight format (OpenVINO; bf16 also with AMX off,
+    ``openvino_bf16-avx512``) and eager f32 / bf16, at every row count, timed in alternating
+    rounds (one sample of every competitor per round); medians and ranges over the rounds."""
+    from numaov.custom_ops.moe_ops import bf16_kernel
+
     bandwidth = copy_bandwidth(5)
+    kernel = bf16_kernel()
+    log(f"bf16 experts: {kernel['kernel']} ({kernel['reason']})")
     log(f"copy bandwidth (read + write of a 256 MiB copy): {bandwidth / 1e9:.1f} GB/s")
-    results: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "layers": []}
+    results: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "moe_bf16_kernel": kernel,
+                               "layers": []}
     rng = np.random.default_rng(SEED)
     inputs = {rows: rng.standard_normal((rows, BENCH_CONFIG.hidden_size), dtype=np.float32)
               for rows in MOE_ROWS}
@@ -301,6 +327,9 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
             for rows, x in inputs.items():
                 competitors[f"openvino_{weights}_{rows}"] = (
                     lambda request=request, x=x: request.infer({0: x}))
+                if weights == "bf16" and kernel["kernel"] == "amx":
+                    competitors[f"openvino_bf16-avx512_{rows}"] = _with_amx(
+                        "off", lambda request=request, x=x: request.infer({0: x}))
         for rows, x in inputs.items():
             xt = torch.from_numpy(x)
             xb = xt.bfloat16()
@@ -312,8 +341,13 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
         for layer in layers:
             for call in layer["competitors"].values():  # warm-up
                 call()
-        for _ in range(rounds):
-            for key in layers[0]["competitors"]:
+        keys = list(layers[0]["competitors"])
+        for round_number in range(rounds):
+            # Every other round in reverse, so no competitor always follows eager's calls,
+            # whose OpenMP threads keep spinning for a while after them: in one order only,
+            # bf16 at 4 rows (always first after eager) measured 0.56-0.60x of the same op
+            # with AMX off (second); in alternating orders, 0.82-0.88x.
+            for key in keys if round_number % 2 == 0 else keys[::-1]:
                 for layer in layers:
                     layer["samples"][key].append(1e3 * _timed(layer["competitors"][key]))
     for built in layers:
@@ -350,11 +384,62 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
             f"{weights}_{rows}_vs_eager_{base}": times[f"eager_{base}_{rows}"]["median"]
             / times[f"openvino_{weights}_{rows}"]["median"]
             for weights in formats for rows in MOE_ROWS for base in ("f32", "bf16")}
+        if f"openvino_bf16-avx512_{MOE_ROWS[0]}" in times:
+            layer["speedup"].update({
+                f"bf16_{rows}_amx_vs_avx512": times[f"openvino_bf16-avx512_{rows}"]["median"]
+                / times[f"openvino_bf16_{rows}"]["median"] for rows in MOE_ROWS})
         log(f"  E={layer['experts']} speed-ups: " + ", ".join(
             f"{k} {v:.2f}x" for k, v in layer["speedup"].items()))
     log("  experts doubled (E=128 / E=64): " + ", ".join(
         f"{k} {v:.2f}x" for k, v in results["experts_doubled"].items()))
     return results
+
+
+AMX_SWEEP_ROWS = (1, 2, 3, 4, 8, 16, 64)
+
+
+def amx_rows_sweep(tmp: Path, rounds: int) -> dict[str, Any]:
+    """The MoeExperts op alone with bf16 weights (64 experts of the benchmark's shape, top-1),
+    every expert given exactly c rows, on AMX tiles (NUMAOV_MOE_AMX=always) and on AVX512-BF16
+    (off), in alternating rounds: where the tiles start to pay (the kernel's kAmxMinRows)."""
+    from numaov.custom_ops import compile_ir
+    from numaov.custom_ops.moe_ops import bf16_kernel, write_moe_onnx
+
+    if bf16_kernel()["kernel"] != "amx":
+        log(f"AMX rows sweep skipped: {bf16_kernel()['reason']}")
+        return {}
+    experts, hidden, inter = 64, BENCH_CONFIG.hidden_size, BENCH_CONFIG.moe_intermediate_size
+    g = torch.Generator().manual_seed(SEED)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / math.sqrt(hidden)
+    down = torch.randn(experts, hidden, inter, generator=g) / math.sqrt(inter)
+    onnx_path = write_moe_onnx(tmp / "moe_op.onnx", gate_up, down, 1)
+    request = compile_ir(convert_to_ir(onnx_path, tmp / "moe_op.xml", "bf16"), "bf16",
+                         {"INFERENCE_NUM_THREADS": len(os.sched_getaffinity(0))}
+                         ).create_infer_request()
+    competitors: dict[str, Any] = {}
+    for c in AMX_SWEEP_ROWS:
+        feeds = {"x": torch.randn(c * experts, hidden, generator=g).numpy(),
+                 "ids": torch.arange(experts).repeat(c).reshape(-1, 1).numpy(),
+                 "weights": torch.rand(c * experts, 1, generator=g).numpy()}
+        for setting, name in (("always", "amx"), ("off", "avx512")):
+            competitors[f"{name}_{c}"] = _with_amx(setting, lambda feeds=feeds: request.infer(feeds))
+    samples: dict[str, list[float]] = {k: [] for k in competitors}
+    for call in competitors.values():  # warm-up
+        call()
+    for _ in range(rounds):
+        for key, call in competitors.items():
+            samples[key].append(1e3 * _timed(call))
+    times = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+             for k, v in samples.items()}
+    log(f"MoeExperts op alone, bf16, {experts} experts each with c rows (top-1), ms median "
+        f"[min-max] over {rounds} rounds:")
+    for c in AMX_SWEEP_ROWS:
+        amx, avx = times[f"amx_{c}"], times[f"avx512_{c}"]
+        log(f"  c={c:3d}: AMX {amx['median']:8.2f} [{amx['min']:.2f}-{amx['max']:.2f}]  AVX512-BF16 "
+            f"{avx['median']:8.2f} [{avx['min']:.2f}-{avx['max']:.2f}]  AMX speed-up "
+            f"{avx['median'] / amx['median']:.2f}x")
+    return {"amx_rows_sweep": {"experts": experts, "rows_per_expert": list(AMX_SWEEP_ROWS),
+                               "times_ms": times}}
 
 
 def whole_model(tmp: Path, decode_steps: int, l3: int | None,
@@ -403,8 +488,9 @@ def main() -> None:
                         help="timed MoE-layer rounds (medians and ranges)")
     parser.add_argument("--formats", default="f32,bf16,int8,int4",
                         help="weight formats of the MoE layer (comma-separated)")
-    parser.add_argument("--part", choices=["all", "model", "moe"], default="all",
-                        help="the whole model, the MoE layer, or both (default)")
+    parser.add_argument("--part", choices=["all", "model", "moe", "amx-rows"], default="all",
+                        help="the whole model, the MoE layer, the op's AMX rows sweep, or all "
+                             "(default)")
     args = parser.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     l3 = l3_bytes()
@@ -423,6 +509,9 @@ def main() -> None:
             save(results)
         if args.part in ("all", "moe"):
             results.update(moe_layer_bench(tmp, args.rounds, args.formats.split(",")))
+            save(results)
+        if args.part in ("all", "amx-rows"):
+            results.update(amx_rows_sweep(tmp, args.rounds))
     save(results)
 
 

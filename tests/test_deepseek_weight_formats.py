@@ -13,7 +13,7 @@ import pytest
 
 from numaov.custom_ops import add_extension, compile_ir
 from numaov.exporter.deepseek_export import export_deepseek
-from numaov.exporter.weight_formats import WEIGHT_TOLERANCES, WeightFormatError
+from numaov.exporter.weight_formats import WEIGHT_TOLERANCES, WeightFormatError, parity_tolerance
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 
 pytestmark = pytest.mark.slow  # exports the tiny DeepSeek
@@ -69,3 +69,33 @@ def test_int4_needs_rows_divisible_by_32(checkpoint: Path, tmp_path: Path) -> No
         export_deepseek(checkpoint, tmp_path / "out", dp=2, weights="int4")
     assert info.value.parameter == "weights"
     assert not (tmp_path / "out").exists()
+
+
+def test_bf16_export_matches_with_the_experts_on_amx_tiles_and_on_avx512(
+        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--weights bf16: the export's own parity ran with every routed expert on AMX tiles
+    (NUMAOV_MOE_AMX=always) and passed at the bf16 tolerance; the compiled graph on the
+    AVX512-BF16 path passes it too."""
+    from numaov.custom_ops.moe_ops import bf16_kernel
+
+    monkeypatch.setenv("NUMAOV_MOE_AMX", "always")
+    kernel = bf16_kernel()
+    if kernel["kernel"] != "amx":
+        pytest.skip(f"needs AMX tiles: {kernel['reason']}")
+    out = tmp_path / "bf16"
+    export_deepseek(checkpoint, out, weights="bf16")
+    data = json.loads((out / "manifest.json").read_text())
+    assert data["weights"] == "bf16"
+    tolerance = parity_tolerance("bf16", data["precision"])  # bf16 inference's, 0.1
+    logits = [f for f in data["parity"] if f["output"] == "logits"]
+    assert logits and all(f["passed"] and f["tolerance"] == tolerance for f in logits)
+    sample = np.load(out / "reference_sample.npz")
+    feeds = {k[len("input."):]: sample[k] for k in sample.files if k.startswith("input.")}
+    ref = sample["output.logits"]
+    run = compile_ir(out / "rank_0/model.xml", data["precision"]).runner()
+    got = {}
+    for setting in ("always", "off"):
+        monkeypatch.setenv("NUMAOV_MOE_AMX", setting)
+        got[setting] = run(feeds)[0]
+        assert np.abs(got[setting] - ref).max() / np.abs(ref).max() < tolerance, setting
+    assert not np.array_equal(got["always"], got["off"])  # the two kernels both ran

@@ -38,6 +38,11 @@ def test_doctor_json_has_documented_keys() -> None:
     attention = report["extension"]["attention"]
     assert attention["setting"] == "auto"
     assert attention["kernel"] == ("numaov" if topo.isa.amx_usable else "openvino")
+    moe = report["extension"]["moe"]
+    if topo.isa.amx_usable:
+        assert (moe["bf16_kernel"], moe["amx_min_rows"]) == ("amx", 2), moe
+    else:
+        assert moe["bf16_kernel"] in ("avx512_bf16", None) and moe["reason"], moe
     assert report["openvino"]["version"].startswith(ov.get_version().split("-")[0])
     assert report["binding_plan"]["ranks"]
     # What the binding rule does for two ranks here: one per node, or the CPUs split.
@@ -55,6 +60,21 @@ def test_doctor_text_and_bad_bind_string_warning() -> None:
     assert result.returncode == 0, result.stderr
     assert "Binding plan" in result.stdout
     assert "entry 1 ('4096'): CPU 4096 is not an online CPU" in result.stdout
+
+
+def test_doctor_reports_the_moe_bf16_kernel_under_numaov_moe_amx() -> None:
+    import os
+
+    off = _doctor("--json", env=dict(os.environ, NUMAOV_MOE_AMX="off"))
+    assert off.returncode == 0, off.stderr
+    moe = json.loads(off.stdout)["extension"]["moe"]
+    if read_topology().isa.avx512_bf16:
+        assert moe == {"bf16_kernel": "avx512_bf16", "amx_min_rows": None,
+                       "reason": "NUMAOV_MOE_AMX=off"}
+    bad = _doctor(env=dict(os.environ, NUMAOV_MOE_AMX="yes"))
+    assert bad.returncode == 0, bad.stderr
+    assert ("bf16 MoE experts: cannot run (NUMAOV_MOE_AMX='yes'; expected auto, off or always)"
+            in bad.stdout), bad.stdout
 
 
 def test_doctor_text_says_what_two_ranks_would_get() -> None:

@@ -35,10 +35,10 @@ from numaov.custom_ops import (
     moe_experts,
 )
 from numaov.custom_ops.moe_ops import (
-    MOE_DOMAIN,
     dequantize_experts,
     kernel_unavailable_reason,
     quantize_experts,
+    write_moe_onnx,
 )
 from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.models.deepseek import DeepseekV2Config
@@ -216,38 +216,8 @@ def test_quantized_formats_refuse_missing_or_misfit_scales() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _onnx_model(path: Path, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Path:
-    """One numaov.moe::MoeExperts node with the expert stacks (and scales) as initializers,
-    as the exporter writes it; N is dynamic."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    hidden = down.shape[1]
-    names = ["x", "ids", "weights", "gate_up", "down"]
-    initializers = [numpy_helper.from_array(gate_up.numpy(), "gate_up"),
-                    numpy_helper.from_array(down.numpy(), "down")]
-    if scales is not None:
-        names += ["gate_up_scale", "down_scale"]
-        initializers += [numpy_helper.from_array(scales[0].numpy(), "gate_up_scale"),
-                         numpy_helper.from_array(scales[1].numpy(), "down_scale")]
-    node = helper.make_node("MoeExperts", names, ["y"], domain=MOE_DOMAIN)
-    graph = helper.make_graph(
-        [node], "moe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", top_k]),
-         helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["N", top_k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", hidden])],
-        initializer=initializers,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                     helper.make_opsetid(MOE_DOMAIN, 1)])
-    onnx.save(model, path)
-    return path
-
-
 def _compiled(tmp_path: Path, gate_up, down, top_k: int, precision: str, scales=None):
-    onnx_path = _onnx_model(tmp_path / "moe.onnx", gate_up, down, top_k, scales)
+    onnx_path = write_moe_onnx(tmp_path / "moe.onnx", gate_up, down, top_k, scales)
     xml = convert_to_ir(onnx_path, tmp_path / f"moe_{precision}.xml", precision)
     return compile_ir(xml, precision)
 
@@ -323,7 +293,7 @@ def test_openvino_op_refuses_bad_inputs_with_a_clear_error(tmp_path: Path) -> No
 
 def test_onnxruntime_refuses_the_moe_domain(tmp_path: Path) -> None:
     _, _, _, gate_up, down = _problem(1, experts=4, top_k=2)
-    path = _onnx_model(tmp_path / "moe.onnx", gate_up, down, 2)
+    path = write_moe_onnx(tmp_path / "moe.onnx", gate_up, down, 2)
     with pytest.raises(OnnxRuntimeUnsupportedError,
                        match=r"ONNX Runtime cannot run numaov\.moe nodes \(MoeExperts\)"):
         check_onnxruntime_can_run(path)

@@ -34,6 +34,7 @@ With bf16 weights the activations are rounded to bf16 before each projection (wh
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,9 +50,11 @@ __all__ = [
     "MoeOpError",
     "dequantize_experts",
     "quantize_experts",
+    "bf16_kernel",
     "kernel_unavailable_reason",
     "moe_experts",
     "moe_translation_table",
+    "write_moe_onnx",
 ]
 
 #: The ONNX domain of the MoeExperts node; the C++ extension maps the same string.
@@ -311,6 +314,19 @@ def kernel_unavailable_reason(weight_format: str) -> str:
     return native_module().moe_unavailable_reason(weight_format)
 
 
+def bf16_kernel() -> dict[str, Any]:
+    """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
+    (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
+    ``off``; ``always``): ``{"kernel": "amx" | "avx512_bf16" | None, "amx_min_rows": int |
+    None, "reason": str}``. Raises MoeOpError for another setting."""
+    from numaov.custom_ops.native import native_module
+
+    try:
+        return dict(native_module().moe_bf16_kernel())
+    except ValueError as exc:
+        raise MoeOpError(str(exc), parameter="NUMAOV_MOE_AMX") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # ONNX face of the captured op.
 # ---------------------------------------------------------------------------------------------
@@ -352,3 +368,35 @@ def moe_translation_table() -> dict[Any, Any]:
         return node(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
 
     return {torch.ops.numaov.moe_experts.default: moe_experts_onnx}
+
+
+def write_moe_onnx(path: Path, gate_up: Tensor, down: Tensor, top_k: int,
+                   scales: tuple[Tensor, Tensor] | None = None) -> Path:
+    """An ONNX model of one ``numaov.moe::MoeExperts`` node with the expert stacks (and int8 /
+    int4 scales) as initializers, as the exporter writes the node, and inputs x [N, H], ids
+    [N, top_k] int64 and weights [N, top_k] with N dynamic: the op alone, for tests and
+    benchmarks of its OpenVINO face."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    hidden = down.shape[1]
+    names = ["x", "ids", "weights", "gate_up", "down"]
+    initializers = [numpy_helper.from_array(gate_up.numpy(), "gate_up"),
+                    numpy_helper.from_array(down.numpy(), "down")]
+    if scales is not None:
+        names += ["gate_up_scale", "down_scale"]
+        initializers += [numpy_helper.from_array(scales[0].numpy(), "gate_up_scale"),
+                         numpy_helper.from_array(scales[1].numpy(), "down_scale")]
+    node = helper.make_node("MoeExperts", names, ["y"], domain=MOE_DOMAIN)
+    graph = helper.make_graph(
+        [node], "moe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", top_k]),
+         helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["N", top_k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", hidden])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                     helper.make_opsetid(MOE_DOMAIN, MOE_DOMAIN_VERSION)])
+    onnx.save(model, path)
+    return path

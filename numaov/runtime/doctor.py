@@ -76,9 +76,10 @@ def _extension_info() -> dict[str, Any]:
 
         path = library_path()
         add_extension(ov.Core())
-        return {"path": str(path), "loads": True, "error": None, "attention": _attention_info()}
+        return {"path": str(path), "loads": True, "error": None, "attention": _attention_info(),
+                "moe": _moe_info()}
     except Exception as exc:  # doctor reports, never crashes
-        return {"path": None, "loads": False, "error": str(exc), "attention": None}
+        return {"path": None, "loads": False, "error": str(exc), "attention": None, "moe": None}
 
 
 def _attention_info() -> dict[str, Any]:
@@ -99,6 +100,19 @@ def _attention_info() -> dict[str, Any]:
     else:
         reason = "as set" if setting == "openvino" else amx_unavailable_reason()
     return {"kernel": kernel, "setting": setting, "reason": reason}
+
+
+def _moe_info() -> dict[str, Any]:
+    """Which kernel the MoE experts op runs bf16 experts on, under NUMAOV_MOE_AMX:
+    ``bf16_kernel`` "amx" (experts of ``amx_min_rows`` rows or more), "avx512_bf16" or None."""
+    from numaov.custom_ops.moe_ops import MoeOpError, bf16_kernel
+
+    try:
+        kernel = bf16_kernel()
+    except MoeOpError as exc:
+        return {"bf16_kernel": None, "amx_min_rows": None, "reason": str(exc)}
+    return {"bf16_kernel": kernel["kernel"], "amx_min_rows": kernel["amx_min_rows"],
+            "reason": kernel["reason"]}
 
 
 def _shm_needed(world_size: int) -> int | None:
@@ -224,6 +238,12 @@ def format_report(report: dict) -> str:
                      f"{attention['setting']}: {attention['reason']})")
     elif attention:
         lines.append(f"  bf16 attention: unknown ({attention['reason']})")
+    moe = ext.get("moe")
+    if moe and moe["bf16_kernel"] == "amx":
+        lines.append(f"  bf16 MoE experts: AMX tiles for experts of {moe['amx_min_rows']}+ rows "
+                     f"({moe['reason']})")
+    elif moe:
+        lines.append(f"  bf16 MoE experts: {moe['bf16_kernel'] or 'cannot run'} ({moe['reason']})")
     shm = report["shm"]
     lines += ["", f"Shared memory: {shm['path']} {_mib(shm['free_bytes'])} free of "
               f"{_mib(shm['total_bytes'])}"

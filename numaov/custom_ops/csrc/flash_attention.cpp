@@ -1,9 +1,6 @@
 #include "flash_attention.hpp"
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,16 +12,7 @@
 
 #include <openvino/core/parallel.hpp>
 
-// Only the functions marked with this attribute use AMX / AVX-512 code; the rest
-// of the file (and every inline function it instantiates) stays baseline x86-64,
-// so loading the library on an older CPU is safe.
-#define NUMAOV_TARGET_AMX \
-    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
-// GCC's tile intrinsics are asm statements that do not tell the compiler which
-// memory they read or write; this barrier keeps ordinary loads and stores of
-// the tile buffers on the right side of them.
-#define NUMAOV_MEMORY_BARRIER() asm volatile("" ::: "memory")
+#include "amx.hpp"
 
 namespace numaov::attention {
 
@@ -36,66 +24,7 @@ constexpr size_t kGroupBlocks = 8;  // row blocks sharing one pass over the keys
 constexpr size_t kTileK = 32;    // bf16 elements in a 64-byte tile row
 constexpr size_t kTileN = 16;    // fp32 columns of a result tile
 
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ARCH_REQ_XCOMP_PERM
-constexpr int kXfeatureXtiledata = 18;
-
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-struct AmxState {
-    bool usable = false;
-    std::string reason;
-};
-
-const AmxState& amx_state() {
-    static const AmxState state = [] {
-        AmxState s;
-        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) {
-            s.reason = "the CPU does not report extended features (cpuid leaf 7)";
-            return s;
-        }
-        const bool amx_bf16 = (edx >> 22) & 1, amx_tile = (edx >> 24) & 1;
-        const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1);
-        if (!amx_tile || !amx_bf16 || !avx512_bf16) {
-            s.reason = "the CPU has no AMX-BF16 tiles (Sapphire Rapids or later Xeon needed)";
-            return s;
-        }
-        // Linux hands out the 8 KiB tile state only to processes that ask.
-        if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
-            s.reason = "the CPU has AMX but the kernel refused this process the tile state (Linux 5.16+ needed)";
-            return s;
-        }
-        s.usable = true;
-        return s;
-    }();
-    return state;
-}
-
-struct alignas(64) TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// All eight tiles are 16 rows of 64 bytes: tmm0-3 accumulate a 32x32 fp32 block,
-// tmm4-5 hold two 16-row A blocks, tmm6-7 two 16-column B blocks.
-constexpr TileConfig make_tile_config() {
-    TileConfig config{};
-    config.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    return config;
-}
-
-// A constant in memory, not a local: GCC 12 drops stores to a local config
-// before ldtilecfg (it does not see the instruction read them).
-alignas(64) constexpr TileConfig kTileConfig = make_tile_config();
-
-NUMAOV_TARGET_AMX void load_tile_config() { _tile_loadconfig(&kTileConfig); }
 
 // f32 row of `n` values -> `padded` bf16 values (round to nearest even, zero tail).
 NUMAOV_TARGET_AMX void to_bf16_row(const float* src, size_t n, uint16_t* dst, size_t padded) {
@@ -197,23 +126,6 @@ struct RowBlock {
     alignas(64) float sum[kBlockM][16];
 };
 
-// Every buffer a tile reads or writes starts on a cache line: a tile row that
-// straddles two lines makes the load several times slower (benchmarks/RESULTS.md,
-// the second flash-attention kernel), and malloc's large blocks are only 16-byte
-// aligned.
-template <class T>
-struct Aligned64 {
-    using value_type = T;
-    Aligned64() = default;
-    template <class U> Aligned64(const Aligned64<U>&) {}
-    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-    template <class U> bool operator==(const Aligned64<U>&) const { return true; }
-    template <class U> bool operator!=(const Aligned64<U>&) const { return false; }
-};
-template <class T>
-using Buffer = std::vector<T, Aligned64<T>>;
-
 // What one thread keeps: the packed keys and values of the (batch, head) it is
 // working on, up to kGroupBlocks row blocks that share each pass over those
 // keys, and the scores / probabilities of the two items in flight.
@@ -228,12 +140,12 @@ struct Scratch {
             blocks[b].acc = acc.data() + b * kBlockM * g.dim_padded;
         }
     }
-    Buffer<uint32_t> keys, values;  // PackedHead's layout, one (batch, head)
-    Buffer<uint16_t> query;
-    Buffer<float> acc;
-    Buffer<float> scores;  // two items' [32][kBlockN], by item parity
-    Buffer<uint16_t> probs;  // likewise
-    Buffer<uint16_t> row_a, row_b;
+    amx::Buffer<uint32_t> keys, values;  // PackedHead's layout, one (batch, head)
+    amx::Buffer<uint16_t> query;
+    amx::Buffer<float> acc;
+    amx::Buffer<float> scores;  // two items' [32][kBlockN], by item parity
+    amx::Buffer<uint16_t> probs;  // likewise
+    amx::Buffer<uint16_t> row_a, row_b;
     std::vector<RowBlock> blocks;
 };
 
@@ -448,22 +360,7 @@ NUMAOV_TARGET_AMX void attend_group(const Tensors& t, const Geometry& g, const P
     }
 }
 
-NUMAOV_TARGET_AMX void release_tiles() { _tile_release(); }
-
-// A thread's use of the tiles: configured on entry, released on exit, also when an
-// exception leaves the thread's work early.
-struct TileSession {
-    TileSession() { load_tile_config(); }
-    ~TileSession() { release_tiles(); }
-    TileSession(const TileSession&) = delete;
-    TileSession& operator=(const TileSession&) = delete;
-};
-
 }  // namespace
-
-bool amx_usable() { return amx_state().usable; }
-
-std::string amx_unavailable_reason() { return amx_state().reason; }
 
 Layout layout_named(const std::string& name) {
     if (name == "bhsd") return Layout::bhsd;
@@ -477,7 +374,7 @@ Strides strides_of(Layout layout, size_t heads, size_t length, size_t head_dim) 
 }
 
 void flash_attention(const Tensors& t, const Shape& shape, float scale) {
-    if (!amx_usable()) throw std::runtime_error("numaov flash attention needs AMX: " + amx_unavailable_reason());
+    if (!amx::usable()) throw std::runtime_error("numaov flash attention needs AMX: " + amx::unavailable_reason());
     if (shape.q_len == 0 || shape.kv_len == 0 || shape.head_dim == 0) {
         throw std::runtime_error("numaov flash attention: query length, key length and head size must be >= 1");
     }
@@ -504,7 +401,7 @@ void flash_attention(const Tensors& t, const Shape& shape, float scale) {
         Scratch scratch(g);
         const PackedHead head{scratch.keys.data(), scratch.values.data()};
         size_t packed_head = heads;  // none yet
-        const TileSession tiles;
+        const amx::TileSession tiles;
         for (size_t item = begin; item < end; ++item) {
             const size_t h = item / groups, q0 = (item % groups) * group_rows;
             if (h != packed_head) {

@@ -17,20 +17,13 @@
 //
 // AMX (Sapphire Rapids and later) is required: the tile products are what make
 // it fast, and without them OpenVINO's own attention is the better choice, so
-// callers check amx_usable() first and keep OpenVINO's op otherwise.
+// callers check amx::usable() (amx.hpp) first and keep OpenVINO's op otherwise.
 #pragma once
 
 #include <cstddef>
 #include <string>
 
 namespace numaov::attention {
-
-// True when the CPU has AMX-BF16 and AMX-TILE and the kernel granted this
-// process the tile state (requested here once, via arch_prctl).
-bool amx_usable();
-
-// Why amx_usable() is false ("" when it is true), for error messages and doctor.
-std::string amx_unavailable_reason();
 
 struct Shape {
     size_t batch, heads, q_len, kv_len, head_dim;

@@ -4,13 +4,18 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
 #include <openvino/core/parallel.hpp>
+
+#include "amx.hpp"
+#include "moe_amx.hpp"
 
 // Only the functions marked with this attribute use AVX-512 code; the rest of
 // the file stays baseline x86-64, so loading the library on an older CPU is
@@ -29,6 +34,13 @@ constexpr size_t kTileCols = 4;
 // Rows of one expert taken through a block of columns before moving on, so the
 // block's weights stay in L2 while the rows stream (long prefill).
 constexpr size_t kRowChunk = 64;
+// bf16 experts with at least this many (row, slot) pairs run on AMX tiles
+// (moe_amx.hpp) where usable. At a few rows an expert's product is bound by
+// reading its weights, and at one row the tiles' 16 row streams per weight
+// block read them no faster than the dot products' one stream per row; from
+// two rows the tiles win (benchmarks/moe.py --part amx-rows: 1 row 0.80x,
+// 2 rows 1.20x, 16 rows 2.04x; benchmarks/RESULTS.md).
+constexpr size_t kAmxMinRows = 2;
 
 struct Features {
     bool avx512 = false;
@@ -295,11 +307,131 @@ Routing route(const Tensors& t, const Shape& s) {
 }
 
 // Columns per work item: small enough that every thread gets about four items,
-// a multiple of the micro-tile, at most 64 (one item's weights stay in L2).
-size_t block_columns(size_t columns, size_t groups, int threads) {
+// a multiple of `step` (the micro-tile, or the AMX weight blocks), at most 64
+// (one item's weights stay in L2).
+size_t block_columns(size_t columns, size_t groups, int threads, size_t step) {
     const size_t want = (columns * groups + size_t(threads) * 4 - 1) / (size_t(threads) * 4);
-    const size_t rounded = (want + kTileCols - 1) / kTileCols * kTileCols;
-    return std::clamp(rounded, kTileCols, size_t(64));
+    const size_t rounded = (want + step - 1) / step * step;
+    return std::clamp(rounded, step, size_t(64));
+}
+
+// The kernel's scratch buffers: 64-byte aligned (tile loads and stores) and
+// left uninitialised, since every value is written before it is read (zeroing
+// them was 5.6% of a 1,024-row call's profile; benchmarks/RESULTS.md).
+template <class T>
+struct UninitialisedAligned64 : amx::Aligned64<T> {
+    template <class U>
+    struct rebind {
+        using other = UninitialisedAligned64<U>;
+    };
+    UninitialisedAligned64() = default;
+    template <class U> UninitialisedAligned64(const UninitialisedAligned64<U>&) {}
+    template <class U> void construct(U*) noexcept {}
+};
+template <class T>
+using Scratch = std::vector<T, UninitialisedAligned64<T>>;
+
+// NUMAOV_MOE_AMX: "auto" (unset), "off" or "always".
+enum class AmxSetting { automatic, off, always };
+
+AmxSetting amx_setting() {
+    const char* value = std::getenv("NUMAOV_MOE_AMX");
+    const std::string v = value ? value : "";
+    if (v.empty() || v == "auto") return AmxSetting::automatic;
+    if (v == "off") return AmxSetting::off;
+    if (v == "always") return AmxSetting::always;
+    throw std::invalid_argument("NUMAOV_MOE_AMX='" + v + "'; expected auto, off or always");
+}
+
+// The fewest rows a bf16 expert needs to run on AMX tiles in this call; SIZE_MAX: none does.
+size_t amx_min_rows() {
+    switch (amx_setting()) {
+        case AmxSetting::off: return SIZE_MAX;
+        case AmxSetting::always:
+            if (!amx::usable()) {
+                throw std::runtime_error("NUMAOV_MOE_AMX=always, but AMX tiles are not usable here: " +
+                                         amx::unavailable_reason());
+            }
+            return 1;
+        default: return amx::usable() ? kAmxMinRows : SIZE_MAX;
+    }
+}
+
+// The experts on AMX tiles: which hits, and where their packed activations
+// (moe_amx.hpp's pairs layout) start in one buffer.
+struct AmxPlan {
+    std::vector<size_t> panel_at;  // per hit; SIZE_MAX: the hit runs on AVX-512
+    size_t words = 0;
+    bool any = false;
+
+    AmxPlan(const Routing& routing, size_t min_rows, size_t K) {
+        for (const auto& hit : routing.hits) {
+            if (hit.count >= min_rows) {
+                panel_at.push_back(words);
+                words += amx_tiles::panel_words(hit.count, K);
+                any = true;
+            } else {
+                panel_at.push_back(SIZE_MAX);
+            }
+        }
+    }
+    bool uses(size_t hit) const { return panel_at[hit] != SIZE_MAX; }
+
+    // Each AMX hit's rows (rows_of(hit, m) for its m-th pair) packed into `panels`.
+    template <class RowsOf>
+    void pack(const Routing& routing, size_t K, Scratch<uint32_t>& panels, RowsOf rows_of) const {
+        if (!any) return;
+        panels.resize(words);
+        ov::parallel_for(routing.hits.size(), [&](size_t h) {
+            if (!uses(h)) return;
+            const auto& hit = routing.hits[h];
+            std::vector<const uint16_t*> rows(hit.count);
+            for (size_t m = 0; m < hit.count; ++m) rows[m] = rows_of(hit, m);
+            amx_tiles::pack_panel(rows.data(), hit.count, K, panels.data() + panel_at[h]);
+        });
+    }
+};
+
+// A 16-row block of an AMX hit's pairs: the first pair (index into the sorted
+// pairs) and how many of its 16 rows are real.
+struct PairBlock {
+    size_t first, count;
+};
+
+PairBlock pair_block(const Routing::Hit& hit, size_t block) {
+    const size_t first = block * amx_tiles::kTile;
+    return {hit.start + first, std::min(amx_tiles::kTile, hit.count - first)};
+}
+
+// silu(gate) * up of one AMX block as bf16 into the block's rows of `act`
+// (rows of I values, `act` already at the block's first column), `cols` columns.
+NUMAOV_TARGET_AVX512_BF16 void store_gate_up_block(const float* gate, const float* up, size_t cols, PairBlock pb,
+                                                   uint16_t* act, size_t I) {
+    constexpr size_t kTile = amx_tiles::kTile;
+    alignas(64) float g[kTile * kTile], u[kTile * kTile], h[kTile];
+    amx_tiles::transpose_tile(gate, g);
+    amx_tiles::transpose_tile(up, u);
+    const __mmask16 mask = __mmask16((1u << cols) - 1);
+    for (size_t m = 0; m < pb.count; ++m) {
+        silu_mul(g + m * kTile, u + m * kTile, h);
+        _mm256_mask_storeu_epi16(act + (pb.first + m) * I, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(h)));
+    }
+}
+
+// out[row] += weight * (the block's down products) for each pair of one AMX
+// block; `out` is at the block's first column, rows of H values.
+NUMAOV_TARGET_AVX512_BF16 void add_down_block(const float* tile, size_t cols, PairBlock pb, const Routing& routing,
+                                              float* out, size_t H) {
+    constexpr size_t kTile = amx_tiles::kTile;
+    alignas(64) float y[kTile * kTile];
+    amx_tiles::transpose_tile(tile, y);
+    const __mmask16 mask = __mmask16((1u << cols) - 1);
+    for (size_t m = 0; m < pb.count; ++m) {
+        float* dst = out + routing.row[pb.first + m] * H;
+        const __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(routing.weight[pb.first + m]), _mm512_load_ps(y + m * kTile),
+                                           _mm512_maskz_loadu_ps(mask, dst));
+        _mm512_mask_storeu_ps(dst, mask, sum);
+    }
 }
 
 template <class T>
@@ -311,7 +443,7 @@ void run(const Tensors& t, const Shape& s) {
 
     // 0. Activations in the weights' type (x itself when it already is).
     constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
-    std::vector<T> converted;
+    Scratch<T> converted;
     const T* x = static_cast<const T*>(t.x);
     if (t.x_bf16 != kBf16) {
         converted.resize(s.rows * H);
@@ -330,8 +462,16 @@ void run(const Tensors& t, const Shape& s) {
     const Stack down{t.down, t.down_scale, H, I, t.down_groups, t.format};
 
     // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I].
-    std::vector<T> act(pairs * I);
-    const size_t bi = block_columns(I, routing.hits.size(), threads);
+    Scratch<T> act(pairs * I);
+    constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
+    const size_t amx_rows = kBf16 ? amx_min_rows() : SIZE_MAX;
+    const AmxPlan up_plan(routing, amx_rows, H);
+    Scratch<uint32_t> x_panels;
+    if constexpr (kBf16) {
+        up_plan.pack(routing, H, x_panels,
+                     [&](const Routing::Hit& hit, size_t m) { return x + routing.row[hit.start + m] * H; });
+    }
+    const size_t bi = block_columns(I, routing.hits.size(), threads, up_plan.any ? kTile : kTileCols);
     const size_t i_blocks = (I + bi - 1) / bi;
     ov::parallel_nt(0, [&](const int ithr, const int nthr) {
         size_t begin = 0, end = 0;
@@ -339,9 +479,37 @@ void run(const Tensors& t, const Shape& s) {
         const T* a[kTileRows];
         size_t wg[kTileCols], wu[kTileCols];
         alignas(64) float g[kTileRows * kTileCols], u[kTileRows * kTileCols], h[kTileRows * kTileCols];
+        std::optional<amx::TileSession> tiles;  // configured on this thread's first AMX hit
+        alignas(64) float c[4 * kResult];
         for (size_t item = begin; item < end; ++item) {
-            const auto& hit = routing.hits[item / i_blocks];
+            const size_t hit_index = item / i_blocks;
+            const auto& hit = routing.hits[hit_index];
             const size_t c0 = (item % i_blocks) * bi, c1 = std::min(I, c0 + bi);
+            if constexpr (kBf16) {
+                if (up_plan.uses(hit_index)) {
+                    // Blocks of 16 intermediate columns: the gate rows and the up rows
+                    // as the two weight blocks, against two 16-row blocks of pairs.
+                    if (!tiles) tiles.emplace();
+                    const uint32_t* panel = x_panels.data() + up_plan.panel_at[hit_index];
+                    const size_t blocks = (hit.count + kTile - 1) / kTile;
+                    for (size_t n0 = c0; n0 < c1; n0 += kTile) {
+                        const size_t cols = std::min(kTile, c1 - n0);
+                        const amx_tiles::WeightBlock w[2] = {
+                            {reinterpret_cast<const uint16_t*>(gate_up.row(hit.expert, n0)), cols},
+                            {reinterpret_cast<const uint16_t*>(gate_up.row(hit.expert, I + n0)), cols}};
+                        for (size_t b0 = 0; b0 < blocks; b0 += 2) {
+                            const size_t nb = std::min<size_t>(2, blocks - b0);
+                            amx_tiles::products(w, panel + b0 * amx_tiles::block_words(H), nb, H, c);
+                            // gate's tiles at c + b * 256, up's at c + (2 + b) * 256
+                            for (size_t b = 0; b < nb; ++b) {
+                                store_gate_up_block(c + b * kResult, c + (2 + b) * kResult, cols,
+                                                    pair_block(hit, b0 + b), act.data() + n0, I);
+                            }
+                        }
+                    }
+                    continue;
+                }
+            }
             for (size_t r0 = hit.start; r0 < hit.start + hit.count; r0 += kRowChunk) {
                 const size_t r1 = std::min(hit.start + hit.count, r0 + kRowChunk);
                 for (size_t j = c0; j < c1; j += kTileCols) {
@@ -366,13 +534,19 @@ void run(const Tensors& t, const Shape& s) {
     });
 
     // 2. down: out[row] += weight * (act . down[e]) over each row's pairs, by output columns.
-    std::vector<float> sums;
+    Scratch<float> sums;
     float* out = static_cast<float*>(t.out);
     if (t.x_bf16) {
         sums.resize(s.rows * H);
         out = sums.data();
     }
-    const size_t bh = block_columns(H, 1, threads);
+    const AmxPlan down_plan(routing, amx_rows, I);
+    Scratch<uint32_t> act_panels;
+    if constexpr (kBf16) {
+        down_plan.pack(routing, I, act_panels,
+                       [&](const Routing::Hit& hit, size_t m) { return act.data() + (hit.start + m) * I; });
+    }
+    const size_t bh = block_columns(H, 1, threads, down_plan.any ? 2 * kTile : kTileCols);
     const size_t h_blocks = (H + bh - 1) / bh;
     ov::parallel_nt(0, [&](const int ithr, const int nthr) {
         size_t begin = 0, end = 0;
@@ -380,10 +554,39 @@ void run(const Tensors& t, const Shape& s) {
         const T* a[kTileRows];
         size_t wd[kTileCols];
         alignas(64) float y[kTileRows * kTileCols];
+        std::optional<amx::TileSession> tiles;
+        alignas(64) float c[4 * kResult];
         for (size_t item = begin; item < end; ++item) {
             const size_t c0 = item * bh, c1 = std::min(H, c0 + bh);
             for (size_t n = 0; n < s.rows; ++n) std::fill(out + n * H + c0, out + n * H + c1, 0.0f);
-            for (const auto& hit : routing.hits) {
+            for (size_t hit_index = 0; hit_index < routing.hits.size(); ++hit_index) {
+                const auto& hit = routing.hits[hit_index];
+                if (down_plan.any && down_plan.uses(hit_index)) {
+                    // Blocks of 32 output columns (two weight blocks of 16 rows) against
+                    // two 16-row blocks of pairs.
+                    if (!tiles) tiles.emplace();
+                    const uint32_t* panel = act_panels.data() + down_plan.panel_at[hit_index];
+                    const size_t blocks = (hit.count + kTile - 1) / kTile;
+                    for (size_t n0 = c0; n0 < c1; n0 += 2 * kTile) {
+                        const size_t cols[2] = {std::min(kTile, c1 - n0),
+                                                n0 + kTile < c1 ? std::min(kTile, c1 - n0 - kTile) : 0};
+                        const amx_tiles::WeightBlock w[2] = {
+                            {reinterpret_cast<const uint16_t*>(down.row(hit.expert, n0)), cols[0]},
+                            {cols[1] ? reinterpret_cast<const uint16_t*>(down.row(hit.expert, n0 + kTile)) : nullptr,
+                             cols[1]}};
+                        for (size_t b0 = 0; b0 < blocks; b0 += 2) {
+                            const size_t nb = std::min<size_t>(2, blocks - b0);
+                            amx_tiles::products(w, panel + b0 * amx_tiles::block_words(I), nb, I, c);
+                            for (size_t wb = 0; wb < 2; ++wb) {
+                                for (size_t b = 0; b < nb; ++b) {
+                                    add_down_block(c + (2 * wb + b) * kResult, cols[wb], pair_block(hit, b0 + b),
+                                                   routing, out + n0 + wb * kTile, H);
+                                }
+                            }
+                        }
+                    }
+                    continue;
+                }
                 for (size_t j = c0; j < c1; j += kTileCols) {
                     const size_t cols = std::min(kTileCols, c1 - j);
                     for (size_t n = 0; n < kTileCols; ++n) wd[n] = j + std::min(n, cols - 1);
@@ -430,6 +633,20 @@ std::string unavailable_reason(WeightFormat format) {
     if (!f.avx512) return "the CPU has no AVX-512 (F, DQ, BW and VL are needed)";
     if (format == WeightFormat::bf16 && !f.avx512_bf16) return "the CPU has no AVX512-BF16 (bf16 weights need it)";
     return "";
+}
+
+Bf16Kernel bf16_kernel() {
+    const std::string missing = unavailable_reason(WeightFormat::bf16);
+    if (!missing.empty()) return {"", missing, 0};
+    switch (amx_setting()) {
+        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0};
+        case AmxSetting::always:
+            if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0};
+            return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1};
+        default:
+            if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0};
+            return {"amx", "AMX is usable; experts with fewer rows run on AVX512-BF16", kAmxMinRows};
+    }
 }
 
 void moe_experts(const Tensors& tensors, const Shape& shape) {

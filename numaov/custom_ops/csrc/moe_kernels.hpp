@@ -21,7 +21,9 @@
 //
 // Numerics: f32 weights run in f32 (AVX-512 FMA). bf16 weights take the
 // activations rounded to bf16 (as PyTorch's bf16 linear and OpenVINO's bf16
-// inference do) and accumulate in f32 with AVX512-BF16 dot products.
+// inference do) and accumulate in f32: on AMX tiles (moe_amx.hpp) for experts
+// with 2 or more rows where AMX is usable, else with AVX512-BF16 dot products
+// (NUMAOV_MOE_AMX: auto, off, always; read at every call).
 // int8 and int4 weights are weight-only: each weight is widened to f32 and
 // multiplied by its group's scale as it is read, and the activations stay f32
 // (so decode, which is bound by reading the weights, reads 1/4 or 1/8 of the
@@ -50,6 +52,16 @@ enum class WeightFormat { f32, bf16, int8, int4 };
 // Why the kernel cannot run `format` on this CPU, "" when it can: every format
 // needs AVX-512 F/DQ/BW/VL, bf16 also AVX512-BF16.
 std::string unavailable_reason(WeightFormat format);
+
+// Which kernel bf16 experts run on here under NUMAOV_MOE_AMX: "amx" (experts
+// of at least amx_min_rows rows; fewer on AVX512-BF16), "avx512_bf16", or ""
+// when bf16 weights cannot run; `reason` says why. Throws
+// std::invalid_argument for a setting other than auto, off or always.
+struct Bf16Kernel {
+    std::string kernel, reason;
+    size_t amx_min_rows;
+};
+Bf16Kernel bf16_kernel();
 
 struct Shape {
     size_t rows;     // N

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "amx.hpp"
 #include "communicator.hpp"
 #include "flash_attention.hpp"
 #include "moe_kernels.hpp"
@@ -247,8 +248,21 @@ PYBIND11_MODULE(_native, m) {
         },
         py::arg("format"),
         "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
-    m.def("amx_unavailable_reason", &numaov::attention::amx_unavailable_reason,
-          "Why the flash-attention kernel cannot run here (\"\" when AMX is usable).");
+    m.def(
+        "moe_bf16_kernel",
+        [] {
+            const auto k = numaov::moe::bf16_kernel();
+            py::dict out;
+            out["kernel"] = k.kernel.empty() ? py::object(py::none()) : py::object(py::str(k.kernel));
+            out["amx_min_rows"] = k.amx_min_rows ? py::object(py::int_(k.amx_min_rows)) : py::object(py::none());
+            out["reason"] = k.reason;
+            return out;
+        },
+        "Which kernel the MoeExperts op runs bf16 experts on here under NUMAOV_MOE_AMX: kernel 'amx' (experts "
+        "of at least amx_min_rows rows), 'avx512_bf16' or None, and the reason.");
+    m.def("amx_unavailable_reason", &numaov::amx::unavailable_reason,
+          "Why AMX tiles cannot be used here (\"\" when they can): flash attention needs them, the MoE "
+          "experts kernel uses them for bf16 experts with many rows.");
     m.def(
         "flash_attention",
         [](uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, const std::vector<uint64_t>& shape,
