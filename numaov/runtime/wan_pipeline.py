@@ -141,7 +141,9 @@ def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
     rounds them; here nothing is silently changed).
     """
     patch = list(config.get("patch_size", (1, 2, 2)))
-    channels = int(config["in_channels"])
+    # The latents are what the transformer predicts: an image-to-video transformer takes
+    # condition channels beside them (Wan 2.2 I2V: in_channels 36, out_channels 16).
+    channels = int(config.get("out_channels") or config["in_channels"])
     for name, value in (("frames", frames), ("height", height), ("width", width)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SamplerInputError(f"{name}={value!r}; expected a positive integer")
@@ -639,10 +641,13 @@ class SampleResult:
 @dataclass(frozen=True)
 class TimestepLayout:
     """How each step's timestep is fed: ``frames`` is F' for a per-frame graph (None: one
-    timestep per sample); ``first_frame`` the ``[1, C, 1, H', W']`` conditioning latents."""
+    timestep per sample); ``first_frame`` the ``[1, C, 1, H', W']`` conditioning latents;
+    ``channels`` the ``[1, K, F', H', W']`` condition channels every model input ends with
+    (Wan 2.2 I2V's mask and encoded condition video, ``runtime/wan_image_condition.py``)."""
 
     frames: int | None = None
     first_frame: np.ndarray | None = None
+    channels: np.ndarray | None = None
 
     def timestep(self, t: float) -> np.ndarray:
         """One sample's timestep: ``[1]``, or ``[1, F']`` with 0 on a conditioned frame 0."""
@@ -659,16 +664,27 @@ class TimestepLayout:
             latents[:, :, :1] = self.first_frame
         return latents
 
+    def model_input(self, latents: np.ndarray) -> np.ndarray:
+        """The transformer's input: the conditioned latents, then any condition channels
+        (diffusers' ``torch.cat([latents, condition], dim=1)``)."""
+        latents = self.condition(latents)
+        if self.channels is None:
+            return latents
+        return np.concatenate([latents, self.channels], axis=1)
+
 
 def timestep_layout(transformer: ModelManifest, shape: Sequence[int],
-                    first_frame: np.ndarray | None = None) -> TimestepLayout:
+                    first_frame: np.ndarray | None = None,
+                    channels: np.ndarray | None = None) -> TimestepLayout:
     """Per-frame timesteps (F' of ``shape``'s latents) for a transformer exported with them
     (Wan 2.2 TI2V: diffusers' ``expand_timesteps`` per-token timesteps are one value per
-    latent frame), else one per sample; ``first_frame`` conditions frame 0."""
+    latent frame), else one per sample; ``first_frame`` conditions frame 0, ``channels`` are
+    appended to every model input."""
     if transformer.timestep != PER_FRAME:
-        return TimestepLayout(first_frame=first_frame)
+        return TimestepLayout(first_frame=first_frame, channels=channels)
     patch_t = int(list(transformer.config.get("patch_size", (1, 2, 2)))[0])
-    return TimestepLayout(frames=shape[2] // patch_t, first_frame=first_frame)
+    return TimestepLayout(frames=shape[2] // patch_t, first_frame=first_frame,
+                          channels=channels)
 
 
 def sample(
@@ -689,7 +705,8 @@ def sample(
         start = time.perf_counter()
         expert = request.expert(timestep)
         guidance = np.float32(request.guidance_at(expert))
-        cond, uncond = predictors[expert](layout.condition(latents), layout.timestep(timestep))
+        cond, uncond = predictors[expert](layout.model_input(latents),
+                                          layout.timestep(timestep))
         velocity = uncond + guidance * (cond - uncond)
         latents = schedule.step(velocity, i, latents)
         seconds.append(time.perf_counter() - start)

@@ -43,6 +43,7 @@ from numaov.runtime.video_output import (
     output_format,
     write_video,
 )
+from numaov.runtime.wan_image_condition import ImageEncoder
 from numaov.runtime.wan_pipeline import (
     MAX_WORKERS,
     Progress,
@@ -57,6 +58,7 @@ from numaov.runtime.wan_pipeline import (
     validate_request,
 )
 from numaov.runtime.wan_vae import (
+    TEMPORAL_FACTOR,
     VaeDecoder,
     VaeGeometry,
     VaeTiling,
@@ -74,7 +76,9 @@ TRANSFORMER = "transformer"
 TRANSFORMER_2 = "transformer_2"  # optional: Wan 2.2 A14B's low-noise expert
 VAE_FIRST_FRAME = "vae_decoder/first_frame"
 VAE_NEXT_FRAME = "vae_decoder/next_frame"
-VAE_ENCODER = "vae_encoder"  # optional: image conditioning (Wan 2.2 TI2V)
+VAE_ENCODER = "vae_encoder"  # optional: image conditioning (Wan 2.2 TI2V and I2V)
+VAE_ENCODER_NEXT = "vae_encoder_next"  # optional: the condition video's later frames (I2V)
+IMAGE_TO_VIDEO_CLASS = "WanImageToVideoPipeline"  # a pipeline that needs an image
 
 
 class PromptError(NumaovError):
@@ -100,6 +104,16 @@ class WanPipelineExport:
         if ratio is None or TRANSFORMER_2 not in self.components:
             return None
         return float(ratio) * float(scheduler.get("num_train_timesteps", 1000))
+
+    @property
+    def needs_image(self) -> bool:
+        """diffusers' ``WanImageToVideoPipeline`` (Wan 2.2 I2V A14B) has no text-only mode."""
+        return self.record.config.get("model_index", {}).get("_class_name") == IMAGE_TO_VIDEO_CLASS
+
+    @property
+    def vae_temporal_factor(self) -> int:
+        return int(self.record.config.get("vae", {}).get("scale_factor_temporal")
+                   or TEMPORAL_FACTOR)
 
     @property
     def scheduler_config(self) -> dict[str, Any]:
@@ -182,7 +196,8 @@ def _conditioning_image(pipeline: WanPipelineExport, image: str | Path,
         raise SamplerInputError(
             f"image={str(image)!r}, but the pipeline in {str(pipeline.directory)!r} has no "
             "image conditioning (no vae_encoder component: exports of Wan 2.2 TI2V pipelines, "
-            "with expand_timesteps, have one); expected no image", parameter="image")
+            "with expand_timesteps, and of WanImageToVideoPipeline directories have one); "
+            "expected no image", parameter="image")
     return read_image(image, request.height, request.width)
 
 
@@ -236,11 +251,20 @@ def run_wan_pipeline(
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
                          geometry.spatial)
+    if image is None and pipeline.needs_image:
+        raise SamplerInputError(
+            f"the pipeline in {str(pipeline.directory)!r} is image-to-video "
+            f"({IMAGE_TO_VIDEO_CLASS}): expected an image, the video's first frame",
+            parameter="image")
     pixels = None if image is None else _conditioning_image(pipeline, image, request)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
     extra = ({} if kind == LATENTS_FORMAT
              else vae_memory(pipeline.components[VAE_NEXT_FRAME], shape, vae_tiling))
+    if pixels is not None and VAE_ENCODER_NEXT in pipeline.components:
+        # The encoder's caches over the condition video (its chunks come and go).
+        extra["vae_encoder_caches"] = vae_memory(pipeline.components[VAE_ENCODER_NEXT],
+                                                 shape)["vae_caches"]
     estimate = estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra)
     check_memory(estimate)
     report(f"{estimate.describe()}")
@@ -266,20 +290,24 @@ def run_wan_pipeline(
     seconds["text_encoder"] = time.perf_counter() - start
     report(f"encoded the prompts in {seconds['text_encoder']:.2f} s")
 
-    first_frame = None
+    condition = None
     if pixels is not None:
         start = time.perf_counter()
-        image_encoder = GraphRunner(pipeline.components[VAE_ENCODER], backend)
+        image_encoder = ImageEncoder(pipeline.components[VAE_ENCODER],
+                                     pipeline.components.get(VAE_ENCODER_NEXT), backend,
+                                     pipeline.vae_temporal_factor)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
-        (first_frame,) = image_encoder({"image": pixels})
+        condition = image_encoder(pixels, request.frames)
         del image_encoder
         seconds["vae_encode"] = time.perf_counter() - start
         report(f"encoded the image in {seconds['vae_encode']:.2f} s")
 
     start = time.perf_counter()
+    layout = (timestep_layout(transformer, shape) if condition is None else
+              timestep_layout(transformer, shape, condition.first_frame, condition.channels))
     latents, steps = denoise(pipeline.experts, plan, backend, text, negative, shape, request,
-                             timestep_layout(transformer, shape, first_frame), progress)
+                             layout, progress)
     seconds["denoise"] = sum(steps)
     seconds["load"] += time.perf_counter() - start - sum(steps)
     sample = SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=steps)
