@@ -116,3 +116,25 @@ def diffusers_tiling(pipe: object, tiling: object) -> Iterator[None]:
         yield
     finally:
         pipe.vae.disable_tiling()
+
+
+def write_image(path: Path, height: int, width: int, seed: int = 0) -> Path:
+    """A seeded random RGB PNG of ``width`` x ``height`` pixels: a first frame to condition on."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def wan_prompt_embeds(pipe: object, prompt: str, negative: str) -> tuple:
+    """The prompts encoded by ``WanPipeline`` from ``pipe``'s tokenizer and text encoder, for
+    diffusers' image-to-video pipeline: diffusers 0.42's image-to-video ``prompt_clean`` calls
+    ftfy unguarded (WanPipeline's only when it is installed, as numaov's tokenize does), and
+    ``encode_prompt``'s default length is 226, its ``__call__``'s (and numaov's) 512."""
+    from diffusers import WanPipeline
+
+    t2v = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                      scheduler=pipe.scheduler, transformer=pipe.transformer)
+    return t2v.encode_prompt(prompt, negative_prompt=negative, max_sequence_length=512)

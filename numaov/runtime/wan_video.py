@@ -1,4 +1,5 @@
-"""Wan text-to-video: a prompt in, a video file out, every model on the chosen backend.
+"""Wan text-to-video (and image-to-video): a prompt in, a video file out, every model on the
+chosen backend.
 
 The pipeline is diffusers' ``WanPipeline`` on an export of a pipeline directory
 (``numaov export wan --checkpoint PIPELINE_DIR``, manifest kind ``"wan-pipeline"``):
@@ -111,6 +112,14 @@ class WanPipelineExport:
         return self.record.config.get("model_index", {}).get("_class_name") == IMAGE_TO_VIDEO_CLASS
 
     @property
+    def condition_channels(self) -> int:
+        """Channels the transformer takes beside the latents (Wan 2.2 I2V: 20, the mask and
+        the condition video; 0 for text to video and TI2V)."""
+        config = self.components[TRANSFORMER].config
+        return int(config["in_channels"]) - int(config.get("out_channels") or
+                                                config["in_channels"])
+
+    @property
     def vae_temporal_factor(self) -> int:
         return int(self.record.config.get("vae", {}).get("scale_factor_temporal")
                    or TEMPORAL_FACTOR)
@@ -192,6 +201,15 @@ def encode(runner: GraphRunner, token_ids: list[list[int]], pad_id: int) -> list
 def _conditioning_image(pipeline: WanPipelineExport, image: str | Path,
                         request: WanSampleRequest) -> np.ndarray:
     """The image's pixels, after checking the export can condition on one."""
+    missing = [name for name in (VAE_ENCODER, VAE_ENCODER_NEXT)
+               if name not in pipeline.components]
+    if pipeline.condition_channels and missing:
+        raise SamplerInputError(
+            f"the image-to-video pipeline in {str(pipeline.directory)!r} has no "
+            f"{' or '.join(map(repr, missing))} component (the VAE encoder its transformer's "
+            f"{pipeline.condition_channels} condition channels are made with); expected both "
+            f"{VAE_ENCODER} and {VAE_ENCODER_NEXT}: re-export the pipeline directory",
+            parameter="image")
     if VAE_ENCODER not in pipeline.components:
         raise SamplerInputError(
             f"image={str(image)!r}, but the pipeline in {str(pipeline.directory)!r} has no "
@@ -234,7 +252,11 @@ def run_wan_pipeline(
 
     ``image`` (a file of the video's size) conditions the video on it as its first frame, as
     diffusers' ``WanImageToVideoPipeline`` does with ``expand_timesteps`` (Wan 2.2 TI2V): the
-    exported VAE encoder's latents are the first latent frame at every step, at timestep 0.
+    exported VAE encoder's latents are the first latent frame at every step, at timestep 0;
+    or, for an export of a ``WanImageToVideoPipeline`` directory (Wan 2.2 I2V A14B, which
+    needs one), as that pipeline does without it: the image and zero frames encoded, with the
+    first-frame mask, are condition channels of every model input
+    (``runtime/wan_image_condition.py``).
 
     ``workers=2`` runs the guidance branches on two workers and, with ``vae_tiling``
     (diffusers' tiled VAE decoding), the tiles too, every other tile on each worker."""
@@ -261,7 +283,7 @@ def run_wan_pipeline(
                          {"prompt": prompt, "negative_prompt": negative_prompt})
     extra = ({} if kind == LATENTS_FORMAT
              else vae_memory(pipeline.components[VAE_NEXT_FRAME], shape, vae_tiling))
-    if pixels is not None and VAE_ENCODER_NEXT in pipeline.components:
+    if pixels is not None and pipeline.condition_channels:
         # The encoder's caches over the condition video (its chunks come and go).
         extra["vae_encoder_caches"] = vae_memory(pipeline.components[VAE_ENCODER_NEXT],
                                                  shape)["vae_caches"]
@@ -293,8 +315,9 @@ def run_wan_pipeline(
     condition = None
     if pixels is not None:
         start = time.perf_counter()
-        image_encoder = ImageEncoder(pipeline.components[VAE_ENCODER],
-                                     pipeline.components.get(VAE_ENCODER_NEXT), backend,
+        following = (pipeline.components[VAE_ENCODER_NEXT] if pipeline.condition_channels
+                     else None)
+        image_encoder = ImageEncoder(pipeline.components[VAE_ENCODER], following, backend,
                                      pipeline.vae_temporal_factor)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
