@@ -6,7 +6,6 @@ mask and 16 condition channels) exported through the CLI; numaov's frames agains
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,8 @@ import torch
 from wan_pipeline_harness import (
     I2V_IN_CHANNELS,
     build_tiny_pipeline,
+    export_without,
+    one_line_error,
     wan_prompt_embeds,
     write_image,
 )
@@ -131,14 +132,6 @@ def test_two_workers_give_the_same_video_and_the_image_shows(i2v: dict, tmp_path
     assert float(np.max(np.abs(changed - videos[0]))) > 10 * F32_FRAME_TOL
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("numaov: error: "), proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
 @pytest.mark.slow
 def test_bad_inputs_are_one_line_errors(i2v: dict, wan_pipeline_exported: dict,
                                         tmp_path: Path) -> None:
@@ -146,27 +139,23 @@ def test_bad_inputs_are_one_line_errors(i2v: dict, wan_pipeline_exported: dict,
            "--guidance", "5", "--seed", "0", "--prompt", "a", "--out", str(tmp_path / "v.gif")]
     at = ["--model-dir", str(i2v["export"])]
     # An image-to-video pipeline has no text-only mode.
-    _one_line_error(subprocess.run([*CLI, *run, *at], capture_output=True, text=True,
-                                   timeout=300),
-                    "--image: ", "is image-to-video (WanImageToVideoPipeline): expected an image")
+    one_line_error(subprocess.run([*CLI, *run, *at], capture_output=True, text=True,
+                                  timeout=300),
+                   "--image: ", "is image-to-video (WanImageToVideoPipeline): expected an image")
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    one_line_error(subprocess.run([*CLI, *run, *at, "--image", str(tmp_path / "broken.png")],
+                                  capture_output=True, text=True, timeout=300),
+                   "--image: ", "cannot read", "broken.png", "as an image")
     small = write_image(tmp_path / "small.png", 32, 32)
-    _one_line_error(subprocess.run([*CLI, *run, *at, "--image", str(small)],
-                                   capture_output=True, text=True, timeout=300),
-                    "--image: ", "is 32x32 pixels; expected the video's 48x32")
+    with pytest.raises(ImageInputError, match="is 32x32 pixels; expected the video's 48x32"):
+        run_wan_pipeline(i2v["export"], _request(5, 32, 48), PROMPT, tmp_path / "v.gif",
+                         image=small)
     # A text-only pipeline export (the shared Wan 2.1 one) has no image conditioning.
-    _one_line_error(subprocess.run(
+    one_line_error(subprocess.run(
         [*CLI, *run, "--model-dir", str(wan_pipeline_exported["export"]), "--image", str(small)],
         capture_output=True, text=True, timeout=300), "--image: ", "has no image conditioning")
-    (tmp_path / "broken.png").write_bytes(b"not an image")
-    with pytest.raises(ImageInputError, match="cannot read .*broken.png.* as an image"):
-        run_wan_pipeline(i2v["export"], _request(5, 32, 48), PROMPT, tmp_path / "v.gif",
-                         image=tmp_path / "broken.png")
     # An export that lost the encoder's next-frames graph is named, not run with 16 channels.
-    export = tmp_path / "export"
-    shutil.copytree(i2v["export"], export)
-    manifest = json.loads((export / "manifest.json").read_text())
-    manifest["components"].remove("vae_encoder_next")
-    (export / "manifest.json").write_text(json.dumps(manifest))
+    export = export_without(i2v["export"], tmp_path / "export", "vae_encoder_next")
     with pytest.raises(SamplerInputError, match="has no 'vae_encoder_next' component"):
         run_wan_pipeline(export, _request(5, 32, 48), PROMPT, tmp_path / "v.gif",
                          image=write_image(tmp_path / "first.png", 32, 48))

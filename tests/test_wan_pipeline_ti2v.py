@@ -11,6 +11,7 @@ from wan_pipeline_harness import (
     TI2V_Z_DIM,
     diffusers_tiling,
     export_tiny_pipeline,
+    export_without,
     wan_prompt_embeds,
     write_image,
 )
@@ -149,8 +150,6 @@ def test_image_to_video_equals_diffusers(ti2v: dict, backend: str, size: tuple,
 
 
 def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
-    import json
-    import shutil
     import subprocess
     import sys
 
@@ -171,11 +170,7 @@ def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
         run_wan_pipeline(ti2v["export"], _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
                          image=tmp_path / "broken.png")
     # An export without the encoder (as every text-to-video-only pipeline's) refuses --image.
-    text_only = tmp_path / "export"
-    shutil.copytree(ti2v["export"], text_only)
-    manifest = json.loads((text_only / "manifest.json").read_text())
-    manifest["components"].remove("vae_encoder")
-    (text_only / "manifest.json").write_text(json.dumps(manifest))
+    text_only = export_without(ti2v["export"], tmp_path / "export", "vae_encoder")
     with pytest.raises(SamplerInputError, match="has no image conditioning"):
         run_wan_pipeline(text_only, _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
                          image=tmp_path / "small.png")

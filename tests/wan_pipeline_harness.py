@@ -138,3 +138,26 @@ def wan_prompt_embeds(pipe: object, prompt: str, negative: str) -> tuple:
     t2v = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
                       scheduler=pipe.scheduler, transformer=pipe.transformer)
     return t2v.encode_prompt(prompt, negative_prompt=negative, max_sequence_length=512)
+
+
+def export_without(export: Path, copy: Path, component: str) -> Path:
+    """A copy of the pipeline export ``export`` at ``copy`` whose manifest lost ``component``."""
+    import json
+    import shutil
+
+    shutil.copytree(export, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["components"].remove(component)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def one_line_error(proc: object, *needles: str) -> str:
+    """A ``numaov`` process's failure: exit code 1 and one ``numaov: error:`` line on stderr
+    holding every needle; returns the line."""
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("numaov: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
