@@ -7,8 +7,9 @@ loop: the first frame, then chunks of 4), normalised, with the first-frame mask 
 The pipeline is built here with random weights: the VAE at its published channel sizes
 (``AutoencoderKLWan``'s defaults, Wan 2.1's, which Wan 2.2 I2V A14B ships), a tiny text
 encoder and one tiny 36-channel transformer (only the encoding is timed). It is saved in
-diffusers' layout and exported by ``numaov export wan`` at ``--precision``; diffusers runs
-its VAE in the same dtype. Rounds alternate (numaov, then diffusers); per competitor the
+diffusers' layout and exported by ``numaov export wan`` at ``--precision`` (the encoder graphs
+are f32 at every precision, see ``ENCODER_PRECISION`` in ``exporter/wan_pipeline_export.py``);
+diffusers runs its VAE in ``--precision``'s dtype. Rounds alternate (numaov, then diffusers); per competitor the
 median and the range of ``--rounds`` runs, numaov's compile timed apart ("load"), and the
 largest difference between the two condition tensors.
 
