@@ -26,7 +26,12 @@ from numaov.exporter.wan_export import export_wan
 from numaov.exporter.wan_pipeline_export import PipelineExportError
 from numaov.runtime.image_input import ImageInputError
 from numaov.runtime.wan_image_condition import first_frame_mask
-from numaov.runtime.wan_pipeline import DiffusersSchedule, SamplerInputError, WanSampleRequest
+from numaov.runtime.wan_pipeline import (
+    DiffusersSchedule,
+    SamplerInputError,
+    WanSampleRequest,
+    run_wan,
+)
 from numaov.runtime.wan_video import read_pipeline, run_wan_pipeline
 
 SEED = 11
@@ -154,6 +159,13 @@ def test_bad_inputs_are_one_line_errors(i2v: dict, wan_pipeline_exported: dict,
     one_line_error(subprocess.run(
         [*CLI, *run, "--model-dir", str(wan_pipeline_exported["export"]), "--image", str(small)],
         capture_output=True, text=True, timeout=300), "--image: ", "has no image conditioning")
+    # The latent path cannot feed the condition channels: its transformer alone is refused.
+    np.save(tmp_path / "text.npy", np.zeros((8, 32), dtype=np.float32))
+    with pytest.raises(SamplerInputError, match=r"takes 20 image-to-video condition channels "
+                                                r"beside its latents \(in_channels 36\)"):
+        run_wan(i2v["export"] / "transformer", WanSampleRequest(
+            frames=5, height=32, width=48, steps=1, guidance=5.0, seed=0),
+            tmp_path / "text.npy", None)
     # An export that lost the encoder's next-frames graph is named, not run with 16 channels.
     export = export_without(i2v["export"], tmp_path / "export", "vae_encoder_next")
     with pytest.raises(SamplerInputError, match="has no 'vae_encoder_next' component"):

@@ -131,6 +131,12 @@ class WanSampleRequest:
         return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
 
 
+def condition_channels(config: dict[str, Any]) -> int:
+    """Channels a transformer takes beside the latents it predicts (Wan 2.2 I2V: 36 in, 16
+    out, so 20: the first-frame mask and the condition video); 0 for text to video."""
+    return int(config["in_channels"]) - int(config.get("out_channels") or config["in_channels"])
+
+
 def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
                  spatial_factor: int = VAE_SPATIAL_FACTOR) -> tuple[int, ...]:
     """``(1, C, F, H, W)`` latents for a video of ``frames`` x ``height`` x ``width`` pixels.
@@ -804,6 +810,13 @@ def run_wan(
         raise ModelDirError(
             f"manifest config in {str(manifest.directory)!r} lacks {missing}; expected a Wan "
             "transformer config (re-export the model)"
+        )
+    condition = condition_channels(config)
+    if condition:
+        raise SamplerInputError(
+            f"the transformer in {str(manifest.directory)!r} takes {condition} image-to-video "
+            f"condition channels beside its latents (in_channels {config['in_channels']}); "
+            "expected a text-to-video transformer here, or its pipeline export with an image"
         )
     shape = latent_shape(config, request.frames, request.height, request.width)
     out_path = Path(out) if out is not None else None

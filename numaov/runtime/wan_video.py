@@ -52,6 +52,7 @@ from numaov.runtime.wan_pipeline import (
     SamplerInputError,
     WanSampleRequest,
     check_memory,
+    condition_channels,
     denoise,
     estimate_memory,
     latent_shape,
@@ -115,9 +116,7 @@ class WanPipelineExport:
     def condition_channels(self) -> int:
         """Channels the transformer takes beside the latents (Wan 2.2 I2V: 20, the mask and
         the condition video; 0 for text to video and TI2V)."""
-        config = self.components[TRANSFORMER].config
-        return int(config["in_channels"]) - int(config.get("out_channels") or
-                                                config["in_channels"])
+        return condition_channels(self.components[TRANSFORMER].config)
 
     @property
     def vae_temporal_factor(self) -> int:
