@@ -22,7 +22,6 @@ Writes benchmarks/out/wan_i2v_encode.json. A benchmark, not a test: it asserts n
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from wan_pipeline import cpu_model
+from wan_pipeline import cpu_model, write_results
 
 from numaov.exporter.wan_export import export_wan
 from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_tokenizer
@@ -139,9 +138,7 @@ def main() -> int:
           f"{results['numaov_load_seconds']} s; max |numaov - diffusers| "
           f"{results['max_abs_difference']:.3g} of max |condition| "
           f"{results['condition_max_abs']:.3g}")
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    write_results(OUT, results)
     return 0
 
 
