@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dit_pairs.py
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/wan_pipeline.py
+	$(BIN)/python benchmarks/wan_i2v_encode.py
 	$(BIN)/python benchmarks/lm_engine.py  # optimum-intel side by side: run benchmarks/optimum_venv.sh once
 
 # Runs notebooks/*.ipynb top to bottom and saves them with their outputs, in place (their

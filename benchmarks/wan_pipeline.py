@@ -158,6 +158,12 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def write_results(path: Path, results: dict) -> None:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
@@ -214,9 +220,7 @@ def main() -> int:
             print(f"  numaov load and compile {best['numaov']['load']:.2f} s")
             if "vae_workers" in entry:
                 print(f"  tiled VAE: {entry['vae_workers']}")
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    write_results(OUT, results)
     return 0
 
 

@@ -316,7 +316,8 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    "tiles are spread over both workers")
     p.add_argument("--image", metavar="FILE",
                    help="with --prompt: image-to-video, the first frame (PNG/JPEG/WebP of "
-                   "--width x --height); needs a Wan 2.2 TI2V pipeline export")
+                   "--width x --height); needs a Wan 2.2 TI2V or I2V pipeline export, and an "
+                   "I2V export (WanImageToVideoPipeline) needs it")
     p.add_argument("--frames", type=int, required=True, help="video frames, 4k+1 (e.g. 81)")
     p.add_argument("--height", type=int, required=True,
                    help="video height in pixels, multiple of 16")

@@ -79,6 +79,9 @@ VAE_NEXT_FRAME_KIND = "wan-vae-decoder-next-frame"
 # The VAE encoder on one image (Wan 2.2 TI2V's image-to-video; only pipelines with
 # expand_timesteps have it).
 VAE_ENCODER_KIND = "wan-vae-encoder-image"
+# The VAE encoder on each later chunk of 4 frames, with the first chunk's caches (Wan 2.1 /
+# 2.2 I2V A14B encode the image followed by zero frames; only their exports have it).
+VAE_ENCODER_NEXT_KIND = "wan-vae-encoder-next-frames"
 WAN_COMPONENTS = {
     "text_encoder": TEXT_ENCODER_KIND,
     "transformer": "wan",
@@ -86,8 +89,9 @@ WAN_COMPONENTS = {
     "vae_decoder/first_frame": VAE_FIRST_FRAME_KIND,
     "vae_decoder/next_frame": VAE_NEXT_FRAME_KIND,
     "vae_encoder": VAE_ENCODER_KIND,
+    "vae_encoder_next": VAE_ENCODER_NEXT_KIND,
 }
-OPTIONAL_COMPONENTS = ("transformer_2", "vae_encoder")
+OPTIONAL_COMPONENTS = ("transformer_2", "vae_encoder", "vae_encoder_next")
 # Files are hashed in pieces of this size, so a 30 GB IR never sits in memory twice.
 _HASH_CHUNK = 16 << 20
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import diffusers_tiling
+from wan_pipeline_harness import diffusers_tiling, one_line_error
 
 from numaov.runtime.wan_pipeline import WanSampleRequest
 from numaov.runtime.wan_vae import VaeTiling
@@ -120,55 +120,46 @@ def test_progress_says_elapsed_and_remaining(pipeline: dict, tmp_path: Path) -> 
     assert "step 1/2" in proc.stderr and "remaining ~" in proc.stderr
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("numaov: error: "), proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:
     run = ["run", "wan", "--model-dir", str(pipeline["export"]), "--frames", "5", "--height",
            "32", "--width", "32", "--steps", "2", "--guidance", "5", "--seed", "0"]
-    _one_line_error(_cli(*run, "--prompt", PROMPT, "--out", str(tmp_path / "v.avi")),
-                    "--out:", "'.avi'", ".mp4")
+    one_line_error(_cli(*run, "--prompt", PROMPT, "--out", str(tmp_path / "v.avi")),
+                   "--out:", "'.avi'", ".mp4")
     long_prompt = " ".join(["w1"] * (MAX_TEXT_TOKENS + 5))
-    _one_line_error(_cli(*run, "--prompt", long_prompt, "--out", str(tmp_path / "v.mp4")),
-                    "--prompt:", f"{MAX_TEXT_TOKENS + 6} tokens", f"at most {MAX_TEXT_TOKENS}")
-    _one_line_error(_cli(*run, "--prompt", "a", "--negative-prompt", long_prompt, "--out",
-                         str(tmp_path / "v.mp4")), "--negative-prompt:")
-    _one_line_error(_cli(*run, "--out", str(tmp_path / "v.mp4")), "exactly one of --prompt")
-    _one_line_error(_cli(*run, "--prompt", "a", "--shift", "3", "--out", str(tmp_path / "v.mp4")),
-                    "--shift: not used with --prompt")
+    one_line_error(_cli(*run, "--prompt", long_prompt, "--out", str(tmp_path / "v.mp4")),
+                   "--prompt:", f"{MAX_TEXT_TOKENS + 6} tokens", f"at most {MAX_TEXT_TOKENS}")
+    one_line_error(_cli(*run, "--prompt", "a", "--negative-prompt", long_prompt, "--out",
+                        str(tmp_path / "v.mp4")), "--negative-prompt:")
+    one_line_error(_cli(*run, "--out", str(tmp_path / "v.mp4")), "exactly one of --prompt")
+    one_line_error(_cli(*run, "--prompt", "a", "--shift", "3", "--out", str(tmp_path / "v.mp4")),
+                   "--shift: not used with --prompt")
     # Far more than this machine holds: refused with the numbers before anything is allocated.
     big = [*run[:4], "--frames", "81", "--height", "8192", "--width", "8192", *run[10:]]
-    _one_line_error(_cli(*big, "--prompt", "a", "--out", str(tmp_path / "v.mp4")),
-                    "video tokens", "GiB of memory is available")
+    one_line_error(_cli(*big, "--prompt", "a", "--out", str(tmp_path / "v.mp4")),
+                   "video tokens", "GiB of memory is available")
 
     # A pipeline directory without its text encoder: the export names it, before any work.
     broken = tmp_path / "pipeline"
     shutil.copytree(pipeline["root"] / "pipeline", broken)
     shutil.rmtree(broken / "text_encoder")
-    _one_line_error(_cli("export", "wan", "--checkpoint", str(broken), "--out",
-                         str(tmp_path / "export")), "--checkpoint:", "'text_encoder'")
+    one_line_error(_cli("export", "wan", "--checkpoint", str(broken), "--out",
+                        str(tmp_path / "export")), "--checkpoint:", "'text_encoder'")
     assert not (tmp_path / "export").exists()
     # An export with a component's manifest gone.
     export = tmp_path / "export_copy"
     shutil.copytree(pipeline["export"], export)
     (export / "vae_decoder" / "next_frame" / "manifest.json").unlink()
-    _one_line_error(_cli(*run[:3], str(export), *run[4:], "--prompt", "a", "--out",
-                         str(tmp_path / "v.mp4")), "vae_decoder/next_frame/manifest.json",
-                    "missing")
+    one_line_error(_cli(*run[:3], str(export), *run[4:], "--prompt", "a", "--out",
+                        str(tmp_path / "v.mp4")), "vae_decoder/next_frame/manifest.json",
+                   "missing")
     # A Wan 2.2 two-expert index is named as such, not half exported.
     index = json.loads((pipeline["root"] / "pipeline" / "model_index.json").read_text())
     two = tmp_path / "two_experts"
     shutil.copytree(pipeline["root"] / "pipeline", two)
     (two / "model_index.json").write_text(json.dumps(
         {**index, "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
-    _one_line_error(_cli("export", "wan", "--checkpoint", str(two), "--out",
-                         str(tmp_path / "export2")), "transformer_2")
+    one_line_error(_cli("export", "wan", "--checkpoint", str(two), "--out",
+                        str(tmp_path / "export2")), "transformer_2")
 
 
 def test_two_guidance_workers_give_the_same_video(pipeline: dict, tmp_path: Path) -> None:

@@ -7,12 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import TI2V_Z_DIM, diffusers_tiling, export_tiny_pipeline
+from wan_pipeline_harness import (
+    TI2V_Z_DIM,
+    diffusers_tiling,
+    export_tiny_pipeline,
+    export_without,
+    wan_prompt_embeds,
+    write_image,
+)
 
 from numaov.runtime.wan_pipeline import WanSampleRequest
 from numaov.runtime.wan_vae import VaeGeometry, VaeTiling
 from numaov.runtime.wan_video import (
-    MAX_TEXT_TOKENS,
     VAE_FIRST_FRAME,
     read_pipeline,
     run_wan_pipeline,
@@ -104,14 +110,6 @@ def test_sizes_follow_the_16x_vae(ti2v: dict, tmp_path) -> None:
 # -- image to video (diffusers' WanImageToVideoPipeline with expand_timesteps) ----------------
 
 
-def _image(path, height: int, width: int, seed: int = 0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-    return path
-
-
 def _diffusers_i2v_frames(pipe, image_path, frames: int, height: int, width: int) -> np.ndarray:
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
@@ -119,11 +117,7 @@ def _diffusers_i2v_frames(pipe, image_path, frames: int, height: int, width: int
     i2v = WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder,
                                   vae=pipe.vae, scheduler=pipe.scheduler,
                                   transformer=pipe.transformer, expand_timesteps=True)
-    # The prompts encoded by WanPipeline: diffusers 0.42's image-to-video prompt_clean calls
-    # ftfy unguarded (WanPipeline's only when it is installed, as numaov's tokenize does);
-    # encode_prompt's default length is 226, its __call__'s (and numaov's) 512.
-    embeds, negative = pipe.encode_prompt(PROMPT, negative_prompt=NEGATIVE,
-                                          max_sequence_length=MAX_TEXT_TOKENS)
+    embeds, negative = wan_prompt_embeds(pipe, PROMPT, NEGATIVE)
     with Image.open(image_path) as image:
         return i2v(image.convert("RGB"), prompt_embeds=embeds, negative_prompt_embeds=negative,
                    num_frames=frames,
@@ -142,7 +136,7 @@ def test_image_encoder_is_exported_with_parity(ti2v: dict) -> None:
 def test_image_to_video_equals_diffusers(ti2v: dict, backend: str, size: tuple,
                                          tmp_path) -> None:
     frames, height, width = size
-    image = _image(tmp_path / "first.png", height, width)
+    image = write_image(tmp_path / "first.png", height, width)
     expected = _diffusers_i2v_frames(ti2v["pipe"], image, *size)
     got = run_wan_pipeline(ti2v["export"], _request(*size), PROMPT, tmp_path / "v.gif",
                            negative_prompt=NEGATIVE, backend=backend, image=image)
@@ -156,15 +150,13 @@ def test_image_to_video_equals_diffusers(ti2v: dict, backend: str, size: tuple,
 
 
 def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
-    import json
-    import shutil
     import subprocess
     import sys
 
     run = [sys.executable, "-m", "numaov.cli", "run", "wan", "--model-dir", str(ti2v["export"]),
            "--prompt", "a", "--frames", "5", "--height", "32", "--width", "64", "--steps", "1",
            "--guidance", "5", "--seed", "0", "--out", str(tmp_path / "v.gif")]
-    proc = subprocess.run([*run, "--image", str(_image(tmp_path / "small.png", 32, 32))],
+    proc = subprocess.run([*run, "--image", str(write_image(tmp_path / "small.png", 32, 32))],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
@@ -178,11 +170,7 @@ def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
         run_wan_pipeline(ti2v["export"], _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
                          image=tmp_path / "broken.png")
     # An export without the encoder (as every text-to-video-only pipeline's) refuses --image.
-    text_only = tmp_path / "export"
-    shutil.copytree(ti2v["export"], text_only)
-    manifest = json.loads((text_only / "manifest.json").read_text())
-    manifest["components"].remove("vae_encoder")
-    (text_only / "manifest.json").write_text(json.dumps(manifest))
+    text_only = export_without(ti2v["export"], tmp_path / "export", "vae_encoder")
     with pytest.raises(SamplerInputError, match="has no image conditioning"):
         run_wan_pipeline(text_only, _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
                          image=tmp_path / "small.png")

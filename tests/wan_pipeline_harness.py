@@ -26,12 +26,17 @@ TEXT_DIM = 32
 TI2V_Z_DIM = 48
 
 
-def _tiny_transformer(channels: int = 16) -> torch.nn.Module:
+# Wan 2.2 I2V A14B's transformer input: 16 latent channels, 4 first-frame mask channels (the
+# VAE's temporal factor) and 16 channels of the encoded condition video.
+I2V_IN_CHANNELS = 16 + 4 + 16
+
+
+def _tiny_transformer(channels: int = 16, in_channels: int | None = None) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=channels,
-        out_channels=channels, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+        in_channels=in_channels or channels, out_channels=channels, text_dim=TEXT_DIM, freq_dim=32, ffn_dim=64, num_layers=2,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
     ).eval()
 
@@ -55,15 +60,18 @@ def _tiny_vae(ti2v: bool) -> torch.nn.Module:
 
 
 def build_tiny_pipeline(directory: Path, seed: int = 0,
-                        boundary_ratio: float | None = None, ti2v: bool = False) -> object:
+                        boundary_ratio: float | None = None, ti2v: bool = False,
+                        i2v: bool = False) -> object:
     """Save a tiny ``WanPipeline`` to ``directory``; returns the pipeline (in memory).
 
     ``boundary_ratio`` makes it a Wan 2.2 A14B-style pipeline with a second expert
     (``transformer_2``) taking the steps below ``boundary_ratio * 1000``; ``ti2v`` a Wan 2.2
     TI2V-5B-style one (``expand_timesteps``, the 48-channel VAE with 2x2 patches and 16x
-    spatial compression)."""
+    spatial compression); ``i2v`` a Wan 2.2 I2V A14B-style ``WanImageToVideoPipeline`` (no
+    image encoder; transformers taking the mask and condition channels beside the latents)."""
     from diffusers import (
         UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
         WanPipeline,
     )
 
@@ -72,11 +80,13 @@ def build_tiny_pipeline(directory: Path, seed: int = 0,
     text_encoder = tiny_umt5_encoder(len(WORDS), TEXT_DIM)
     vae = _tiny_vae(ti2v)
     channels = TI2V_Z_DIM if ti2v else 16
-    transformer = _tiny_transformer(channels)
-    transformer_2 = _tiny_transformer(channels) if boundary_ratio is not None else None
+    in_channels = I2V_IN_CHANNELS if i2v else channels
+    transformer = _tiny_transformer(channels, in_channels)
+    transformer_2 = (_tiny_transformer(channels, in_channels) if boundary_ratio is not None
+                     else None)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=fast, text_encoder=text_encoder, vae=vae,
+    pipe = (WanImageToVideoPipeline if i2v else WanPipeline)(tokenizer=fast, text_encoder=text_encoder, vae=vae,
                        transformer=transformer, scheduler=scheduler,
                        transformer_2=transformer_2, boundary_ratio=boundary_ratio,
                        expand_timesteps=ti2v)
@@ -106,3 +116,48 @@ def diffusers_tiling(pipe: object, tiling: object) -> Iterator[None]:
         yield
     finally:
         pipe.vae.disable_tiling()
+
+
+def write_image(path: Path, height: int, width: int, seed: int = 0) -> Path:
+    """A seeded random RGB PNG of ``width`` x ``height`` pixels: a first frame to condition on."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def wan_prompt_embeds(pipe: object, prompt: str, negative: str) -> tuple:
+    """The prompts encoded by ``WanPipeline`` from ``pipe``'s tokenizer and text encoder, for
+    diffusers' image-to-video pipeline: diffusers 0.42's image-to-video ``prompt_clean`` calls
+    ftfy unguarded (WanPipeline's only when it is installed, as numaov's tokenize does), and
+    ``encode_prompt``'s default length is 226, its ``__call__``'s (and numaov's) 512."""
+    from diffusers import WanPipeline
+
+    t2v = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                      scheduler=pipe.scheduler, transformer=pipe.transformer)
+    return t2v.encode_prompt(prompt, negative_prompt=negative, max_sequence_length=512)
+
+
+def export_without(export: Path, copy: Path, component: str) -> Path:
+    """A copy of the pipeline export ``export`` at ``copy`` whose manifest lost ``component``."""
+    import json
+    import shutil
+
+    shutil.copytree(export, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["components"].remove(component)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def one_line_error(proc: object, *needles: str) -> str:
+    """A ``numaov`` process's failure: exit code 1 and one ``numaov: error:`` line on stderr
+    holding every needle; returns the line."""
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("numaov: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]

@@ -10,6 +10,11 @@ A diffusers pipeline directory (``model_index.json`` beside ``transformer/``, ``
 - ``vae_decoder/first_frame/`` and ``vae_decoder/next_frame/``: the VAE decoder's two loop
   bodies with their frame caches as inputs and outputs (``VaeFirstFrameGraph``,
   ``VaeNextFrameGraph``);
+- ``vae_encoder/`` for image-to-video (Wan 2.2 TI2V's ``expand_timesteps``, and
+  ``WanImageToVideoPipeline``): the encoder's first chunk, one image (``VaeImageEncoderGraph``);
+  ``vae_encoder_next/`` beside it for a ``WanImageToVideoPipeline`` that concatenates the
+  condition to the latents (Wan 2.1 / 2.2 I2V A14B, which encode the image followed by zero
+  frames): every later chunk of 4 frames with the caches (``VaeNextFramesEncoderGraph``);
 - ``tokenizer/``, ``scheduler/`` and ``model_index.json``, copied as they are;
 - ``manifest.json`` of kind ``"wan-pipeline"`` naming the components (each subdirectory has
   its own manifest with inputs, parity figures and file digests) and, in ``config``, what the
@@ -47,6 +52,7 @@ from numaov.manifest import (
     PIPELINE_KIND,
     TEXT_ENCODER_KIND,
     VAE_ENCODER_KIND,
+    VAE_ENCODER_NEXT_KIND,
     VAE_FIRST_FRAME_KIND,
     VAE_NEXT_FRAME_KIND,
     ExportManifest,
@@ -57,6 +63,7 @@ from numaov.models.wan_components import (
     VaeFirstFrameGraph,
     VaeImageEncoderGraph,
     VaeNextFrameGraph,
+    VaeNextFramesEncoderGraph,
     load_text_encoder,
     load_vae,
 )
@@ -64,7 +71,8 @@ from numaov.models.wan_components import (
 logger = logging.getLogger(__name__)
 
 MODEL_INDEX_NAME = "model_index.json"
-PIPELINE_CLASSES = ("WanPipeline",)
+IMAGE_TO_VIDEO_CLASS = "WanImageToVideoPipeline"
+PIPELINE_CLASSES = ("WanPipeline", IMAGE_TO_VIDEO_CLASS)
 # Directories copied into the export as they are (read by the runtime with their libraries).
 COPIED = ("tokenizer", "scheduler")
 TEXT_ENCODER_DIR = "text_encoder"
@@ -72,7 +80,8 @@ TRANSFORMER_DIR = "transformer"
 TRANSFORMER_2_DIR = "transformer_2"  # Wan 2.2 A14B's low-noise expert
 VAE_FIRST_FRAME_DIR = "vae_decoder/first_frame"
 VAE_NEXT_FRAME_DIR = "vae_decoder/next_frame"
-VAE_ENCODER_DIR = "vae_encoder"  # image conditioning (expand_timesteps pipelines)
+VAE_ENCODER_DIR = "vae_encoder"  # image conditioning (expand_timesteps and I2V pipelines)
+VAE_ENCODER_NEXT_DIR = "vae_encoder_next"  # the later frames (I2V pipelines' condition video)
 # Text: at least 2 tokens (torch.export specialises a length of 1; the runtime pads a 1-token
 # batch with a masked pad token, which changes no real token's output).
 _MAX_BATCH = 64
@@ -84,6 +93,12 @@ TEXT_PARITY = ((1, 5), (2, 13))
 VAE_EXAMPLE = (2, 6, 10)
 VAE_PARITY = ((1, 4, 6), (3, 5, 3))
 PARITY_SEED = 0
+# The VAE encoder graphs are f32 whatever the export's precision: OpenVINO 2026.4's bf16
+# inference (AVX512-BF16 / AMX) turns the encoder's first RMS norm (diffusers' F.normalize over
+# conv_in's 96 channels at the published sizes; the convolution alone is right) into NaN and
+# inf, so parity refused a bf16 encoder and with it the whole export. The encoder runs once
+# per video (benchmarks/RESULTS.md, "Wan 2.2 I2V's image conditioning").
+ENCODER_PRECISION = "f32"
 class PipelineExportError(NumaovError):
     """A pipeline directory that cannot be exported (a missing or unknown component)."""
 
@@ -95,6 +110,17 @@ def is_pipeline_dir(directory: Path) -> bool:
 def has_second_expert(index: dict[str, Any]) -> bool:
     entry = index.get(TRANSFORMER_2_DIR)
     return isinstance(entry, list) and bool(entry) and bool(entry[0])
+
+
+def encodes_images(index: dict[str, Any]) -> bool:
+    """Image-to-video: Wan 2.2 TI2V (``expand_timesteps``) or a ``WanImageToVideoPipeline``."""
+    return bool(index.get("expand_timesteps")) or index.get("_class_name") == IMAGE_TO_VIDEO_CLASS
+
+
+def concatenates_condition(index: dict[str, Any]) -> bool:
+    """diffusers' ``WanImageToVideoPipeline`` without ``expand_timesteps`` (Wan 2.1 / 2.2 I2V
+    A14B): the mask and the encoded condition video are channels of every model input."""
+    return index.get("_class_name") == IMAGE_TO_VIDEO_CLASS and not index.get("expand_timesteps")
 
 
 def read_model_index(directory: Path) -> dict[str, Any]:
@@ -120,6 +146,15 @@ def read_model_index(directory: Path) -> dict[str, Any]:
                 "writes them",
                 parameter="checkpoint",
             )
+    image_encoder = index.get("image_encoder")
+    if isinstance(image_encoder, list) and any(image_encoder):
+        raise PipelineExportError(
+            f"{str(path)!r} names an image_encoder {image_encoder!r} (Wan 2.1 I2V's CLIP image "
+            "embeddings), which numaov does not export; expected a pipeline without one, as "
+            "Wan 2.2 I2V A14B's", parameter="checkpoint",
+        )
+    if concatenates_condition(index):
+        _check_condition_channels(directory)
     if has_second_expert(index):
         if not (directory / TRANSFORMER_2_DIR).is_dir():
             raise PipelineExportError(
@@ -134,6 +169,30 @@ def read_model_index(directory: Path) -> dict[str, Any]:
                 parameter="checkpoint",
             )
     return index
+
+
+def _check_condition_channels(directory: Path) -> None:
+    """An I2V transformer takes the latents, the first-frame mask (one channel per frame the
+    VAE folds into a latent frame) and the condition latents: in_channels = 2 z_dim + t."""
+    configs = {}
+    for name in ("transformer", "vae"):
+        path = directory / name / "config.json"
+        try:
+            configs[name] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PipelineExportError(f"cannot read {str(path)!r} as JSON ({exc})",
+                                      parameter="checkpoint") from exc
+    vae, transformer = configs["vae"], configs["transformer"]
+    z_dim, temporal = int(vae.get("z_dim", 16)), int(vae.get("scale_factor_temporal", 4))
+    got = (transformer.get("in_channels"), transformer.get("out_channels"))
+    if got != (2 * z_dim + temporal, z_dim):
+        raise PipelineExportError(
+            f"the image-to-video transformer in {str(directory / 'transformer')!r} has "
+            f"in_channels, out_channels = {got[0]}, {got[1]}; expected "
+            f"{2 * z_dim + temporal}, {z_dim} (the VAE's {z_dim} latent channels, {temporal} "
+            f"mask channels and {z_dim} condition channels in, the latents' {z_dim} out)",
+            parameter="checkpoint",
+        )
 
 
 def export_pipeline_into(
@@ -183,12 +242,15 @@ def export_pipeline_into(
     vae_config = dict(vae.config)
     parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, precision, lowering, report)
     vae_components = [VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
-    if index.get("expand_timesteps"):
-        # Wan 2.2 TI2V conditions on an image put in the first latent frame.
-        report("VAE encoder, one image")
-        parts.append(_export_vae_encoder(vae, pipeline_dir / "vae", out_dir / VAE_ENCODER_DIR,
-                                         precision, lowering, report))
-        vae_components.append(VAE_ENCODER_DIR)
+    if encodes_images(index):
+        # Wan 2.2 TI2V conditions on an image put in the first latent frame; Wan 2.2 I2V on
+        # the image followed by zero frames, encoded in chunks of 4 after the first.
+        report("VAE encoder")
+        encoder_parts = _export_vae_encoder(vae, pipeline_dir / "vae", out_dir,
+                                            ENCODER_PRECISION, lowering, report,
+                                            concatenates_condition(index))
+        parts += encoder_parts
+        vae_components += [VAE_ENCODER_DIR, VAE_ENCODER_NEXT_DIR][: len(encoder_parts)]
     del vae
     gc.collect()
     timings["vae_decoder"] = time.perf_counter() - start
@@ -377,25 +439,64 @@ def _export_vae_decoder(
 
 def _export_vae_encoder(
     vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
-    report: Callable[[str], None],
-) -> ExportManifest:
-    """The encoder on one image ``[B, 3, 1, s*h, s*w]`` (``s`` the VAE's spatial factor)."""
+    report: Callable[[str], None], next_frames: bool,
+) -> list[ExportManifest]:
+    """The encoder on one image ``[B, 3, 1, s*h, s*w]`` (``s`` the VAE's spatial factor) into
+    ``vae_encoder/``; with ``next_frames`` also on each later chunk ``[B, 3, 4, s*h, s*w]``
+    into ``vae_encoder_next/``, its caches from the first (as the decoder's two graphs)."""
     scale = int(vae.config.scale_factor_spatial or 8)
     rng = np.random.default_rng(PARITY_SEED)
 
-    def image(batch: int, height: int, width: int) -> np.ndarray:
-        pixels = rng.uniform(-1.0, 1.0, (batch, 3, 1, scale * height, scale * width))
+    def video(batch: int, height: int, width: int, frames: int = 1) -> np.ndarray:
+        pixels = rng.uniform(-1.0, 1.0, (batch, 3, frames, scale * height, scale * width))
         return pixels.astype(np.float32)
 
     dim = torch.export.Dim
+    batch = dim("batch", min=1, max=_MAX_BATCH)
     height = dim("latent_height", min=1, max=_MAX_LATENT)
     width = dim("latent_width", min=1, max=_MAX_LATENT)
-    out_dir.mkdir(parents=True)
-    return _export_graph(
-        VaeImageEncoderGraph(vae).eval(), VAE_ENCODER_KIND,
-        {"image": torch.from_numpy(image(*VAE_EXAMPLE))},
-        {"image": {0: dim("batch", min=1, max=_MAX_BATCH), 3: scale * height, 4: scale * width}},
-        [{"image": image(*sizes)} for sizes in VAE_PARITY], ["latents"], out_dir, precision,
-        lowering, report, source,
-        {"z_dim": int(vae.config.z_dim), "scale_factor_spatial": scale},
-    )
+    _, h0, w0 = VAE_EXAMPLE
+
+    def axes(shape: Sequence[int]) -> dict[int, Any]:
+        fh, fw = shape[3] // h0, shape[4] // w0
+        return {0: batch, 3: height if fh == 1 else fh * height,
+                4: width if fw == 1 else fw * width}
+
+    first = VaeImageEncoderGraph(vae).eval()
+    example = torch.from_numpy(video(*VAE_EXAMPLE))
+    slots = first.cache_slots(example)
+    cache_names = [f"cache_{i}" for i in range(len(slots))]
+    # spatial_factors: each cache's size in latents, for the runtime's memory estimate.
+    config = {"z_dim": int(vae.config.z_dim), "scale_factor_spatial": scale,
+              "cache_slots": len(slots),
+              "spatial_factors": [int(c.shape[3]) // h0 for c in slots]}
+    report("VAE encoder, first frame")
+    first_sets = [{"image": video(*sizes)} for sizes in VAE_PARITY]
+    (out_dir / VAE_ENCODER_DIR).mkdir(parents=True)
+    manifests = [_export_graph(
+        first, VAE_ENCODER_KIND, {"image": example}, {"image": axes(example.shape)},
+        first_sets, ["latents", *cache_names], out_dir / VAE_ENCODER_DIR, precision, lowering,
+        report, source, config,
+    )]
+    if not next_frames:
+        return manifests
+
+    report("VAE encoder, next frames")
+    chunk = 4  # video frames per later chunk: the encoder's two 2x temporal downsamplers
+    next_sets = []
+    for feeds in first_sets:
+        # Real caches (the first chunk's), so parity runs on the values the loop passes.
+        caches = first.cache_slots(torch.from_numpy(feeds["image"]))
+        b, _, _, h, w = feeds["image"].shape
+        next_sets.append({"video": video(b, h // scale, w // scale, chunk),
+                          **{f"caches_{i}": c.numpy() for i, c in enumerate(caches)}})
+    example_next = torch.from_numpy(video(*VAE_EXAMPLE, chunk))
+    (out_dir / VAE_ENCODER_NEXT_DIR).mkdir(parents=True)
+    manifests.append(_export_graph(
+        VaeNextFramesEncoderGraph(vae).eval(), VAE_ENCODER_NEXT_KIND,
+        {"video": example_next, "caches": slots},
+        {"video": axes(example_next.shape), "caches": [axes(c.shape) for c in slots]},
+        next_sets, ["latents", *cache_names], out_dir / VAE_ENCODER_NEXT_DIR, precision,
+        lowering, report, source, config,
+    ))
+    return manifests

@@ -1,4 +1,5 @@
-"""The Wan pipeline's other components as graphs: the UMT5 text encoder and the VAE decoder.
+"""The Wan pipeline's other components as graphs: the UMT5 text encoder, the VAE decoder and
+encoder.
 
 Both wrap the reference implementations as published (transformers' ``UMT5EncoderModel``,
 diffusers' ``AutoencoderKLWan``), loaded from a diffusers pipeline directory's
@@ -24,10 +25,23 @@ diffusers' ``WanPipeline`` does.
   clamped: tiles are blended before diffusers clamps, so the runtime clamps at the end.
   With Wan 2.2's VAE (``patch_size=2``) the frames are the decoder's patched output
   ``[B, 12, T, 8h, 8w]`` (16x spatial in all), unpatchified by the runtime after blending.
-- ``VaeImageEncoderGraph(image [B, 3, 1, H, W] in [-1, 1]) -> latents [B, C, 1, H/s, W/s]``:
-  the encoder's first chunk on one image, the posterior's mode (diffusers'
-  ``retrieve_latents(..., sample_mode="argmax")``), normalised as the transformer sees latents
-  (``(z - mean) / std``): the conditioning first frame of Wan 2.2 TI2V's image-to-video.
+- The VAE encoder runs the same way, diffusers' ``_encode`` loop (the first frame alone, then
+  chunks of 4 frames) with its caches made explicit:
+
+  - ``VaeImageEncoderGraph(image [B, 3, 1, H, W] in [-1, 1]) -> (latents [B, C, 1, H/s, W/s],
+    cache_0, ...)``: the encoder's first chunk on one image, the posterior's mode (diffusers'
+    ``retrieve_latents(..., sample_mode="argmax")``), normalised as the transformer sees
+    latents (``(z - mean) / std``): the conditioning first frame of Wan 2.2 TI2V's
+    image-to-video (which uses the latents only), and the first latent frame of a video;
+  - ``VaeNextFramesEncoderGraph(video [B, 3, 4, H, W], cache_0, ...) -> (latents [B, C, 1,
+    H/s, W/s], cache_0, ...)``: every later chunk of 4 frames, one latent frame. Wan 2.1 /
+    2.2 I2V A14B encode the image followed by zero frames this way.
+
+  The encoder's caches are two frames too: its causal convolutions' one-frame caches after
+  the first chunk get zeros in front as the decoder's do, and its temporal downsamplers read
+  only the last frame of theirs, so two frames with the real one last are the same to them.
+  ``quant_conv`` is a 1x1x1 convolution, so applying it per chunk (here) or to the joined
+  chunks (diffusers) is the same.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ import torch
 from numaov.manifest import (
     TEXT_ENCODER_KIND,
     VAE_ENCODER_KIND,
+    VAE_ENCODER_NEXT_KIND,
     VAE_FIRST_FRAME_KIND,
     VAE_NEXT_FRAME_KIND,
 )
@@ -67,6 +82,14 @@ def load_text_encoder(directory: str | Path) -> TextEncoderGraph:
         str(directory), torch_dtype=torch.float32, attn_implementation="eager"
     )
     return TextEncoderGraph(model.eval()).eval()
+
+
+def _two_frames(cache: torch.Tensor) -> torch.Tensor:
+    """A causal convolution's cache as two frames: a one-frame ``[B, C, 1, h, w]`` gets zeros
+    in front (what the convolution pads with), so every later chunk's graph takes one shape."""
+    if cache.shape[2] == 1:
+        return torch.cat([torch.zeros_like(cache), cache], dim=2)
+    return cache
 
 
 class _VaeFrameGraph(torch.nn.Module):
@@ -114,9 +137,7 @@ class _VaeFrameGraph(torch.nn.Module):
             if isinstance(entry, str):  # "Rep": no cache yet, i.e. zeros
                 b, c, _, h, w = self._upsampler_shapes[slot]
                 entry = frames.new_zeros(b, c, 2, h, w)
-            elif entry.shape[2] == 1:  # [B, C, 1, h, w] -> zeros in front
-                entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
-            out.append(entry)
+            out.append(_two_frames(entry))
         return (frames, *out)
 
     def cache_slots(self, latents: torch.Tensor) -> list[torch.Tensor]:
@@ -141,9 +162,9 @@ class VaeNextFrameGraph(_VaeFrameGraph):
         return self._decode(latents, list(caches))
 
 
-class VaeImageEncoderGraph(torch.nn.Module):
-    """One image to its normalised first-frame latents (diffusers' ``_encode`` on one frame:
-    patchify, the encoder's first chunk, ``quant_conv``; then the mean half)."""
+class _VaeEncoderChunkGraph(torch.nn.Module):
+    """One chunk of diffusers' ``_encode`` loop: patchify, the encoder with its caches,
+    ``quant_conv``, the posterior's mean normalised; returns the latents and the caches."""
 
     def __init__(self, vae: torch.nn.Module) -> None:
         super().__init__()
@@ -152,10 +173,39 @@ class VaeImageEncoderGraph(torch.nn.Module):
         self.z_dim = z_dim
         self.register_buffer("latents_mean", torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1))
         self.register_buffer("latents_std", torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1))
+        self._slots = int(vae._cached_conv_counts["encoder"])
 
-    def forward(self, image: torch.Tensor) -> torch.Tensor:
-        moments = self.vae._encode(image)
-        return (moments[:, : self.z_dim] - self.latents_mean) / self.latents_std
+    def _encode(self, video: torch.Tensor,
+                caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+        patch = self.vae.config.patch_size
+        x = video if patch is None else patchify(video, patch_size=patch)
+        cache: list[Any] = list(caches) + [None] * (self._slots - len(caches))
+        used = [0]
+        moments = self.vae.quant_conv(self.vae.encoder(x, feat_cache=cache, feat_idx=used))
+        latents = (moments[:, : self.z_dim] - self.latents_mean) / self.latents_std
+        return (latents, *(_two_frames(entry) for entry in cache[: used[0]]))
+
+    def cache_slots(self, image: torch.Tensor) -> list[torch.Tensor]:
+        """The caches the first chunk leaves for ``image`` (to size the next-frames graph)."""
+        with torch.no_grad():
+            return list(VaeImageEncoderGraph(self.vae)(image[:, :, :1])[1:])
+
+
+class VaeImageEncoderGraph(_VaeEncoderChunkGraph):
+    """One image to its normalised first-frame latents and the encoder's caches."""
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._encode(image, [])
+
+
+class VaeNextFramesEncoderGraph(_VaeEncoderChunkGraph):
+    """Every later chunk of 4 video frames to one latent frame, with the updated caches."""
+
+    def forward(self, video: torch.Tensor,
+                caches: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return self._encode(video, list(caches))
 
 
 class GraphInputs(torch.nn.Module):
@@ -167,10 +217,11 @@ class GraphInputs(torch.nn.Module):
         self.module = module
 
     def forward(self, **feeds: torch.Tensor) -> Any:
-        if not isinstance(self.module, VaeNextFrameGraph):
+        if not isinstance(self.module, (VaeNextFrameGraph, VaeNextFramesEncoderGraph)):
             return self.module(**feeds)
         caches = [feeds[f"caches_{i}"] for i in range(len(feeds) - 1)]
-        return self.module(feeds["latents"], caches)
+        frames = "latents" if isinstance(self.module, VaeNextFrameGraph) else "video"
+        return self.module(feeds[frames], caches)
 
 
 def load_vae(directory: str | Path) -> torch.nn.Module:
@@ -190,4 +241,6 @@ def load_component(kind: str, directory: str | Path) -> torch.nn.Module:
         return VaeNextFrameGraph(load_vae(directory)).eval()
     if kind == VAE_ENCODER_KIND:
         return VaeImageEncoderGraph(load_vae(directory)).eval()
+    if kind == VAE_ENCODER_NEXT_KIND:
+        return VaeNextFramesEncoderGraph(load_vae(directory)).eval()
     raise ValueError(f"unknown component kind {kind!r}")

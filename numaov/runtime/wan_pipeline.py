@@ -131,6 +131,12 @@ class WanSampleRequest:
         return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
 
 
+def condition_channels(config: dict[str, Any]) -> int:
+    """Channels a transformer takes beside the latents it predicts (Wan 2.2 I2V: 36 in, 16
+    out, so 20: the first-frame mask and the condition video); 0 for text to video."""
+    return int(config["in_channels"]) - int(config.get("out_channels") or config["in_channels"])
+
+
 def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
                  spatial_factor: int = VAE_SPATIAL_FACTOR) -> tuple[int, ...]:
     """``(1, C, F, H, W)`` latents for a video of ``frames`` x ``height`` x ``width`` pixels.
@@ -141,7 +147,9 @@ def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
     rounds them; here nothing is silently changed).
     """
     patch = list(config.get("patch_size", (1, 2, 2)))
-    channels = int(config["in_channels"])
+    # The latents are what the transformer predicts: an image-to-video transformer takes
+    # condition channels beside them (Wan 2.2 I2V: in_channels 36, out_channels 16).
+    channels = int(config.get("out_channels") or config["in_channels"])
     for name, value in (("frames", frames), ("height", height), ("width", width)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SamplerInputError(f"{name}={value!r}; expected a positive integer")
@@ -639,10 +647,13 @@ class SampleResult:
 @dataclass(frozen=True)
 class TimestepLayout:
     """How each step's timestep is fed: ``frames`` is F' for a per-frame graph (None: one
-    timestep per sample); ``first_frame`` the ``[1, C, 1, H', W']`` conditioning latents."""
+    timestep per sample); ``first_frame`` the ``[1, C, 1, H', W']`` conditioning latents;
+    ``channels`` the ``[1, K, F', H', W']`` condition channels every model input ends with
+    (Wan 2.2 I2V's mask and encoded condition video, ``runtime/wan_image_condition.py``)."""
 
     frames: int | None = None
     first_frame: np.ndarray | None = None
+    channels: np.ndarray | None = None
 
     def timestep(self, t: float) -> np.ndarray:
         """One sample's timestep: ``[1]``, or ``[1, F']`` with 0 on a conditioned frame 0."""
@@ -659,16 +670,27 @@ class TimestepLayout:
             latents[:, :, :1] = self.first_frame
         return latents
 
+    def model_input(self, latents: np.ndarray) -> np.ndarray:
+        """The transformer's input: the conditioned latents, then any condition channels
+        (diffusers' ``torch.cat([latents, condition], dim=1)``)."""
+        latents = self.condition(latents)
+        if self.channels is None:
+            return latents
+        return np.concatenate([latents, self.channels], axis=1)
+
 
 def timestep_layout(transformer: ModelManifest, shape: Sequence[int],
-                    first_frame: np.ndarray | None = None) -> TimestepLayout:
+                    first_frame: np.ndarray | None = None,
+                    channels: np.ndarray | None = None) -> TimestepLayout:
     """Per-frame timesteps (F' of ``shape``'s latents) for a transformer exported with them
     (Wan 2.2 TI2V: diffusers' ``expand_timesteps`` per-token timesteps are one value per
-    latent frame), else one per sample; ``first_frame`` conditions frame 0."""
+    latent frame), else one per sample; ``first_frame`` conditions frame 0, ``channels`` are
+    appended to every model input."""
     if transformer.timestep != PER_FRAME:
-        return TimestepLayout(first_frame=first_frame)
+        return TimestepLayout(first_frame=first_frame, channels=channels)
     patch_t = int(list(transformer.config.get("patch_size", (1, 2, 2)))[0])
-    return TimestepLayout(frames=shape[2] // patch_t, first_frame=first_frame)
+    return TimestepLayout(frames=shape[2] // patch_t, first_frame=first_frame,
+                          channels=channels)
 
 
 def sample(
@@ -689,7 +711,8 @@ def sample(
         start = time.perf_counter()
         expert = request.expert(timestep)
         guidance = np.float32(request.guidance_at(expert))
-        cond, uncond = predictors[expert](layout.condition(latents), layout.timestep(timestep))
+        cond, uncond = predictors[expert](layout.model_input(latents),
+                                          layout.timestep(timestep))
         velocity = uncond + guidance * (cond - uncond)
         latents = schedule.step(velocity, i, latents)
         seconds.append(time.perf_counter() - start)
@@ -787,6 +810,13 @@ def run_wan(
         raise ModelDirError(
             f"manifest config in {str(manifest.directory)!r} lacks {missing}; expected a Wan "
             "transformer config (re-export the model)"
+        )
+    condition = condition_channels(config)
+    if condition:
+        raise SamplerInputError(
+            f"the transformer in {str(manifest.directory)!r} takes {condition} image-to-video "
+            f"condition channels beside its latents (in_channels {config['in_channels']}); "
+            "expected a text-to-video transformer here, or its pipeline export with an image"
         )
     shape = latent_shape(config, request.frames, request.height, request.width)
     out_path = Path(out) if out is not None else None

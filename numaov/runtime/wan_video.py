@@ -1,4 +1,5 @@
-"""Wan text-to-video: a prompt in, a video file out, every model on the chosen backend.
+"""Wan text-to-video (and image-to-video): a prompt in, a video file out, every model on the
+chosen backend.
 
 The pipeline is diffusers' ``WanPipeline`` on an export of a pipeline directory
 (``numaov export wan --checkpoint PIPELINE_DIR``, manifest kind ``"wan-pipeline"``):
@@ -43,6 +44,7 @@ from numaov.runtime.video_output import (
     output_format,
     write_video,
 )
+from numaov.runtime.wan_image_condition import ImageEncoder
 from numaov.runtime.wan_pipeline import (
     MAX_WORKERS,
     Progress,
@@ -50,6 +52,7 @@ from numaov.runtime.wan_pipeline import (
     SamplerInputError,
     WanSampleRequest,
     check_memory,
+    condition_channels,
     denoise,
     estimate_memory,
     latent_shape,
@@ -57,6 +60,7 @@ from numaov.runtime.wan_pipeline import (
     validate_request,
 )
 from numaov.runtime.wan_vae import (
+    TEMPORAL_FACTOR,
     VaeDecoder,
     VaeGeometry,
     VaeTiling,
@@ -74,7 +78,9 @@ TRANSFORMER = "transformer"
 TRANSFORMER_2 = "transformer_2"  # optional: Wan 2.2 A14B's low-noise expert
 VAE_FIRST_FRAME = "vae_decoder/first_frame"
 VAE_NEXT_FRAME = "vae_decoder/next_frame"
-VAE_ENCODER = "vae_encoder"  # optional: image conditioning (Wan 2.2 TI2V)
+VAE_ENCODER = "vae_encoder"  # optional: image conditioning (Wan 2.2 TI2V and I2V)
+VAE_ENCODER_NEXT = "vae_encoder_next"  # optional: the condition video's later frames (I2V)
+IMAGE_TO_VIDEO_CLASS = "WanImageToVideoPipeline"  # a pipeline that needs an image
 
 
 class PromptError(NumaovError):
@@ -100,6 +106,22 @@ class WanPipelineExport:
         if ratio is None or TRANSFORMER_2 not in self.components:
             return None
         return float(ratio) * float(scheduler.get("num_train_timesteps", 1000))
+
+    @property
+    def needs_image(self) -> bool:
+        """diffusers' ``WanImageToVideoPipeline`` (Wan 2.2 I2V A14B) has no text-only mode."""
+        return self.record.config.get("model_index", {}).get("_class_name") == IMAGE_TO_VIDEO_CLASS
+
+    @property
+    def condition_channels(self) -> int:
+        """Channels the transformer takes beside the latents (Wan 2.2 I2V: 20, the mask and
+        the condition video; 0 for text to video and TI2V)."""
+        return condition_channels(self.components[TRANSFORMER].config)
+
+    @property
+    def vae_temporal_factor(self) -> int:
+        return int(self.record.config.get("vae", {}).get("scale_factor_temporal")
+                   or TEMPORAL_FACTOR)
 
     @property
     def scheduler_config(self) -> dict[str, Any]:
@@ -178,11 +200,21 @@ def encode(runner: GraphRunner, token_ids: list[list[int]], pad_id: int) -> list
 def _conditioning_image(pipeline: WanPipelineExport, image: str | Path,
                         request: WanSampleRequest) -> np.ndarray:
     """The image's pixels, after checking the export can condition on one."""
+    missing = [name for name in (VAE_ENCODER, VAE_ENCODER_NEXT)
+               if name not in pipeline.components]
+    if pipeline.condition_channels and missing:
+        raise SamplerInputError(
+            f"the image-to-video pipeline in {str(pipeline.directory)!r} has no "
+            f"{' or '.join(map(repr, missing))} component (the VAE encoder its transformer's "
+            f"{pipeline.condition_channels} condition channels are made with); expected both "
+            f"{VAE_ENCODER} and {VAE_ENCODER_NEXT}: re-export the pipeline directory",
+            parameter="image")
     if VAE_ENCODER not in pipeline.components:
         raise SamplerInputError(
             f"image={str(image)!r}, but the pipeline in {str(pipeline.directory)!r} has no "
             "image conditioning (no vae_encoder component: exports of Wan 2.2 TI2V pipelines, "
-            "with expand_timesteps, have one); expected no image", parameter="image")
+            "with expand_timesteps, and of WanImageToVideoPipeline directories have one); "
+            "expected no image", parameter="image")
     return read_image(image, request.height, request.width)
 
 
@@ -219,7 +251,11 @@ def run_wan_pipeline(
 
     ``image`` (a file of the video's size) conditions the video on it as its first frame, as
     diffusers' ``WanImageToVideoPipeline`` does with ``expand_timesteps`` (Wan 2.2 TI2V): the
-    exported VAE encoder's latents are the first latent frame at every step, at timestep 0.
+    exported VAE encoder's latents are the first latent frame at every step, at timestep 0;
+    or, for an export of a ``WanImageToVideoPipeline`` directory (Wan 2.2 I2V A14B, which
+    needs one), as that pipeline does without it: the image and zero frames encoded, with the
+    first-frame mask, are condition channels of every model input
+    (``runtime/wan_image_condition.py``).
 
     ``workers=2`` runs the guidance branches on two workers and, with ``vae_tiling``
     (diffusers' tiled VAE decoding), the tiles too, every other tile on each worker."""
@@ -236,11 +272,20 @@ def run_wan_pipeline(
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
                          geometry.spatial)
+    if image is None and pipeline.needs_image:
+        raise SamplerInputError(
+            f"the pipeline in {str(pipeline.directory)!r} is image-to-video "
+            f"({IMAGE_TO_VIDEO_CLASS}): expected an image, the video's first frame",
+            parameter="image")
     pixels = None if image is None else _conditioning_image(pipeline, image, request)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
     extra = ({} if kind == LATENTS_FORMAT
              else vae_memory(pipeline.components[VAE_NEXT_FRAME], shape, vae_tiling))
+    if pixels is not None and pipeline.condition_channels:
+        # The encoder's caches over the condition video (its chunks come and go).
+        extra["vae_encoder_caches"] = vae_memory(pipeline.components[VAE_ENCODER_NEXT],
+                                                 shape)["vae_caches"]
     estimate = estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra)
     check_memory(estimate)
     report(f"{estimate.describe()}")
@@ -266,20 +311,25 @@ def run_wan_pipeline(
     seconds["text_encoder"] = time.perf_counter() - start
     report(f"encoded the prompts in {seconds['text_encoder']:.2f} s")
 
-    first_frame = None
+    condition = None
     if pixels is not None:
         start = time.perf_counter()
-        image_encoder = GraphRunner(pipeline.components[VAE_ENCODER], backend)
+        following = (pipeline.components[VAE_ENCODER_NEXT] if pipeline.condition_channels
+                     else None)
+        image_encoder = ImageEncoder(pipeline.components[VAE_ENCODER], following, backend,
+                                     pipeline.vae_temporal_factor)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
-        (first_frame,) = image_encoder({"image": pixels})
+        condition = image_encoder(pixels, request.frames)
         del image_encoder
         seconds["vae_encode"] = time.perf_counter() - start
         report(f"encoded the image in {seconds['vae_encode']:.2f} s")
 
     start = time.perf_counter()
+    layout = (timestep_layout(transformer, shape) if condition is None else
+              timestep_layout(transformer, shape, condition.first_frame, condition.channels))
     latents, steps = denoise(pipeline.experts, plan, backend, text, negative, shape, request,
-                             timestep_layout(transformer, shape, first_frame), progress)
+                             layout, progress)
     seconds["denoise"] = sum(steps)
     seconds["load"] += time.perf_counter() - start - sum(steps)
     sample = SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=steps)
