@@ -235,7 +235,7 @@ def run_wan_pipeline(
     transformer = pipeline.components[TRANSFORMER]
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
-                         geometry.spatial)
+                         geometry.spatial, geometry.temporal)
     pixels = None if image is None else _conditioning_image(pipeline, image, request)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
