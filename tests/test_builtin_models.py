@@ -214,7 +214,7 @@ QUALITY_STEPS, QUALITY_GUIDANCE = 10, 4.0
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="the committed digits-wan transformer draws digits the "
-                   "judge reads for some prompts only: 0-100% per digit, 43% in all (model card, "
+                   "judge reads for some prompts only: 0-100% per digit, 53% in all (model card, "
                    "'Quality')")
 def test_digits_pipeline_draws_the_prompted_digit_on_openvino(demo: dict, judge: DigitJudge,
                                                               tmp_path: Path) -> None:

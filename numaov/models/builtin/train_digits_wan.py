@@ -46,7 +46,7 @@ TEXT_DIM = 32
 WORDS = ["<pad>", "</s>", "<unk>", "a", "handwritten", "moving",
          *(str(d) for d in range(10)), *DIRECTIONS]
 VAE_STEPS, VAE_BATCH = 3000, 8
-TRANSFORMER_STEPS, TRANSFORMER_BATCH = 2400, 32
+TRANSFORMER_STEPS, TRANSFORMER_BATCH = 4800, 16
 TRANSFORMER_LR = 3e-3
 UNCONDITIONAL_RATE = 0.1
 CEILING_DIGITS = 50  # real digits (x 4 directions) whose reconstructions the judge labels
