@@ -72,10 +72,12 @@ def test_the_judge_reads_real_digit_clips(judge: DigitJudge) -> None:
                       for i, r in enumerate(rows)])
     assert clips.shape == (200, FRAMES, SIZE, SIZE)
     assert (judge.clip_labels(clips) == labels[rows]).mean() >= 0.9  # 0.945 measured
+    # Faint background, as a decoder leaves it (1% of white at most), reads the same: without
+    # the crop's stroke floor this fell to about 0.79.
+    faint = np.clip(clips + rng.uniform(0.0, 0.01, clips.shape), 0.0, 1.0).astype(np.float32)
+    assert (judge.clip_labels(faint) == labels[rows]).mean() >= 0.9
 
 
-@pytest.mark.xfail(strict=True, reason="the committed digits-wan VAE decodes every digit as the "
-                   "same blob: the judge labels 4% of its reconstructions right (model card)")
 def test_digits_vae_reconstructs_digits_the_judge_reads(judge: DigitJudge) -> None:
     """The ceiling of the quality test: the committed VAE's reconstructions of real clips
     (encode, decode) are labelled as their digit as often as the real clips are."""
@@ -86,7 +88,7 @@ def test_digits_vae_reconstructs_digits_the_judge_reads(judge: DigitJudge) -> No
     vae = AutoencoderKLWan.from_pretrained(str(DIGITS_WAN_DIR / "vae")).eval()
     share = judged_reconstructions(vae, judge, seed=0)
     print(f"the judge labels {share:.0%} of the reconstructions right")
-    assert share >= 0.9
+    assert share >= 0.9  # 0.985 measured (the real clips: 0.995)
 
 
 def test_grid_tiles_split_back() -> None:
@@ -160,13 +162,60 @@ def test_demo_gif_is_ten_judged_clips_and_a_table(demo: dict, judge: DigitJudge)
     assert again.stderr.count("reusing the export") == 2
 
 
+# The digits pipeline's VAE is 4x spatial (16x16 frames are 4x4 latents), not Wan 2.1's 8x:
+# frames of its OpenVINO export against diffusers' WanPipeline on the committed directory show
+# that the runtime reads the factors from the exported VAE config. Tolerance as in
+# test_wan_pipeline (f32 frames in [0, 1]; a wrong factor changes the shapes, a wrong cache or
+# frame order moves pixels by 1e-2 and more).
+F32_FRAME_TOL = 1e-4
+
+
+@pytest.mark.slow
+def test_digits_pipeline_frames_equal_diffusers(demo: dict, tmp_path: Path) -> None:
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from numaov.runtime.wan_pipeline import WanSampleRequest
+    from numaov.runtime.wan_vae import VaeGeometry
+    from numaov.runtime.wan_video import VAE_FIRST_FRAME, read_pipeline, run_wan_pipeline
+
+    export = demo["out"] / "wan" / "model"
+    vae_config = json.loads((DIGITS_WAN_DIR / "vae" / "config.json").read_text())
+    geometry = VaeGeometry.of(read_pipeline(export).components[VAE_FIRST_FRAME])
+    assert (geometry.spatial, geometry.temporal) == (vae_config["scale_factor_spatial"],
+                                                     vae_config["scale_factor_temporal"]) != (8, 4)
+    prompt, steps, seed = prompt_for(3, "up"), 4, 5
+    # The transformer from its files: from_pretrained's loader needs accelerate (not a
+    # dependency) for the modules WanTransformer3DModel keeps in fp32, which an f32 load keeps
+    # anyway.
+    config = WanTransformer3DModel.load_config(str(DIGITS_WAN_DIR / "transformer"))
+    transformer = WanTransformer3DModel.from_config(config)
+    transformer.load_state_dict(load_file(
+        str(DIGITS_WAN_DIR / "transformer" / "diffusion_pytorch_model.safetensors")))
+    pipe = WanPipeline.from_pretrained(str(DIGITS_WAN_DIR), transformer=transformer.eval())
+    expected = pipe(prompt, negative_prompt="", num_frames=FRAMES, height=SIZE, width=SIZE,
+                    num_inference_steps=steps, guidance_scale=QUALITY_GUIDANCE,
+                    generator=torch.Generator().manual_seed(seed), output_type="np").frames[0]
+    request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE, steps=steps,
+                               guidance=QUALITY_GUIDANCE, seed=seed)
+    result = run_wan_pipeline(export, request, prompt, tmp_path / "three.gif")
+    assert result.frames.shape == expected.shape == (FRAMES, SIZE, SIZE, 3)
+    assert result.sample.latents.shape[2:] == ((FRAMES - 1) // geometry.temporal + 1,
+                                               SIZE // geometry.spatial, SIZE // geometry.spatial)
+    error = float(np.max(np.abs(result.frames - expected)))
+    print(f"max |numaov - diffusers| = {error:.3g}")
+    assert error <= F32_FRAME_TOL
+
+
 CLIPS_PER_DIGIT = 3
 QUALITY_STEPS, QUALITY_GUIDANCE = 10, 4.0
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the committed digits-wan VAE (300 steps) reconstructs "
-                   "blobs, not digits: 0% per digit but 8 (model card, 'Quality')")
+@pytest.mark.xfail(strict=True, reason="the committed digits-wan transformer draws digits the "
+                   "judge reads for some prompts only: 0-100% per digit, 53% in all (model card, "
+                   "'Quality')")
 def test_digits_pipeline_draws_the_prompted_digit_on_openvino(demo: dict, judge: DigitJudge,
                                                               tmp_path: Path) -> None:
     """>= 80% of the clips prompted with digit k are labelled k by the judge, for every k."""

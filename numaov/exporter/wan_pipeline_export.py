@@ -402,12 +402,14 @@ def _export_vae_decoder(
     example = torch.from_numpy(latents(*VAE_EXAMPLE))
     slots = first.cache_slots(example)
     cache_names = [f"cache_{i}" for i in range(len(slots))]
-    # scale_factor_spatial and patch_size: the runtime's VaeGeometry (Wan 2.2's VAE decodes
-    # to 2x2 patches, unpatchified after tiles are blended, as diffusers does).
+    # scale_factor_spatial, patch_size and scale_factor_temporal: the runtime's VaeGeometry
+    # (Wan 2.2's VAE decodes to 2x2 patches, unpatchified after tiles are blended, as diffusers
+    # does; the built-in digits-wan's VAE is 4x spatial).
     config = {"z_dim": z_dim, "cache_slots": len(slots),
               "spatial_factors": [int(c.shape[3]) // h0 for c in slots],
               "scale_factor_spatial": int(vae.config.scale_factor_spatial or 8),
-              "patch_size": int(vae.config.patch_size or 1)}
+              "patch_size": int(vae.config.patch_size or 1),
+              "scale_factor_temporal": int(vae.config.scale_factor_temporal or 4)}
     manifests = []
 
     report("VAE decoder, first frame")

@@ -138,11 +138,13 @@ def condition_channels(config: dict[str, Any]) -> int:
 
 
 def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
-                 spatial_factor: int = VAE_SPATIAL_FACTOR) -> tuple[int, ...]:
+                 spatial_factor: int = VAE_SPATIAL_FACTOR,
+                 temporal_factor: int = VAE_TEMPORAL_FACTOR) -> tuple[int, ...]:
     """``(1, C, F, H, W)`` latents for a video of ``frames`` x ``height`` x ``width`` pixels.
 
-    Wan's VAE maps ``frames = 4k + 1`` to ``k + 1`` latent frames and divides height and
-    width by ``spatial_factor`` (8; Wan 2.2's 48-channel VAE: 16); the transformer then needs
+    Wan's VAE maps ``frames = tk + 1`` to ``k + 1`` latent frames (``t``: its
+    ``temporal_factor``, 4) and divides height and width by ``spatial_factor`` (8; Wan 2.2's
+    48-channel VAE: 16; the built-in digits-wan's: 4); the transformer then needs
     latent sizes divisible by its patch size. Sizes that do not fit are errors (diffusers
     rounds them; here nothing is silently changed).
     """
@@ -153,14 +155,15 @@ def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
     for name, value in (("frames", frames), ("height", height), ("width", width)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SamplerInputError(f"{name}={value!r}; expected a positive integer")
-    if (frames - 1) % VAE_TEMPORAL_FACTOR != 0:
-        lower = (frames - 1) // VAE_TEMPORAL_FACTOR * VAE_TEMPORAL_FACTOR + 1
+    t = temporal_factor
+    if (frames - 1) % t != 0:
+        lower = (frames - 1) // t * t + 1
         raise SamplerInputError(
-            f"frames={frames}; expected {VAE_TEMPORAL_FACTOR}k+1 video frames (Wan's VAE keeps "
-            f"the first frame and compresses the rest {VAE_TEMPORAL_FACTOR}x), e.g. {lower} or "
-            f"{lower + VAE_TEMPORAL_FACTOR}"
+            f"frames={frames}; expected {t}k+1 video frames (Wan's VAE keeps "
+            f"the first frame and compresses the rest {t}x), e.g. {lower} or "
+            f"{lower + t}"
         )
-    latent_frames = (frames - 1) // VAE_TEMPORAL_FACTOR + 1
+    latent_frames = (frames - 1) // t + 1
     if latent_frames % patch[0] != 0:
         raise SamplerInputError(
             f"frames={frames} gives {latent_frames} latent frames, not a multiple of the temporal "
@@ -240,8 +243,8 @@ def load_first_frame_latents(
     if tuple(array.shape) not in (expected, expected[1:]):
         raise SamplerInputError(
             f"{what} in {str(path)!r} have shape {list(array.shape)}; expected "
-            f"{list(expected[1:])} or {list(expected)} (latent channels, one frame, height/"
-            f"{VAE_SPATIAL_FACTOR}, width/{VAE_SPATIAL_FACTOR} of the requested video)"
+            f"{list(expected[1:])} or {list(expected)} (latent channels, one frame, and the "
+            "latent height and width of the requested video)"
         )
     return _finite_f32(array.reshape(expected), path, what)
 

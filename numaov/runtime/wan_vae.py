@@ -34,25 +34,30 @@ from numaov.runtime.binding import BindingPlan
 from numaov.runtime.graph_runner import GraphRunner
 from numaov.runtime.manifest_reader import ModelManifest, read_manifest
 
-SPATIAL_FACTOR = 8  # Wan 2.1's VAE; Wan 2.2's is 16 (VaeGeometry)
+# Wan 2.1's VAE, for exports that record no factors; Wan 2.2's is 16x spatial, the built-in
+# digits-wan's 4x (VaeGeometry reads the exported config).
+SPATIAL_FACTOR = 8
 TEMPORAL_FACTOR = 4
 
 
 @dataclass(frozen=True)
 class VaeGeometry:
-    """Pixels per latent (``scale_factor_spatial``) and the decoder's output patch
-    (``patch_size``: 1, or Wan 2.2's 2, unpatchified at the end)."""
+    """Pixels per latent (``scale_factor_spatial``), the decoder's output patch
+    (``patch_size``: 1, or Wan 2.2's 2, unpatchified at the end) and video frames per latent
+    frame after the first (``scale_factor_temporal``)."""
 
     spatial: int = SPATIAL_FACTOR
     patch: int = 1
+    temporal: int = TEMPORAL_FACTOR
 
     @classmethod
     def of(cls, component: ModelManifest) -> VaeGeometry:
         """A VAE decoder graph's geometry, from its manifest (exports before Wan 2.2 record
-        neither factor: Wan 2.1's 8 and no patch)."""
+        no factors: Wan 2.1's 8x, 4x and no patch)."""
         config = component.config
         return cls(int(config.get("scale_factor_spatial") or SPATIAL_FACTOR),
-                   int(config.get("patch_size") or 1))
+                   int(config.get("patch_size") or 1),
+                   int(config.get("scale_factor_temporal") or TEMPORAL_FACTOR))
 
     def unpatchify(self, video: np.ndarray) -> np.ndarray:
         """``[B, C*p*p, T, h, w]`` to ``[B, C, T, h*p, w*p]``, as diffusers' ``unpatchify``."""
@@ -195,7 +200,7 @@ def vae_memory(component: ModelManifest, latent: Sequence[int],
     """The decoder's caches (in, out and the layer at work) and the decoded video, in bytes."""
     _, _, frames, height, width = latent
     geometry = VaeGeometry.of(component)
-    pixels = 3 * ((frames - 1) * TEMPORAL_FACTOR + 1) * height * width * geometry.spatial**2
+    pixels = 3 * ((frames - 1) * geometry.temporal + 1) * height * width * geometry.spatial**2
     if tiling is not None and tiling.applies(height, width, geometry):
         height = min(height, tiling.min_height // geometry.spatial)
         width = min(width, tiling.min_width // geometry.spatial)

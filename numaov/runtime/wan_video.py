@@ -60,7 +60,6 @@ from numaov.runtime.wan_pipeline import (
     validate_request,
 )
 from numaov.runtime.wan_vae import (
-    TEMPORAL_FACTOR,
     VaeDecoder,
     VaeGeometry,
     VaeTiling,
@@ -117,11 +116,6 @@ class WanPipelineExport:
         """Channels the transformer takes beside the latents (Wan 2.2 I2V: 20, the mask and
         the condition video; 0 for text to video and TI2V)."""
         return condition_channels(self.components[TRANSFORMER].config)
-
-    @property
-    def vae_temporal_factor(self) -> int:
-        return int(self.record.config.get("vae", {}).get("scale_factor_temporal")
-                   or TEMPORAL_FACTOR)
 
     @property
     def scheduler_config(self) -> dict[str, Any]:
@@ -271,7 +265,7 @@ def run_wan_pipeline(
     transformer = pipeline.components[TRANSFORMER]
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
-                         geometry.spatial)
+                         geometry.spatial, geometry.temporal)
     if image is None and pipeline.needs_image:
         raise SamplerInputError(
             f"the pipeline in {str(pipeline.directory)!r} is image-to-video "
@@ -317,7 +311,7 @@ def run_wan_pipeline(
         following = (pipeline.components[VAE_ENCODER_NEXT] if pipeline.condition_channels
                      else None)
         image_encoder = ImageEncoder(pipeline.components[VAE_ENCODER], following, backend,
-                                     pipeline.vae_temporal_factor)
+                                     geometry.temporal)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
         condition = image_encoder(pixels, request.frames)

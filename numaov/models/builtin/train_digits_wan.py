@@ -9,9 +9,10 @@ Every component is the real diffusers / transformers class, saved with
 1. the tokenizer: a word-level ``tokenizers`` vocabulary of the prompts' words;
 2. the text encoder: a UMT5 encoder left at its seeded random weights (the prompts are
    40 fixed sentences; the transformer learns to read its outputs);
-3. the VAE (``AutoencoderKLWan``): trained as a plain autoencoder on the posterior's mean
-   (mean squared error of the clips);
-   ``latents_mean`` / ``latents_std`` are measured on the data;
+3. the VAE (``AutoencoderKLWan``): 4x spatial and 2x temporal compression (16x16 frames are
+   4x4 latents; 5 frames are 3 latent frames) with Wan 2.2's residual up and down blocks,
+   trained as a plain autoencoder on the posterior's mean (L1 plus squared error of the
+   clips); ``latents_mean`` / ``latents_std`` are measured on the data;
 4. the transformer (``WanTransformer3DModel``): trained by flow matching on the VAE's
    latents, as Wan's flow-prediction scheduler samples it (``x_s = (1 - s) x + s noise``,
    target ``noise - x``, timestep ``1000 s``, ``s`` drawn with the scheduler's shift), with
@@ -44,8 +45,9 @@ FLOW_SHIFT = 3.0
 TEXT_DIM = 32
 WORDS = ["<pad>", "</s>", "<unk>", "a", "handwritten", "moving",
          *(str(d) for d in range(10)), *DIRECTIONS]
-VAE_STEPS, VAE_BATCH = 300, 24
-TRANSFORMER_STEPS, TRANSFORMER_BATCH = 500, 96
+VAE_STEPS, VAE_BATCH = 3000, 8
+TRANSFORMER_STEPS, TRANSFORMER_BATCH = 4800, 16
+TRANSFORMER_LR = 3e-3
 UNCONDITIONAL_RATE = 0.1
 CEILING_DIGITS = 50  # real digits (x 4 directions) whose reconstructions the judge labels
 
@@ -57,8 +59,15 @@ def build_components(seed: int) -> dict[str, object]:
     torch.manual_seed(seed)
     fast = word_tokenizer(WORDS)
     text_encoder = tiny_umt5_encoder(len(WORDS), TEXT_DIM)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                           temperal_downsample=[False, True, True])
+    # Two levels, not Wan 2.1's three: at 8x a 16x16 frame is a 2x2 latent, through which
+    # no variant measured (model card) reconstructed a digit the judge reads. The residual
+    # blocks' shortcuts (space to channels and back, as Wan 2.2's VAE) and 2x temporal
+    # compression left the average-blob plateau several times sooner than plain blocks and
+    # 4x (judged 46% at 600 steps, against 21% and 8%). diffusers takes both factors from the
+    # config, not from the levels: they are set to match.
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[True, False], is_residual=True,
+                           scale_factor_spatial=4, scale_factor_temporal=2)
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16,
         out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=256, num_layers=4,
@@ -106,7 +115,7 @@ def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Genera
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=VAE_STEPS,
                                                    pct_start=0.05)
     vae.train()
-    loss = torch.tensor(0.0)
+    mse = torch.tensor(0.0)
     for step in range(VAE_STEPS):
         batch = clips[torch.randint(len(clips), (VAE_BATCH,), generator=generator)]
         # A plain autoencoder on the posterior's mean, no draw: the learnt variance starts at 1
@@ -114,17 +123,19 @@ def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Genera
         # mean for every step this budget allows (the decoder learnt the average clip). The
         # latents are normalised afterwards (latents_mean / latents_std), as Wan's are.
         z = vae.encode(batch).latent_dist.mean
-        reconstruction = decode_unclamped(vae, z)
-        loss = (reconstruction - batch).pow(2).mean()
-        total = loss
+        error = decode_unclamped(vae, z) - batch
+        # L1 with the squared error: L1 keeps pulling on the strokes' pixels once the squared
+        # error of the blob is small, the squared error keeps the first steps as fast.
+        mse = error.pow(2).mean()
+        loss = error.abs().mean() + mse
         optimizer.zero_grad()
-        total.backward()
+        loss.backward()
         optimizer.step()
         schedule.step()
         if step % 20 == 0 or step == VAE_STEPS - 1:
-            say(f"vae step {step}: reconstruction mse {loss.item():.4f}")
+            say(f"vae step {step}: reconstruction mse {mse.item():.4f}")
     vae.eval()
-    return float(loss.item())
+    return float(mse.item())
 
 
 @torch.no_grad()
@@ -160,9 +171,9 @@ def prompt_embeddings(pipe, prompts: list[str]) -> torch.Tensor:
 def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
                       prompt_index: np.ndarray, text: torch.Tensor, empty: torch.Tensor,
                       generator: torch.Generator, say) -> float:
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=TRANSFORMER_LR, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=1e-3, total_steps=TRANSFORMER_STEPS, pct_start=0.05)
+        optimizer, max_lr=TRANSFORMER_LR, total_steps=TRANSFORMER_STEPS, pct_start=0.05)
     index = torch.from_numpy(prompt_index)
     transformer.train()
     loss = torch.tensor(0.0)
@@ -217,8 +228,10 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
     prompts = [p for _, _, p in all_prompts()]
     text = prompt_embeddings(pipe, prompts)
     empty = prompt_embeddings(pipe, [""])[0]
+    # The transformer phase draws from its own generator, so it reruns the same from a saved
+    # VAE (the committed transformer was trained so, from this run's VAE).
     flow_mse = train_transformer(parts["transformer"], latents, prompt_index, text, empty,
-                                 generator, say)
+                                 torch.Generator().manual_seed(seed), say)
     seconds = time.perf_counter() - started
     out.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(out)
