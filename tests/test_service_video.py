@@ -149,3 +149,17 @@ def test_language_model_and_images_served_side_by_side(served) -> None:
         together = [c.result() for c in chats], [i.result() for i in images]
     assert together[0] == alone[0]
     assert together[1] == alone[1]
+
+
+def test_each_graph_is_compiled_once_for_the_servers_life(served) -> None:
+    client = served["client"]
+
+    def image(seed: int) -> int:
+        response = client.post("/v1/images/generations", json={
+            "prompt": PROMPT, "size": "48x32", "seed": seed, "steps": STEPS})
+        assert response.status_code == 200, response.text
+        return client.get("/health").json()["video"]["compiled_graphs"]
+
+    kept = image(3)
+    assert kept >= 3  # at least the text encoder, the transformer and the VAE's first frame
+    assert image(4) == kept  # the second generation compiled nothing

@@ -10,8 +10,10 @@ saying what was expected.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,7 +84,14 @@ class ModelManifest:
         ``config``'s OpenVINO properties on top; returns a ``CompiledIR``."""
         from numaov.custom_ops import compile_ir
 
-        return compile_ir(self.checked_ir(rank), self.inference_precision, config)
+        kept = _KEPT_COMPILED.get()
+        if kept is None:
+            return compile_ir(self.checked_ir(rank), self.inference_precision, config)
+        key = (str(self.rank(rank).ir_xml), self.inference_precision,
+               tuple(sorted((str(k), str(v)) for k, v in (config or {}).items())))
+        if key not in kept:
+            kept[key] = compile_ir(self.checked_ir(rank), self.inference_precision, config)
+        return kept[key]
 
     def attention_kernel(self, config: Mapping[str, Any] | None = None) -> str:
         """Which kernel `compile_rank` gives plain attention under ``config``: ``"numaov"``
@@ -103,6 +112,24 @@ class ModelManifest:
                 parameter="backend",
             )
         return source
+
+
+# The compiled graphs kept by ``keep_compiled`` (None: compile_rank compiles every time).
+_KEPT_COMPILED: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "numaov_kept_compiled", default=None)
+
+
+@contextlib.contextmanager
+def keep_compiled(store: dict) -> Iterator[dict]:
+    """Within it, ``compile_rank`` compiles each IR (per precision and properties) once into
+    ``store`` and returns that compiled model again after: a long-lived server runs many
+    generations on the same graphs, and compiling is most of a small one's time. The caller
+    owns ``store`` (and the memory its compiled models hold); outside it nothing is kept."""
+    token = _KEPT_COMPILED.set(store)
+    try:
+        yield store
+    finally:
+        _KEPT_COMPILED.reset(token)
 
 
 def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> ModelManifest:

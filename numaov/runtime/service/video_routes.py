@@ -15,8 +15,9 @@
 
 Each image or video is one :func:`numaov.runtime.wan_video.run_wan_pipeline` call (choice
 ``j`` with ``seed + j``), run one at a time on the pipeline's own thread: requests queue
-(429 beyond ``--max-queue`` waiting). The pipeline runs in the server's process on the CPUs
-it may use, shared with the LM's pinned workers when both are served.
+(429 beyond ``--max-queue`` waiting), each graph compiled by the first generation that runs it
+and kept (``manifest_reader.keep_compiled``). The pipeline runs in the server's process on the
+CPUs it may use, shared with the LM's pinned workers when both are served.
 """
 
 from __future__ import annotations
@@ -194,6 +195,9 @@ class VideoService:
         self._results: collections.OrderedDict[str, tuple[bytes, str]] = \
             collections.OrderedDict()
         self._scratch = tempfile.TemporaryDirectory(prefix="numaov-video-")
+        # Every graph is compiled by the first generation that runs it and kept for the
+        # server's life (only the pipeline's thread touches it).
+        self._compiled: dict = {}
 
     def queue_depth(self) -> int:
         with self._lock:
@@ -203,6 +207,7 @@ class VideoService:
         with self._lock:
             return {"state": "ok", "model": self.model_name, "backend": self.backend,
                     "waiting": self._waiting, "running": self._running, "done": self._done,
+                    "compiled_graphs": len(self._compiled),
                     "failures": [{"time": t, "error": e} for t, e in self._failures]}
 
     def close(self) -> None:
@@ -218,6 +223,7 @@ class VideoService:
     # -- one generation (on the pipeline's thread) ------------------------------------------
 
     def _generate(self, job: VideoJob, seed: int) -> tuple[bytes, str]:
+        from numaov.runtime.manifest_reader import keep_compiled
         from numaov.runtime.wan_pipeline import WanSampleRequest
         from numaov.runtime.wan_video import run_wan_pipeline
 
@@ -225,24 +231,25 @@ class VideoService:
             self._waiting -= 1
             self._running += 1
         try:
-            request = WanSampleRequest(frames=job.frames, height=job.height, width=job.width,
-                                       steps=job.steps, guidance=job.guidance, seed=seed)
-            work = Path(tempfile.mkdtemp(dir=self._scratch.name))
-            if job.format == "png":
-                out = work / "frames"
-                run_wan_pipeline(self.model_dir, request, job.prompt, out,
-                                 negative_prompt=job.negative_prompt, backend=self.backend)
-                data, media = (out / "frame_00000.png").read_bytes(), "image/png"
-            else:
-                media, suffix = FORMATS[job.format]
-                out = work / f"video{suffix}"
-                run_wan_pipeline(self.model_dir, request, job.prompt, out,
-                                 negative_prompt=job.negative_prompt, backend=self.backend)
-                data = out.read_bytes()
-            for path in sorted(work.rglob("*"), reverse=True):
-                path.unlink() if path.is_file() else path.rmdir()
-            work.rmdir()
-            return data, media
+            with keep_compiled(self._compiled):
+                request = WanSampleRequest(frames=job.frames, height=job.height, width=job.width,
+                                           steps=job.steps, guidance=job.guidance, seed=seed)
+                work = Path(tempfile.mkdtemp(dir=self._scratch.name))
+                if job.format == "png":
+                    out = work / "frames"
+                    run_wan_pipeline(self.model_dir, request, job.prompt, out,
+                                     negative_prompt=job.negative_prompt, backend=self.backend)
+                    data, media = (out / "frame_00000.png").read_bytes(), "image/png"
+                else:
+                    media, suffix = FORMATS[job.format]
+                    out = work / f"video{suffix}"
+                    run_wan_pipeline(self.model_dir, request, job.prompt, out,
+                                     negative_prompt=job.negative_prompt, backend=self.backend)
+                    data = out.read_bytes()
+                for path in sorted(work.rglob("*"), reverse=True):
+                    path.unlink() if path.is_file() else path.rmdir()
+                work.rmdir()
+                return data, media
         finally:
             with self._lock:
                 self._running -= 1
