@@ -190,7 +190,21 @@ class ExportManifest:
         return (
             f"exported {self.kind} ({self.precision}{weights}, {self.lowering} ops{timestep}) to "
             f"{model_dir}; parity vs torch (max rel error): {parity}{attention}"
+            f"{self._row_parity()}"
         )
+
+    def _row_parity(self) -> str:
+        """The per-row parity of quantized weights (``exporter.parity``), for the CLI line."""
+        by_rows = [f for f in self.parity if f.get("min_row_share") is not None]
+        if not by_rows:
+            return ""
+        rows = sum(f["rows"] for f in by_rows)
+        within = sum(f["rows_within"] for f in by_rows)
+        tokens = [f for f in by_rows if f.get("rows_same_argmax") is not None]
+        same = sum(f["rows_same_argmax"] for f in tokens)
+        return (f"; checked per row: {within} of {rows} rows within {by_rows[0]['tolerance']:g},"
+                f" {same} of {sum(f['rows'] for f in tokens)} greedy tokens equal (required:"
+                f" {by_rows[0]['min_row_share']:.0%})")
 
     def write_and_report(
         self, model_dir: str | Path, timings: dict[str, float], report: Callable[[str], None]
