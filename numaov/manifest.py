@@ -194,17 +194,27 @@ class ExportManifest:
         )
 
     def _row_parity(self) -> str:
-        """The per-row parity of quantized weights (``exporter.parity``), for the CLI line."""
-        by_rows = [f for f in self.parity if f.get("min_row_share") is not None]
-        if not by_rows:
+        """The per-row parity of quantized weights (``exporter.parity``), for the CLI line:
+        per output, its rows within tolerance and greedy tokens kept over every input set."""
+        pooled: dict[str, list[dict[str, Any]]] = {}
+        for figure in self.parity:
+            if figure.get("min_row_share") is not None:
+                pooled.setdefault(figure["output"], []).append(figure)
+        if not pooled:
             return ""
-        rows = sum(f["rows"] for f in by_rows)
-        within = sum(f["rows_within"] for f in by_rows)
-        tokens = [f for f in by_rows if f.get("rows_same_argmax") is not None]
-        same = sum(f["rows_same_argmax"] for f in tokens)
-        return (f"; checked per row: {within} of {rows} rows within {by_rows[0]['tolerance']:g},"
-                f" {same} of {sum(f['rows'] for f in tokens)} greedy tokens equal (required:"
-                f" {by_rows[0]['min_row_share']:.0%})")
+        parts = []
+        for output, figures in pooled.items():
+            rows = sum(f["rows"] for f in figures)
+            part = f"{output} {sum(f['rows_within'] for f in figures)} of {rows} rows within"
+            tokens = [f for f in figures if f.get("rows_same_argmax") is not None]
+            if tokens:
+                part += (f", {sum(f['rows_same_argmax'] for f in tokens)} of "
+                         f"{sum(f['rows'] for f in tokens)} greedy tokens equal")
+            parts.append(part)
+        first = next(iter(pooled.values()))[0]
+        return (f"; checked per row (tolerance {first['tolerance']:g}, required "
+                f"{first['min_row_share']:.0%} of rows, {first['min_token_share']:.0%} of "
+                f"tokens): {'; '.join(parts)}")
 
     def write_and_report(
         self, model_dir: str | Path, timings: dict[str, float], report: Callable[[str], None]
