@@ -190,7 +190,31 @@ class ExportManifest:
         return (
             f"exported {self.kind} ({self.precision}{weights}, {self.lowering} ops{timestep}) to "
             f"{model_dir}; parity vs torch (max rel error): {parity}{attention}"
+            f"{self._row_parity()}"
         )
+
+    def _row_parity(self) -> str:
+        """The per-row parity of quantized weights (``exporter.parity``), for the CLI line:
+        per output, its rows within tolerance and greedy tokens kept over every input set."""
+        pooled: dict[str, list[dict[str, Any]]] = {}
+        for figure in self.parity:
+            if figure.get("min_row_share") is not None:
+                pooled.setdefault(figure["output"], []).append(figure)
+        if not pooled:
+            return ""
+        parts = []
+        for output, figures in pooled.items():
+            rows = sum(f["rows"] for f in figures)
+            part = f"{output} {sum(f['rows_within'] for f in figures)} of {rows} rows within"
+            tokens = [f for f in figures if f.get("rows_same_argmax") is not None]
+            if tokens:
+                part += (f", {sum(f['rows_same_argmax'] for f in tokens)} of "
+                         f"{sum(f['rows'] for f in tokens)} greedy tokens equal")
+            parts.append(part)
+        first = next(iter(pooled.values()))[0]
+        return (f"; checked per row (tolerance {first['tolerance']:g}, required "
+                f"{first['min_row_share']:.0%} of rows, {first['min_token_share']:.0%} of "
+                f"tokens): {'; '.join(parts)}")
 
     def write_and_report(
         self, model_dir: str | Path, timings: dict[str, float], report: Callable[[str], None]

@@ -9,13 +9,21 @@ The measure is the largest absolute difference divided by the largest absolute v
 the PyTorch output: a scale-free "how far off, relative to the output's magnitude" that
 neither blows up on near-zero elements (as an element-wise relative error would) nor
 depends on the model's output scale (as an absolute tolerance would).
+
+The quantized weight formats (int8 / int4) are checked per row instead (``min_row_share``):
+the same scale-free error is taken for every row (the last axis: one position's logits, one
+cached token's vector), and the share of rows within the tolerance, over every input set,
+must reach ``min_row_share``; for logits, the share of rows whose argmax (the greedy token)
+equals PyTorch's must reach ``min_token_share``. Rounded weights can flip a near-tied router choice, which moves a few
+positions far while every other position moves a little; a wrong scale, layout, group size
+or expert moves every position that reaches it by O(1), so the share falls.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,9 @@ from numaov.exporter.openvino_convert import check_precision
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("onnxruntime", "openvino")
+# Outputs (the last part of a figure's output name) whose rows are scores over tokens: the
+# per-row criterion also counts the rows whose argmax agrees.
+TOKEN_SCORE_OUTPUTS = ("logits",)
 
 
 class ParityError(NumaovError):
@@ -77,21 +88,96 @@ class ParityFigure:
     tolerance: float
     # OpenVINO's figures: the attention kernel the graph ran on ("numaov" / "openvino").
     attention: str | None = None
+    # The per-row criterion (quantized weights; see the module docstring): this input set's
+    # counts, and the verdict on this output's rows over every input set (``judge``).
+    min_row_share: float | None = None
+    rows: int | None = None
+    rows_within: int | None = None
+    # Rows whose argmax equals PyTorch's (TOKEN_SCORE_OUTPUTS only; None otherwise), and the
+    # share of them required.
+    rows_same_argmax: int | None = None
+    min_token_share: float | None = None
+    rows_passed: bool | None = None
 
     @property
     def passed(self) -> bool:
-        return bool(self.rel_error <= self.tolerance)
+        if self.min_row_share is None:
+            return bool(self.rel_error <= self.tolerance)
+        return bool(np.isfinite(self.max_abs_error)) and self.rows_passed is not False
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed}
 
     def describe(self) -> str:
         shapes = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
-        return (
-            f"{self.backend} ({self.precision}) output {self.output!r} at {shapes}: max abs error "
-            f"{self.max_abs_error:.3g} over max |torch| {self.max_abs_reference:.3g} = "
-            f"{self.rel_error:.3g} (tolerance {self.tolerance:g})"
-        )
+        whole = (f"max abs error {self.max_abs_error:.3g} over max |torch| "
+                 f"{self.max_abs_reference:.3g} = {self.rel_error:.3g}")
+        head = f"{self.backend} ({self.precision}) output {self.output!r} at {shapes}: "
+        if self.min_row_share is None:
+            return f"{head}{whole} (tolerance {self.tolerance:g})"
+        argmax = ("" if self.rows_same_argmax is None
+                  else f", same argmax on {self.rows_same_argmax}")
+        return f"{head}{self.rows_within} of {self.rows} rows within {self.tolerance:g}{argmax}; {whole}"
+
+
+@dataclass(frozen=True)
+class RowShare:
+    """The per-row criterion's verdict on one output of one backend, over every input set."""
+
+    backend: str
+    output: str
+    rows: int
+    rows_within: int
+    token_rows: int
+    rows_same_argmax: int
+    tolerance: float
+    min_row_share: float
+    min_token_share: float
+
+    @property
+    def passed(self) -> bool:
+        return (self.rows_within >= self.min_row_share * self.rows
+                and self.rows_same_argmax >= self.min_token_share * self.token_rows)
+
+    def describe(self) -> str:
+        tokens = (f", {self.rows_same_argmax} of {self.token_rows} keep PyTorch's argmax "
+                  f"(required: {self.min_token_share:.0%})" if self.token_rows else "")
+        return (f"{self.backend} output {self.output!r}: {self.rows_within} of {self.rows} rows "
+                f"within {self.tolerance:g} of the output's scale (required: "
+                f"{self.min_row_share:.0%}){tokens}")
+
+
+def row_shares(figures: Sequence[ParityFigure]) -> list[RowShare]:
+    """The per-row figures pooled per (backend, output) over the input sets: one decode step
+    has a few rows, so the share is taken over all of them."""
+    pooled: dict[tuple[str, str], list[ParityFigure]] = {}
+    for figure in figures:
+        if figure.min_row_share is not None:
+            pooled.setdefault((figure.backend, figure.output), []).append(figure)
+    shares = []
+    for (backend, output), group in pooled.items():
+        tokens = [f for f in group if f.rows_same_argmax is not None]
+        shares.append(RowShare(
+            backend, output, sum(f.rows or 0 for f in group),
+            sum(f.rows_within or 0 for f in group), sum(f.rows or 0 for f in tokens),
+            sum(f.rows_same_argmax or 0 for f in tokens), group[0].tolerance,
+            float(group[0].min_row_share or 0.0), float(group[0].min_token_share or 0.0)))
+    return shares
+
+
+def judge(figures: Sequence[ParityFigure], mismatch: str) -> list[ParityFigure]:
+    """The figures with the per-row verdicts filled in; raises ``ParityError`` (its message
+    ``mismatch`` and every failure) when any figure or row share fails."""
+    shares = row_shares(figures)
+    verdicts = {(s.backend, s.output): s.passed for s in shares}
+    judged = [f if f.min_row_share is None
+              else replace(f, rows_passed=verdicts[(f.backend, f.output)]) for f in figures]
+    failed = [f.describe() for f in judged
+              if not f.passed and (f.min_row_share is None or not np.isfinite(f.max_abs_error))]
+    failed += [s.describe() for s in shares if not s.passed]
+    if failed:
+        raise ParityError(f"{mismatch}: " + "; ".join(failed), judged)
+    return judged
 
 
 def measure(
@@ -103,8 +189,11 @@ def measure(
     shapes: Mapping[str, Sequence[int]],
     tolerance: float | None = None,
     attention: str | None = None,
+    min_row_share: float | None = None,
+    min_token_share: float | None = None,
 ) -> ParityFigure:
-    """Compare one output of a backend with the PyTorch reference."""
+    """Compare one output of a backend with the PyTorch reference; with ``min_row_share``,
+    row by row (the module docstring)."""
     reference = np.asarray(reference, dtype=np.float64)
     candidate = np.asarray(candidate, dtype=np.float64)
     if reference.shape != candidate.shape:
@@ -118,6 +207,18 @@ def measure(
         max_err = float(np.max(np.abs(candidate - reference))) if reference.size else 0.0
     scale = float(np.max(np.abs(reference))) if reference.size else 0.0
     mean_err = float(np.mean(np.abs(candidate - reference))) if reference.size else 0.0
+    limit = TOLERANCES[precision].max_rel_error if tolerance is None else tolerance
+    rows = within = same_argmax = None
+    if min_row_share is not None:
+        width = reference.shape[-1] if reference.ndim else 1
+        ref_rows = reference.reshape(-1, width)
+        diff = np.abs(candidate.reshape(-1, width) - ref_rows)
+        row_err = diff.max(axis=1) if width else np.zeros(len(ref_rows))
+        rows = len(ref_rows)
+        within = int(np.sum(row_err / max(scale, 1e-12) <= limit))
+        if output.split(".")[-1] in TOKEN_SCORE_OUTPUTS and width:
+            same_argmax = int(np.sum(candidate.reshape(-1, width).argmax(axis=1)
+                                     == ref_rows.argmax(axis=1)))
     return ParityFigure(
         backend=backend,
         precision=precision,
@@ -129,8 +230,13 @@ def measure(
         # from an all-zero output then counts as a (huge) failure, as it should.
         rel_error=max_err / max(scale, 1e-12),
         mean_abs_error=mean_err,
-        tolerance=TOLERANCES[precision].max_rel_error if tolerance is None else tolerance,
+        tolerance=limit,
         attention=attention,
+        min_row_share=min_row_share,
+        min_token_share=min_row_share if min_token_share is None else min_token_share,
+        rows=rows,
+        rows_within=within,
+        rows_same_argmax=same_argmax,
     )
 
 
@@ -196,6 +302,8 @@ def check_parity(
     openvino_precision: str = "f32",
     progress: Callable[[str], None] | None = None,
     tolerances: Mapping[str, float] | None = None,
+    min_row_share: float | None = None,
+    min_token_share: float | None = None,
 ) -> list[ParityFigure]:
     """Compare ONNX Runtime and OpenVINO with PyTorch's ``reference_outputs`` on ``input_sets``.
 
@@ -204,7 +312,9 @@ def check_parity(
     OpenVINO with numaov's extension can run). OpenVINO compiles ``xml_path`` with
     ``INFERENCE_PRECISION_HINT=openvino_precision`` through the runtime's own compile path, so
     at bf16 the figures measure the attention kernel that runs. One backend is loaded at a time.
-    ``tolerances`` overrides the per-precision defaults (``{"f32": ..., "bf16": ...}``).
+    ``tolerances`` overrides the per-precision defaults (``{"f32": ..., "bf16": ...}``);
+    ``min_row_share`` checks each output row by row, ``min_token_share`` (default: the same)
+    the logits rows keeping PyTorch's argmax (the module docstring).
     Returns every figure; raises ``ParityError`` listing the ones outside tolerance.
     """
     check_precision(openvino_precision)
@@ -241,18 +351,24 @@ def check_parity(
                 )
             for name, ref, out in zip(output_names, expected, got, strict=True):
                 figure = measure(
-                    ref, out, backend, precision, name, shapes, overrides.get(precision), attention
+                    ref, out, backend, precision, name, shapes, overrides.get(precision), attention,
+                    min_row_share, min_token_share,
                 )
                 logger.info("parity: %s", figure.describe())
                 figures.append(figure)
         del run  # free this backend's copy of the weights before loading the next
 
-    failed = [f for f in figures if not f.passed]
-    if failed:
-        raise ParityError(
-            "exported model does not match PyTorch: " + "; ".join(f.describe() for f in failed),
-            figures,
-        )
-    worst = max((f.rel_error for f in figures), default=0.0)
-    report(f"parity ok: {len(figures)} comparisons, worst relative error {worst:.3g}")
+    figures = judge(figures, "exported model does not match PyTorch")
+    report(summary(figures))
     return figures
+
+
+def summary(figures: Sequence[ParityFigure]) -> str:
+    """The export's report line for figures that passed: the worst whole-output error and,
+    for the per-row criterion, each output's rows and greedy tokens within it."""
+    worst = max((f.rel_error for f in figures), default=0.0)
+    line = f"parity ok: {len(figures)} comparisons, worst relative error {worst:.3g}"
+    shares = row_shares(figures)
+    if shares:
+        line += "; checked per row: " + "; ".join(s.describe() for s in shares)
+    return line
