@@ -1,7 +1,8 @@
 """The two models trained here (digits-wan, tiny-moe) and the demo that shows them.
 
 Fast: the committed files (sizes, model cards), the digit judge on real clips, the LM's
-held-out loss against the unigram baseline of its own tokenizer. Slow: the demo run once
+held-out loss against the unigram baseline of its own tokenizer. Slow: a few steps of the
+digits script's ``--transformer-only`` training from the committed VAE, the demo run once
 through the CLI (exporting both models), its GIF read back and judged, the digits pipeline's
 quality on the OpenVINO export, and dp=2 tokens against dp=1.
 """
@@ -89,6 +90,38 @@ def test_digits_vae_reconstructs_digits_the_judge_reads(judge: DigitJudge) -> No
     share = judged_reconstructions(vae, judge, seed=0)
     print(f"the judge labels {share:.0%} of the reconstructions right")
     assert share >= 0.9  # 0.985 measured (the real clips: 0.995)
+
+
+@pytest.mark.slow
+def test_transformer_only_training_keeps_the_committed_vae(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--transformer-only`` trains the transformer from the VAE saved in ``--out`` and leaves
+    that VAE's files and figures as they were (a few steps: the option, not the model)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from numaov import NumaovError
+    from numaov.models.builtin import train_digits_wan
+
+    with pytest.raises(NumaovError, match="no trained VAE to start from"):
+        train_digits_wan.train(tmp_path / "empty", transformer_only=True)
+    out = tmp_path / "digits-wan"
+    shutil.copytree(DIGITS_WAN_DIR, out)
+    monkeypatch.setattr(train_digits_wan, "TRANSFORMER_STEPS", 3)
+    assert train_digits_wan.main(["--out", str(out), "--transformer-only"]) == 0
+    for name in ("vae/diffusion_pytorch_model.safetensors", "vae/config.json",
+                 "text_encoder/model.safetensors"):
+        assert (out / name).read_bytes() == (DIGITS_WAN_DIR / name).read_bytes(), name
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    trained, committed = load_file(str(out / weights)), load_file(str(DIGITS_WAN_DIR / weights))
+    assert trained.keys() == committed.keys()
+    assert any(not (trained[k] == committed[k]).all() for k in trained)
+    figures = json.loads((out / "training.json").read_text())
+    before = json.loads((DIGITS_WAN_DIR / "training.json").read_text())
+    assert {k: figures[k] for k in ("vae_steps", "vae_mse", "vae_judged", "vae_seconds")} == \
+        {k: before[k] for k in ("vae_steps", "vae_mse", "vae_judged", "vae_seconds")}
+    assert figures["transformer_steps"] == 3 and figures["transformer_only"] is True
 
 
 def test_grid_tiles_split_back() -> None:

@@ -1,7 +1,7 @@
 """Train the built-in ``digits-wan`` pipeline: a tiny Wan 2.1 text-to-video model of
 scikit-learn's handwritten digits drifting left, right, up or down.
 
-    python -m numaov.models.builtin.train_digits_wan [--out DIR] [--seed 0]
+    python -m numaov.models.builtin.train_digits_wan [--out DIR] [--seed 0] [--transformer-only]
 
 Every component is the real diffusers / transformers class, saved with
 ``WanPipeline.save_pretrained`` in the layout ``numaov export wan`` reads:
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from numaov import NumaovError
 from numaov.models.builtin.digit_clips import (
     DIRECTIONS,
     DigitJudge,
@@ -202,9 +203,13 @@ def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
     return float(loss.item())
 
 
-def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, float]:
-    """Train every component and save the pipeline to ``out``; returns the figures."""
-    from diffusers import WanPipeline
+def train(out: Path, seed: int = 0, threads: int = 1, say=print,
+          transformer_only: bool = False) -> dict[str, float]:
+    """Train every component and save the pipeline to ``out``; returns the figures. With
+    ``transformer_only`` the VAE is the one already saved in ``out`` (its weights and latent
+    statistics): only the transformer is trained and saved, and ``training.json`` keeps the
+    VAE's figures from the run that trained it."""
+    from diffusers import AutoencoderKLWan, WanPipeline
 
     set_up_threads(threads)
     started = time.perf_counter()
@@ -214,14 +219,29 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
     clips, prompt_index = clip_set(images, labels, np.random.default_rng(seed))
     say(f"{len(clips)} clips of {tuple(clips.shape[2:])} frames x pixels")
 
-    vae_mse = train_vae(parts["vae"], clips, generator, say)
-    vae_seconds = time.perf_counter() - started
-    vae_judged = judged_reconstructions(parts["vae"], DigitJudge.fit(), seed)
-    say(f"the judge labels {vae_judged:.0%} of the VAE's reconstructions of real clips right")
-    mu = encode_latents(parts["vae"], clips)  # [N, 16, F', h, w]
-    mean = mu.mean(dim=(0, 2, 3, 4))
-    std = mu.std(dim=(0, 2, 3, 4))
-    parts["vae"].register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    if transformer_only:
+        missing = [str(out / name) for name in ("vae/config.json", "training.json")
+                   if not (out / name).is_file()]
+        if missing:
+            raise NumaovError(f"no trained VAE to start from: {', '.join(missing)} missing; "
+                              "expected a directory this script saved", parameter="out")
+        parts["vae"] = AutoencoderKLWan.from_pretrained(out / "vae").eval()
+        figures = json.loads((out / "training.json").read_text(encoding="utf-8"))
+        mu = encode_latents(parts["vae"], clips)
+        mean = torch.tensor(parts["vae"].config.latents_mean)
+        std = torch.tensor(parts["vae"].config.latents_std)
+    else:
+        vae_mse = train_vae(parts["vae"], clips, generator, say)
+        vae_seconds = time.perf_counter() - started
+        vae_judged = judged_reconstructions(parts["vae"], DigitJudge.fit(), seed)
+        say(f"the judge labels {vae_judged:.0%} of the VAE's reconstructions of real clips right")
+        mu = encode_latents(parts["vae"], clips)  # [N, 16, F', h, w]
+        mean = mu.mean(dim=(0, 2, 3, 4))
+        std = mu.std(dim=(0, 2, 3, 4))
+        parts["vae"].register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+        figures = {"seed": seed, "clips": len(clips), "vae_steps": VAE_STEPS,
+                   "vae_mse": round(vae_mse, 5), "vae_judged": round(vae_judged, 3),
+                   "vae_seconds": round(vae_seconds, 1)}
     latents = (mu - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
 
     pipe = WanPipeline(**parts)
@@ -229,23 +249,30 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
     text = prompt_embeddings(pipe, prompts)
     empty = prompt_embeddings(pipe, [""])[0]
     # The transformer phase draws from its own generator, so it reruns the same from a saved
-    # VAE (the committed transformer was trained so, from this run's VAE).
+    # VAE (``transformer_only``).
+    transformer_started, transformer_cpu = time.perf_counter(), time.process_time()
     flow_mse = train_transformer(parts["transformer"], latents, prompt_index, text, empty,
                                  torch.Generator().manual_seed(seed), say)
-    seconds = time.perf_counter() - started
+    figures.update({
+        "transformer_steps": TRANSFORMER_STEPS, "transformer_batch": TRANSFORMER_BATCH,
+        "flow_mse": round(flow_mse, 5),
+        "transformer_seconds": round(time.perf_counter() - transformer_started, 1),
+        "transformer_cpu_seconds": round(time.process_time() - transformer_cpu, 1),
+        "transformer_only": transformer_only, "seconds": round(time.perf_counter() - started, 1),
+        "threads": torch.get_num_threads()})
     out.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(out)
-    figures = {"seed": seed, "clips": len(clips), "vae_steps": VAE_STEPS,
-               "transformer_steps": TRANSFORMER_STEPS, "vae_mse": round(vae_mse, 5),
-               "flow_mse": round(flow_mse, 5), "vae_judged": round(vae_judged, 3), "vae_seconds": round(vae_seconds, 1),
-               "seconds": round(seconds, 1), "threads": torch.get_num_threads()}
+    if transformer_only:
+        parts["transformer"].save_pretrained(out / "transformer")
+    else:
+        pipe.save_pretrained(out)
     (out / "training.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
-    say(f"saved {out} in {seconds:.0f} s")
+    say(f"saved {out} in {figures['seconds']:.0f} s")
     return figures
 
 
 def main(argv: list[str] | None = None) -> int:
-    return training_main(__doc__, DEFAULT_OUT, train, argv)
+    return training_main(__doc__, DEFAULT_OUT, train, argv, flags={
+        "--transformer-only": "train only the transformer, from the VAE already saved in --out"})
 
 
 if __name__ == "__main__":

@@ -18,12 +18,16 @@ def set_up_threads(threads: int) -> None:
 
 
 def training_main(doc: str, default_out: Path, train: Callable[..., object],
-                  argv: list[str] | None = None) -> int:
-    """``python -m ...train_x [--out DIR] [--seed N] [--threads N]``, progress on stdout."""
+                  argv: list[str] | None = None, flags: dict[str, str] | None = None) -> int:
+    """``python -m ...train_x [--out DIR] [--seed N] [--threads N]``, progress on stdout.
+    ``flags``: a script's own on/off options (name: help), passed to ``train`` by keyword."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, default=default_out, help="model directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    args = parser.parse_args(argv)
-    train(args.out, args.seed, args.threads, say=lambda m: print(m, flush=True))
+    for name, text in (flags or {}).items():
+        parser.add_argument(name, action="store_true", help=text)
+    args = vars(parser.parse_args(argv))
+    out, seed, threads = args.pop("out"), args.pop("seed"), args.pop("threads")
+    train(out, seed, threads, say=lambda m: print(m, flush=True), **args)
     return 0
