@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from machine import cpu_model  # benchmarks/machine.py, beside this file
 from moe import BENCH_CONFIG  # benchmarks/moe.py, beside this file
 
 from numaov.models.builtin.deepseek_tiny import init_tiny_weights
@@ -72,13 +72,6 @@ def log(message: str) -> None:
 
 def uptime() -> str:
     return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def prompts(count: int, length: int = PROMPT_LEN) -> list[list[int]]:

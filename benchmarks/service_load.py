@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from machine import cpu_model  # benchmarks/machine.py, beside this file
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -55,13 +55,6 @@ BIND = "0-1"  # dp=1: one rank on both cores
 
 def log(message: str) -> None:
     print(f"[service_load] {message}", file=sys.stderr, flush=True)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def load_average() -> list[str]:

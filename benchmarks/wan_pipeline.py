@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from machine import cpu_model  # benchmarks/machine.py, beside this file
 
 from numaov.exporter.wan_export import export_wan
 from numaov.runtime.binding import plan_for_ranks
@@ -149,13 +149,6 @@ def vae_workers(export: Path, size) -> dict[str, float]:
     seconds["tiled_two_workers"] = time.perf_counter() - start
     seconds["max_abs_difference"] = float(np.max(np.abs(one - two)))
     return seconds
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def write_results(path: Path, results: dict) -> None:
