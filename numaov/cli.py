@@ -399,9 +399,10 @@ def cmd_run_deepseek(args: argparse.Namespace) -> int:
             "give the prompts once: --prompt-ids '1,2,3;4,5' or --tokenizer DIR with one "
             "--prompt TEXT per prompt"
         )
-    tokenizer_dir = args.tokenizer
-    if tokenizer_dir is None and args.prompt and (Path(args.model_dir) / "tokenizer.json").is_file():
-        tokenizer_dir = args.model_dir  # the export carries its checkpoint's tokenizer
+    # Token-id prompts print ids unless --tokenizer is given; text prompts fall back on the
+    # export's own tokenizer.
+    tokenizer_dir = (_tokenizer_dir(args.tokenizer, args.model_dir) if args.prompt
+                     else args.tokenizer)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if args.prompt:
         if tokenizer is None:
@@ -421,6 +422,14 @@ def cmd_run_deepseek(args: argparse.Namespace) -> int:
                           progress=_progress(args))
     print(format_generation(result, prompts, tokenizer))
     return 0
+
+
+def _tokenizer_dir(given: str | None, model_dir: str | Path) -> str | Path | None:
+    """``--tokenizer DIR`` when given, else the model directory when it carries a
+    ``tokenizer.json`` (a DeepSeek export copies its checkpoint's), else None."""
+    if given is not None:
+        return given
+    return model_dir if (Path(model_dir) / "tokenizer.json").is_file() else None
 
 
 def _token_id_list(text: str) -> list[int]:
@@ -501,9 +510,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lm_dir, video_dir = _served_model_dirs(args.model_dir)
     tokenizer = template = None
     if lm_dir is not None:
-        tokenizer_dir = args.tokenizer
-        if tokenizer_dir is None and (Path(lm_dir) / "tokenizer.json").is_file():
-            tokenizer_dir = lm_dir  # a model directory that carries its tokenizer
+        tokenizer_dir = _tokenizer_dir(args.tokenizer, lm_dir)
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         template = load_chat_template([tokenizer_dir, lm_dir])
     name = args.model_name or (Path(lm_dir).resolve().name if lm_dir is not None else "")
