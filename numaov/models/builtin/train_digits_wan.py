@@ -39,7 +39,7 @@ from numaov.models.builtin.digit_clips import (
     make_clip,
 )
 from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_tokenizer
-from numaov.models.builtin.training_run import set_up_threads, training_main
+from numaov.models.builtin.training_run import optimizer_step, set_up_threads, training_main
 
 DEFAULT_OUT = Path(__file__).parent / "digits-wan"
 FLOW_SHIFT = 3.0
@@ -129,10 +129,7 @@ def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Genera
         # error of the blob is small, the squared error keeps the first steps as fast.
         mse = error.pow(2).mean()
         loss = error.abs().mean() + mse
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
+        optimizer_step(loss, optimizer, schedule)
         if step % 20 == 0 or step == VAE_STEPS - 1:
             say(f"vae step {step}: reconstruction mse {mse.item():.4f}")
     vae.eval()
@@ -192,11 +189,7 @@ def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
         prediction = transformer(noisy, timestep=sigma * 1000, encoder_hidden_states=context,
                                  return_dict=False)[0]
         loss = (prediction - (noise - x)).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+        optimizer_step(loss, optimizer, schedule, clip=transformer.parameters())
         if step % 100 == 0 or step == TRANSFORMER_STEPS - 1:
             say(f"transformer step {step}: flow-matching mse {loss.item():.4f}")
     transformer.eval()

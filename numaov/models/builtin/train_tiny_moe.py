@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from numaov.models.builtin.training_run import set_up_threads, training_main
+from numaov.models.builtin.training_run import optimizer_step, set_up_threads, training_main
 from numaov.models.deepseek import DeepseekV2, DeepseekV2Config
 
 DEFAULT_OUT = Path(__file__).parent / "tiny-moe"
@@ -160,11 +160,7 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
         logits = model(rows[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE),
                                                  rows[:, 1:].reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
+        optimizer_step(loss, optimizer, schedule, clip=model.parameters())
         if step % 50 == 0 or step == STEPS - 1:
             say(f"step {step}: training loss {loss.item():.3f}")
     model.eval()

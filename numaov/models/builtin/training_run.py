@@ -1,4 +1,4 @@
-"""What both training scripts share: the thread setup and the command line."""
+"""What both training scripts share: the thread setup, the optimiser step and the command line."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ def set_up_threads(threads: int) -> None:
     digits-wan). Denormals flushed: tiny gradients late in training cost nothing then."""
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, schedule: object,
+                   clip: object = None) -> None:
+    """One update on ``loss``: fresh gradients, their norm over ``clip``'s parameters capped at
+    1 when given, the optimiser's step, then the learning-rate schedule's."""
+    optimizer.zero_grad()
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    optimizer.step()
+    schedule.step()
 
 
 def training_main(doc: str, default_out: Path, train: Callable[..., object],
