@@ -124,6 +124,19 @@ def test_transformer_only_training_keeps_the_committed_vae(tmp_path: Path,
     assert figures["transformer_steps"] == 3 and figures["transformer_only"] is True
 
 
+def test_tiny_moe_training_runs_a_few_steps(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training script backpropagates through the MoE op and saves a loadable model
+    (3 steps: the loss only has to be finite)."""
+    from numaov.models.builtin import train_tiny_moe
+    from numaov.models.deepseek import DeepseekV2
+
+    monkeypatch.setattr(train_tiny_moe, "STEPS", 3)
+    figures = train_tiny_moe.train(tmp_path / "m", say=lambda _message: None)
+    assert figures["steps"] == 3 and np.isfinite(figures["held_out_loss"])
+    DeepseekV2.from_pretrained(tmp_path / "m")
+
+
 def test_grid_tiles_split_back() -> None:
     clips = np.random.default_rng(0).random((7, 3, 4, 6, 3))
     grid = tile_clips(clips, columns=4, scale=2)

@@ -74,7 +74,7 @@ def _reference(x, ids, weights, gate_up, down) -> torch.Tensor:
         for j in range(ids.shape[1]):
             e = int(ids[n, j])
             gate, up = gate_up[e, :inter] @ x[n], gate_up[e, inter:] @ x[n]
-            out[n] += float(weights[n, j]) * (down[e] @ (torch.nn.functional.silu(gate) * up))
+            out[n] += weights[n, j].double() * (down[e] @ (torch.nn.functional.silu(gate) * up))
     return out
 
 
@@ -96,6 +96,19 @@ def test_eager_matches_float64_at_every_row_count(rows: int) -> None:
     got = moe_experts(x, ids, weights, gate_up, down)
     assert got.shape == x.shape and got.dtype == torch.float32
     assert _rel(got, _reference(x, ids, weights, gate_up, down)) < F32_TOL
+
+
+def test_eager_gradients_match_float64() -> None:
+    """Training the built-in MoE backpropagates through the op: the gradients of x, the router
+    weights and both stacks equal float64's."""
+    x, ids, weights, gate_up, down = _problem(7, experts=4, top_k=2)
+    leaves = [t.requires_grad_() for t in (x, weights, gate_up, down)]
+    moe_experts(x, ids, weights, gate_up, down).square().sum().backward()
+    got = [t.grad for t in leaves]
+    reference = [t.detach().double().requires_grad_() for t in leaves]
+    _reference(reference[0], ids, *reference[1:]).square().sum().backward()
+    for name, g, r in zip(("x", "weights", "gate_up", "down"), got, reference, strict=True):
+        assert _rel(g, r.grad) < F32_TOL, name
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 6, 8])

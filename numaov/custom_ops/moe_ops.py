@@ -9,7 +9,9 @@ with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then 
 
 - **eager**: the ``torch.library`` op below, a grouped loop: the (row, slot) pairs sorted by
   expert, one pair of matmuls per expert that got rows, over just those rows; every hit
-  expert's weights are read once, in place. Its fake kernel is right below it.
+  expert's weights are read once, in place. Its fake kernel is right below it. The op has
+  no backward: when its inputs need gradients (training) the public function runs the same
+  loop outside the op, and autograd differentiates it.
 - **ONNX**: node ``numaov.moe::MoeExperts`` with the five tensors as inputs (the weights are
   initializers, so an export's weight format is the IR constants' format). Written by
   :func:`moe_translation_table` for a captured program (what ``numaov.exporter`` does) and
@@ -176,11 +178,12 @@ def _check_ids(ids: Tensor, experts: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("numaov::moe_experts", mutates_args=())
-def _moe_experts_op(
+def _grouped_experts(
     x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
     gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
 ) -> Tensor:
+    """The grouped loop in plain torch calls: the eager op's body, and what autograd
+    differentiates when the op's inputs need gradients (training)."""
     _check_ids(ids, gate_up.shape[0])
     n, k = ids.shape
     flat = ids.reshape(-1).long()
@@ -209,6 +212,14 @@ def _moe_experts_op(
     return out.to(x.dtype)
 
 
+@torch.library.custom_op("numaov::moe_experts", mutates_args=())
+def _moe_experts_op(
+    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+    gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
+) -> Tensor:
+    return _grouped_experts(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
+
+
 @_moe_experts_op.register_fake
 def _(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
       gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
@@ -229,6 +240,12 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
             f"{MOE_DOMAIN}::MoeExperts", tensors, {},
             dtype=x.dtype, shape=x.shape, version=MOE_DOMAIN_VERSION,
         )
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and not torch.compiler.is_compiling()):
+        # Training (train_tiny_moe): the op has no backward, so the same loop runs outside
+        # it and autograd differentiates its torch calls. Under torch.export the op stays
+        # (the graph must hold the one node the exporter turns into MoeExperts).
+        return _grouped_experts(*tensors)
     return torch.ops.numaov.moe_experts(*tensors)
 
 
