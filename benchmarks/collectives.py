@@ -387,6 +387,10 @@ def main() -> None:
         per_rank = dict(results.get(timeout=7200) for _ in procs)
         for p in procs:
             p.join()
+    # DeepSpeed's shared-memory op leaves its buffers (69 MB each, two per rank) in /dev/shm,
+    # named by the address and port it joined on: remove this run's.
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{args['port']}_*"):
+        leftover.unlink(missing_ok=True)
     errors = [r["error"] for r in per_rank.values() if "error" in r]
     if errors:
         raise SystemExit("a rank failed:\n" + errors[0])

@@ -20,7 +20,8 @@ and its timers see only the forward calls; "total" is each run's whole wall time
 ``--large`` the VAE decode also runs tiled (diffusers' tiling defaults) on one worker and on
 two workers of the binding plan (on a one-node machine the cores are split between them).
 
-    python benchmarks/wan_pipeline.py [--steps 2] [--rounds 2] [--large]
+    python benchmarks/wan_pipeline.py [--steps 2] [--rounds 2] [--large | --configs NAMES]
+        [--work DIR]
 
 Writes benchmarks/out/wan_pipeline.json. A benchmark, not a test: it asserts nothing.
 """
@@ -162,10 +163,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--large", action="store_true", help="also 33 frames at 480x832")
+    parser.add_argument("--configs", help="comma-separated subset of " + ", ".join(CONFIGS)
+                        + " (default: the first, with --large both)")
     parser.add_argument("--work", type=Path, help="keep the pipeline and its export here "
                         "(reused when present; default: a temporary directory)")
     args = parser.parse_args()
-    configs = dict(CONFIGS) if args.large else {"17x256x256": CONFIGS["17x256x256"]}
+    names = (args.configs.split(",") if args.configs
+             else list(CONFIGS) if args.large else ["17x256x256"])
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs {','.join(unknown)}: expected names among {', '.join(CONFIGS)}")
+    configs = {n: CONFIGS[n] for n in names}
     results: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
         "steps": args.steps, "rounds": args.rounds, "configs": {},

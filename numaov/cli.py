@@ -74,7 +74,7 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # The demo's prompts: one clip per digit (directions in turn), and documentation openings.
-DEMO_COLUMNS, DEMO_SCALE, DEMO_STEPS, DEMO_GUIDANCE = 5, 4, 10, 4.0
+DEMO_COLUMNS, DEMO_SCALE = 5, 4
 DEMO_LM_PROMPTS = ("The with statement", "A list comprehension", "Exceptions are",
                    "The import system")
 DEMO_LM_TOKENS = 24
@@ -102,7 +102,14 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None,
 
     from numaov.exporter.wan_export import export_wan
     from numaov.models.builtin import DIGITS_WAN_DIR
-    from numaov.models.builtin.digit_clips import DIRECTIONS, FRAMES, SIZE, prompt_for
+    from numaov.models.builtin.digit_clips import (
+        DIRECTIONS,
+        FRAMES,
+        SAMPLING_GUIDANCE,
+        SAMPLING_STEPS,
+        SIZE,
+        prompt_for,
+    )
     from numaov.runtime.clip_grid import tile_clips
     from numaov.runtime.comparison import max_rel_error
     from numaov.runtime.video_output import write_video
@@ -113,8 +120,8 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None,
     _cached_export("digits-wan", model, read_pipeline,
                    lambda force: export_wan(DIGITS_WAN_DIR, model, "f32", "decomposed", progress,
                                             force=force), say)
-    request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE, steps=DEMO_STEPS,
-                               guidance=DEMO_GUIDANCE, seed=0)
+    request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE, steps=SAMPLING_STEPS,
+                               guidance=SAMPLING_GUIDANCE, seed=0)
     names = list(DIRECTIONS)
     clips, runs = [], {}
     scratch = out_dir / "wan" / "clips"
@@ -139,7 +146,7 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None,
         "digits-wan (built in, trained on scikit-learn's digits):",
         f"  wrote {gif}: {FRAMES} frames of {grid.shape[2]}x{grid.shape[1]}, digits 0-9 in "
         f"{len(clips) // DEMO_COLUMNS} rows of {DEMO_COLUMNS} ({SIZE}x{SIZE} clips shown "
-        f"{DEMO_SCALE}x), {DEMO_STEPS} steps, guidance {DEMO_GUIDANCE}",
+        f"{DEMO_SCALE}x), {SAMPLING_STEPS} steps, guidance {SAMPLING_GUIDANCE:g}",
     ]
     row = ("digits-wan denoising step (ms)", f"{error:.1e} (frames)", step["torch"] * 1e3,
            step["openvino"] * 1e3)

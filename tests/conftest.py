@@ -6,6 +6,26 @@ import os
 
 import pytest
 
+# A full run writes about 2.5 GB under pytest's base directory (exports, checkpoints, videos);
+# below this much free space it would fail part-way with "No space left on device" from inside
+# a writer, so the session refuses at the start with the numbers instead.
+FREE_BYTES_NEEDED = 4 * 1024**3
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    base = Path(session.config.option.basetemp or tempfile.gettempdir()).absolute()
+    while not base.exists():  # --basetemp names a directory pytest has not made yet
+        base = base.parent
+    free = shutil.disk_usage(base).free
+    if free < FREE_BYTES_NEEDED:
+        pytest.exit(f"{base} has {free / 1024**3:.1f} GiB free; the tests write about 2.5 GB "
+                    f"there and need {FREE_BYTES_NEEDED / 1024**3:.0f} GiB: free some space or "
+                    "set --basetemp (or TMPDIR) to a larger disk", returncode=3)
+
 
 @pytest.fixture
 def two_cpus() -> tuple[int, int]:

@@ -92,6 +92,57 @@ def test_digits_vae_reconstructs_digits_the_judge_reads(judge: DigitJudge) -> No
     assert share >= 0.9  # 0.985 measured (the real clips: 0.995)
 
 
+def test_short_training_context_attends_as_the_full_one() -> None:
+    """The transformer trains on a prompt's tokens and a few padding rows whose logits count
+    for all of the 512 (``PaddingWeightedCrossAttention``): the committed transformer gives
+    the same prediction there as on the pipeline's full embeddings, for real prompts and the
+    empty one, and the plain processors come back afterwards."""
+    import torch
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    from numaov.models.builtin.train_digits_wan import (
+        SHORT_CONTEXT,
+        full_context,
+        padding_bias,
+        short_context,
+    )
+
+    config = WanTransformer3DModel.load_config(str(DIGITS_WAN_DIR / "transformer"))
+    transformer = WanTransformer3DModel.from_config(config).eval()
+    transformer.load_state_dict(load_file(
+        str(DIGITS_WAN_DIR / "transformer" / "diffusion_pytorch_model.safetensors")))
+    encoder = UMT5EncoderModel.from_pretrained(str(DIGITS_WAN_DIR / "text_encoder")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(DIGITS_WAN_DIR / "tokenizer"))
+    prompts = [prompt_for(7, "left"), prompt_for(0, "up"), ""]
+    text = torch.zeros(len(prompts), 512, encoder.config.d_model)
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):  # WanPipeline's layout: the tokens, then zeros
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            text[i, : ids.shape[1]] = encoder(ids).last_hidden_state[0]
+        x = torch.randn(len(prompts), 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+        t = torch.tensor([20.0, 500.0, 990.0])
+        full = transformer(x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+        short = text[:, :SHORT_CONTEXT]
+        processors = short_context(transformer)
+        for processor in processors:
+            processor.bias = padding_bias(short, 512)
+        cut = transformer(x, timestep=t, encoder_hidden_states=short, return_dict=False)[0]
+        unweighted = [processor.inner for processor in processors]
+        full_context(transformer, processors)
+        assert [block.attn2.processor for block in transformer.blocks] == unweighted
+        again = transformer(x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+    scale = float(full.abs().max())
+    assert float((cut - full).abs().max()) < 1e-5 * scale  # 2.5e-6 measured (summation order)
+    assert torch.equal(again, full)
+    # Without the weights (fresh processors carry none) the cut context is a different model.
+    short_context(transformer)
+    with torch.no_grad():
+        plain = transformer(x, timestep=t, encoder_hidden_states=short, return_dict=False)[0]
+    assert float((plain - full).abs().max()) > 1e-2 * scale
+
+
 @pytest.mark.slow
 def test_transformer_only_training_keeps_the_committed_vae(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,6 +273,7 @@ def test_digits_pipeline_frames_equal_diffusers(demo: dict, tmp_path: Path) -> N
     from diffusers import WanPipeline, WanTransformer3DModel
     from safetensors.torch import load_file
 
+    from numaov.models.builtin.digit_clips import SAMPLING_GUIDANCE
     from numaov.runtime.wan_pipeline import WanSampleRequest
     from numaov.runtime.wan_vae import VaeGeometry
     from numaov.runtime.wan_video import VAE_FIRST_FRAME, read_pipeline, run_wan_pipeline
@@ -241,10 +293,10 @@ def test_digits_pipeline_frames_equal_diffusers(demo: dict, tmp_path: Path) -> N
         str(DIGITS_WAN_DIR / "transformer" / "diffusion_pytorch_model.safetensors")))
     pipe = WanPipeline.from_pretrained(str(DIGITS_WAN_DIR), transformer=transformer.eval())
     expected = pipe(prompt, negative_prompt="", num_frames=FRAMES, height=SIZE, width=SIZE,
-                    num_inference_steps=steps, guidance_scale=QUALITY_GUIDANCE,
+                    num_inference_steps=steps, guidance_scale=SAMPLING_GUIDANCE,
                     generator=torch.Generator().manual_seed(seed), output_type="np").frames[0]
     request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE, steps=steps,
-                               guidance=QUALITY_GUIDANCE, seed=seed)
+                               guidance=SAMPLING_GUIDANCE, seed=seed)
     result = run_wan_pipeline(export, request, prompt, tmp_path / "three.gif")
     assert result.frames.shape == expected.shape == (FRAMES, SIZE, SIZE, 3)
     assert result.sample.latents.shape[2:] == ((FRAMES - 1) // geometry.temporal + 1,
@@ -254,35 +306,56 @@ def test_digits_pipeline_frames_equal_diffusers(demo: dict, tmp_path: Path) -> N
     assert error <= F32_FRAME_TOL
 
 
-CLIPS_PER_DIGIT = 3
-QUALITY_STEPS, QUALITY_GUIDANCE = 10, 4.0
+CLIPS_PER_DIGIT = 10  # 3 a digit left one wrong clip at 67%: too coarse to judge 80%
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the committed digits-wan transformer draws digits the "
-                   "judge reads for some prompts only: 0-100% per digit, 53% in all (model card, "
-                   "'Quality')")
-def test_digits_pipeline_draws_the_prompted_digit_on_openvino(demo: dict, judge: DigitJudge,
-                                                              tmp_path: Path) -> None:
-    """>= 80% of the clips prompted with digit k are labelled k by the judge, for every k."""
+@pytest.fixture(scope="module")
+def judged_digits(demo: dict, judge: DigitJudge, tmp_path_factory: pytest.TempPathFactory,
+                  ) -> dict[int, float]:
+    """Per digit k, the share of ``CLIPS_PER_DIGIT`` clips prompted with k (directions in
+    turn, seeds 100 + 10k + i) that the judge labels k, generated on the demo's OpenVINO
+    export at the model's sampling settings, each graph compiled once."""
+    from numaov.models.builtin.digit_clips import SAMPLING_GUIDANCE, SAMPLING_STEPS
+    from numaov.runtime.manifest_reader import keep_compiled
     from numaov.runtime.wan_pipeline import WanSampleRequest
     from numaov.runtime.wan_video import run_wan_pipeline
 
-    names = list(DIRECTIONS)
+    names, out = list(DIRECTIONS), tmp_path_factory.mktemp("judged")
     per_digit = {}
-    for digit in range(10):
-        clips = []
-        for i in range(CLIPS_PER_DIGIT):
-            request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE,
-                                       steps=QUALITY_STEPS, guidance=QUALITY_GUIDANCE,
-                                       seed=100 + 10 * digit + i)
-            video = run_wan_pipeline(demo["out"] / "wan" / "model", request,
-                                     prompt_for(digit, names[(digit + i) % 4]),
-                                     tmp_path / f"{digit}_{i}.gif")
-            clips.append(to_grey(video.frames))
-        per_digit[digit] = float((judge.clip_labels(np.stack(clips)) == digit).mean())
+    with keep_compiled({}):
+        for digit in range(10):
+            clips = []
+            for i in range(CLIPS_PER_DIGIT):
+                request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE,
+                                           steps=SAMPLING_STEPS, guidance=SAMPLING_GUIDANCE,
+                                           seed=100 + 10 * digit + i)
+                video = run_wan_pipeline(demo["out"] / "wan" / "model", request,
+                                         prompt_for(digit, names[(digit + i) % 4]),
+                                         out / f"{digit}_{i}.gif")
+                clips.append(to_grey(video.frames))
+            per_digit[digit] = float((judge.clip_labels(np.stack(clips)) == digit).mean())
     print("share of clips judged as the prompted digit:", per_digit)
-    assert all(share >= 0.8 for share in per_digit.values()), per_digit
+    return per_digit
+
+
+@pytest.mark.slow
+def test_digits_pipeline_draws_the_prompted_digits_on_openvino(
+        judged_digits: dict[int, float]) -> None:
+    """What the committed transformer reaches (model card, "Quality": 90% in all, every digit
+    at 70% or more on these clips): at least 80% of all clips, and no digit below half. A
+    transformer that ignored the prompt would draw each digit about a tenth of the time."""
+    assert float(np.mean(list(judged_digits.values()))) >= 0.8, judged_digits
+    assert min(judged_digits.values()) >= 0.5, judged_digits
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the committed digits-wan transformer draws the digits 3 "
+                   "and 8 right in 7 of these 10 clips each (8: 65% of 20), short of 80% (model "
+                   "card, 'Quality')")
+def test_digits_pipeline_draws_every_digit_80_percent_on_openvino(
+        judged_digits: dict[int, float]) -> None:
+    """The target: >= 80% of the clips prompted with digit k are labelled k, for every k."""
+    assert all(share >= 0.8 for share in judged_digits.values()), judged_digits
 
 
 @pytest.mark.slow

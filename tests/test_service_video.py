@@ -50,6 +50,14 @@ def _direct(export: Path, tmp_path: Path, frames: int, seed: int, name: str) -> 
     return to_uint8(result.frames)
 
 
+def _png_base64(width: int, height: int) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 90)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def _close(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.shape == expected.shape
     assert int(np.max(np.abs(got.astype(int) - expected.astype(int)))) <= LEVELS
@@ -117,6 +125,10 @@ def test_videos_decode_to_the_requested_size_and_frames(served, tmp_path) -> Non
     ("/v1/videos", {"prompt": PROMPT, "steps": 1000}, "steps", "from 1 to 100"),
     ("/v1/videos", {"prompt": PROMPT, "format": "avi"}, "format", "mp4, webp"),
     ("/v1/videos", {"prompt": PROMPT, "model": "sora-2"}, "model", "not served here"),
+    ("/v1/videos", {"prompt": PROMPT, "input_reference": "a photo"}, "input_reference",
+     "expected a PNG, JPEG or WebP image as base64"),
+    ("/v1/videos", {"prompt": PROMPT, "size": "48x32", "input_reference": _png_base64(48, 32)},
+     "input_reference", "has no image conditioning"),
 ])
 def test_bad_video_requests_name_the_field(served, path: str, body: dict, param: str,
                                            message: str) -> None:

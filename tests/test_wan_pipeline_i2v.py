@@ -176,6 +176,26 @@ def test_bad_inputs_are_one_line_errors(i2v: dict, wan_pipeline_exported: dict,
 # -- checks before any export work (the files the index check reads, in the real layout) ------
 
 
+def test_served_image_to_video_asks_for_input_reference(i2v: dict) -> None:
+    """`numaov serve` on an export that needs an image refuses requests without one, naming
+    the field and where the image goes, before anything runs."""
+    import httpx
+    from service_harness import start_server, stop_server
+
+    server, url = start_server(i2v["export"], "")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for path, message in (
+                    ("/v1/videos", "'export' is image-to-video: expected input_reference"),
+                    ("/v1/images/generations", "expected POST /v1/videos with input_reference")):
+                response = client.post(path, json={"prompt": PROMPT, "size": "32x48"})
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == "input_reference" and message in error["message"], error
+    finally:
+        stop_server(server)
+
+
 def _i2v_directory(root: Path, *, image_encoder: list | None = None, in_channels: int = 36,
                    vae: bool = True) -> Path:
     index = {"_class_name": "WanImageToVideoPipeline", "boundary_ratio": BOUNDARY,

@@ -174,3 +174,56 @@ def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
     with pytest.raises(SamplerInputError, match="has no image conditioning"):
         run_wan_pipeline(text_only, _request(5, 32, 64), PROMPT, tmp_path / "v.gif",
                          image=tmp_path / "small.png")
+
+
+def test_served_videos_take_the_first_frame_as_input_reference(ti2v: dict, tmp_path) -> None:
+    """`numaov serve` on the TI2V export: ``input_reference`` (base64, or a data URL) gives the
+    frames ``run_wan_pipeline(image=...)`` gives; a reference of another size, or one that is
+    not an image, is a 400 naming the field before anything runs."""
+    import base64
+    import io
+
+    import httpx
+    from PIL import Image, ImageSequence
+    from service_harness import start_server, stop_server
+
+    from numaov.runtime.video_output import to_uint8
+
+    frames, height, width = SIZES[0]
+    image = write_image(tmp_path / "first.png", height, width)
+    encoded = base64.b64encode(image.read_bytes()).decode("ascii")
+    direct = to_uint8(run_wan_pipeline(ti2v["export"], _request(*SIZES[0]), PROMPT,
+                                       tmp_path / "direct.gif", negative_prompt=NEGATIVE,
+                                       image=image).frames)
+    body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "size": f"{width}x{height}",
+            "frames": frames, "steps": STEPS, "guidance": 5.0, "seed": SEED, "format": "webp"}
+
+    def frames_of(response: httpx.Response) -> np.ndarray:
+        assert response.status_code == 200, response.text
+        webp = Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"])))
+        return np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(webp)])
+
+    server, url = start_server(ti2v["export"], "")
+    try:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            for reference in (encoded, f"data:image/png;base64,{encoded}"):
+                got = frames_of(client.post("/v1/videos",
+                                            json={**body, "input_reference": reference}))
+                assert got.shape == direct.shape
+                assert int(np.max(np.abs(got.astype(int) - direct.astype(int)))) <= 1
+            text_only = frames_of(client.post("/v1/videos", json=body))
+            assert int(np.max(np.abs(text_only.astype(int) - direct.astype(int)))) > 8
+            small = base64.b64encode(write_image(tmp_path / "small.png", 32, 32).read_bytes())
+            for reference, message in (
+                    (small.decode("ascii"), "input_reference is 32x32 pixels; expected the "
+                                            f"video's {width}x{height}"),
+                    (base64.b64encode(b"not an image").decode("ascii"),
+                     "cannot read input_reference as an image"),
+                    ("%%%", "expected a PNG, JPEG or WebP image as base64"),
+                    (7, "expected a PNG, JPEG or WebP image as base64")):
+                response = client.post("/v1/videos", json={**body, "input_reference": reference})
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == "input_reference" and message in error["message"], error
+    finally:
+        stop_server(server)

@@ -88,11 +88,26 @@ def effective_precision(precision: Any, properties: Mapping[str, Any] | None = N
     return _precision_name((properties or {}).get(PRECISION_HINT, precision))
 
 
+def _bf16_tensors(model: Any, prefixes: tuple[str, ...]) -> Any:
+    """``model`` with the inputs and outputs whose names start with one of ``prefixes`` as
+    bf16 tensors (OpenVINO's pre/post-processing: the graph inside is unchanged)."""
+    import openvino as ov
+    from openvino.preprocess import PrePostProcessor
+
+    ppp = PrePostProcessor(model)
+    for ports, side in ((model.inputs, ppp.input), (model.outputs, ppp.output)):
+        for i, port in enumerate(ports):
+            if port.get_any_name().startswith(prefixes):
+                side(i).tensor().set_element_type(ov.Type.bf16)
+    return ppp.build()
+
+
 def compile_ir(
     source: str | Path | Any,
     precision: str,
     properties: Mapping[str, Any] | None = None,
     attention: str | None = None,
+    bf16_io: tuple[str, ...] = (),
 ) -> CompiledIR:
     """Compile ``source`` (an ``.xml`` path, or an ``openvino.Model``, which is left as it
     is) for the CPU at inference ``precision`` (``"f32"`` / ``"bf16"``).
@@ -100,8 +115,11 @@ def compile_ir(
     ``properties`` are further OpenVINO CPU properties (threads, pinning, ...); an
     ``INFERENCE_PRECISION_HINT`` among them wins over ``precision`` and decides the
     attention kernel. ``attention`` overrides ``NUMAOV_ATTENTION`` (same values), so a
-    benchmark can compile both kernels in one process. Raises `CompileError` naming the file
-    on any OpenVINO failure, and ``AttentionSettingError`` for a bad attention setting.
+    benchmark can compile both kernels in one process. ``bf16_io``: name prefixes of inputs
+    and outputs exchanged as bf16 tensors when the effective precision is bf16 (state a loop
+    passes from one call to the next, which then needs no conversion either way). Raises
+    `CompileError` naming the file on any OpenVINO failure, and ``AttentionSettingError`` for
+    a bad attention setting.
     """
     import openvino as ov
 
@@ -124,6 +142,8 @@ def compile_ir(
         name = f"model {source.get_friendly_name()!r}"
         model = source.clone() if kernel == "numaov" else source
     swapped = swap_attention(model) if kernel == "numaov" else 0
+    if bf16_io and effective == "bf16":
+        model = _bf16_tensors(model, bf16_io)
     try:
         compiled = core.compile_model(model, "CPU", config)
     except Exception as exc:

@@ -78,19 +78,25 @@ class ModelManifest:
         self.record.verify_file(self.directory, files.ir_bin)
         return self.record.verify_file(self.directory, files.ir_xml)
 
-    def compile_rank(self, rank: int = 0, config: Mapping[str, Any] | None = None) -> Any:
+    def compile_rank(self, rank: int = 0, config: Mapping[str, Any] | None = None,
+                     bf16_io: tuple[str, ...] = ()) -> Any:
         """Rank ``rank``'s IR, checked and compiled the one way numaov compiles
         (``numaov.custom_ops.compile_ir``) at this export's inference precision, with
-        ``config``'s OpenVINO properties on top; returns a ``CompiledIR``."""
+        ``config``'s OpenVINO properties on top and ``bf16_io`` as there; returns a
+        ``CompiledIR``."""
         from numaov.custom_ops import compile_ir
+
+        def compiled() -> Any:
+            return compile_ir(self.checked_ir(rank), self.inference_precision, config,
+                              bf16_io=bf16_io)
 
         kept = _KEPT_COMPILED.get()
         if kept is None:
-            return compile_ir(self.checked_ir(rank), self.inference_precision, config)
+            return compiled()
         key = (str(self.rank(rank).ir_xml), self.inference_precision,
-               tuple(sorted((str(k), str(v)) for k, v in (config or {}).items())))
+               tuple(sorted((str(k), str(v)) for k, v in (config or {}).items())), bf16_io)
         if key not in kept:
-            kept[key] = compile_ir(self.checked_ir(rank), self.inference_precision, config)
+            kept[key] = compiled()
         return kept[key]
 
     def attention_kernel(self, config: Mapping[str, Any] | None = None) -> str:

@@ -8,7 +8,10 @@
   ``GET /v1/videos/{id}/content``): ``prompt``, ``size``, ``frames`` (4k+1, Wan's VAE) or
   ``seconds`` (at 16 frames/s, rounded to the nearest 4k+1 frames), ``format`` ("mp4", the
   default, or "webp": animated), ``n``, ``response_format``, ``negative_prompt``, ``seed``,
-  ``steps``, ``guidance``. It answers once the videos are made (no polling needed): a
+  ``steps``, ``guidance``, and ``input_reference``: the first frame for image-to-video (Wan
+  2.2 TI2V and I2V exports), a PNG, JPEG or WebP image of the video's size as base64 or a
+  ``data:image/...;base64,`` URL (OpenAI's video API uploads the same field as a file; this
+  service takes JSON bodies only). It answers once the videos are made (no polling needed): a
   ``video`` object with ``status`` "completed" and ``data`` (base64 or URL per video).
 - ``GET /v1/videos/{id}/content`` and ``GET /v1/images/{id}/content``: a result's file, kept
   for the server's life (the last ``KEPT_RESULTS``); the ``url`` answers point there.
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import collections
+import io
 import json
 import secrets
 import tempfile
@@ -72,6 +77,7 @@ class VideoJob:
     seeds: list[int]
     format: str  # "png", "mp4" or "webp"
     as_url: bool
+    image: bytes | None = None  # input_reference's file, checked to be of the video's size
 
 
 def _is_int(value: Any) -> bool:
@@ -99,6 +105,31 @@ def _size(body: dict[str, Any], limits: VideoLimits) -> tuple[int, int]:
         raise RequestError(f"size {width}x{height} is {width * height} pixels; expected at most "
                            f"{limits.max_pixels}", "size")
     return width, height
+
+
+def _input_reference(value: Any, width: int, height: int) -> bytes:
+    """The image file ``input_reference`` carries (base64, or a base64 data URL), read once
+    here so that a bad one is refused before it queues."""
+    from numaov.runtime.image_input import ImageInputError, read_image
+
+    text = value if isinstance(value, str) else None
+    if text is not None and text.startswith("data:"):
+        header, _, text = text.partition(",")
+        if not header.endswith(";base64"):
+            text = None
+    try:
+        data = base64.b64decode(text or "", validate=True) if text else b""
+    except (binascii.Error, ValueError):
+        data = b""
+    if not data:
+        shown = json.dumps(value)[:40]
+        raise RequestError(f"input_reference is {shown}; expected a PNG, JPEG or WebP image as "
+                           "base64 or a data:image/...;base64, URL", "input_reference")
+    try:
+        read_image(io.BytesIO(data), height, width, name="input_reference")
+    except ImageInputError as exc:
+        raise RequestError(str(exc), "input_reference") from None
+    return data
 
 
 def parse_video_job(body: Any, video: bool, limits: VideoLimits,
@@ -162,14 +193,17 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
         if kind not in FORMATS:
             raise RequestError(f"format is {json.dumps(kind)}; expected one of "
                                f"{', '.join(FORMATS)}", "format")
+    image = (None if body.get("input_reference") is None
+             else _input_reference(body["input_reference"], width, height))
     return VideoJob(prompt, negative, width, height, frames, steps, float(guidance),
-                    [(seed + j) % 2**62 for j in range(n)], kind, response_format == "url")
+                    [(seed + j) % 2**62 for j in range(n)], kind, response_format == "url",
+                    image)
 
 
 IMAGE_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
                 "steps", "guidance", "user", "quality", "style")
 VIDEO_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
-                "steps", "guidance", "frames", "seconds", "format", "user")
+                "steps", "guidance", "frames", "seconds", "format", "input_reference", "user")
 
 
 class VideoService:
@@ -235,17 +269,16 @@ class VideoService:
                 request = WanSampleRequest(frames=job.frames, height=job.height, width=job.width,
                                            steps=job.steps, guidance=job.guidance, seed=seed)
                 work = Path(tempfile.mkdtemp(dir=self._scratch.name))
-                if job.format == "png":
-                    out = work / "frames"
-                    run_wan_pipeline(self.model_dir, request, job.prompt, out,
-                                     negative_prompt=job.negative_prompt, backend=self.backend)
-                    data, media = (out / "frame_00000.png").read_bytes(), "image/png"
-                else:
-                    media, suffix = FORMATS[job.format]
-                    out = work / f"video{suffix}"
-                    run_wan_pipeline(self.model_dir, request, job.prompt, out,
-                                     negative_prompt=job.negative_prompt, backend=self.backend)
-                    data = out.read_bytes()
+                image = None
+                if job.image is not None:
+                    image = work / "input_reference"
+                    image.write_bytes(job.image)
+                media, suffix = FORMATS.get(job.format, ("image/png", ""))
+                out = work / ("frames" if job.format == "png" else f"video{suffix}")
+                run_wan_pipeline(self.model_dir, request, job.prompt, out,
+                                 negative_prompt=job.negative_prompt, backend=self.backend,
+                                 image=image)
+                data = (out / "frame_00000.png" if job.format == "png" else out).read_bytes()
                 for path in sorted(work.rglob("*"), reverse=True):
                     path.unlink() if path.is_file() else path.rmdir()
                 work.rmdir()
@@ -254,6 +287,21 @@ class VideoService:
             with self._lock:
                 self._running -= 1
                 self._done += 1
+
+    def _check_conditioning(self, job: VideoJob, video: bool) -> None:
+        """An image for an export that cannot take one, or none for one that needs it, is the
+        request's error, said before it queues (and without the server's paths)."""
+        from numaov.runtime.wan_video import VAE_ENCODER
+
+        if job.image is not None and VAE_ENCODER not in self.pipeline.components:
+            raise RequestError(f"input_reference is set, but {self.model_name!r} has no image "
+                               "conditioning (a text-to-video export); expected no "
+                               "input_reference", "input_reference")
+        if job.image is None and self.pipeline.needs_image:
+            where = ("expected input_reference, the video's first frame" if video else
+                     "expected POST /v1/videos with input_reference, the video's first frame")
+            raise RequestError(f"{self.model_name!r} is image-to-video: {where}",
+                               "input_reference")
 
     def _keep(self, data: bytes, media: str) -> str:
         key = uuid.uuid4().hex
@@ -278,6 +326,7 @@ class VideoService:
                                        code="model_not_found")
                 job = parse_video_job(body, video, self.limits,
                                       VIDEO_FIELDS if video else IMAGE_FIELDS)
+                self._check_conditioning(job, video)
                 with self._lock:
                     if self._waiting + len(job.seeds) > options.max_queue:
                         raise RequestError(
@@ -299,8 +348,9 @@ class VideoService:
                         raise output
             except NumaovError as exc:  # the pipeline's own checks: sizes, prompt length
                 metrics.video_jobs.labels(endpoint, "400").inc()
-                param = exc.parameter if exc.parameter in ("prompt", "negative_prompt",
-                                                           "frames", "steps") else "size"
+                param = ("input_reference" if exc.parameter == "image"
+                         else exc.parameter if exc.parameter in ("prompt", "negative_prompt",
+                                                                 "frames", "steps") else "size")
                 return error_response(RequestError(str(exc), param))
             except Exception as exc:  # noqa: BLE001 - the server stays up; health shows it
                 with self._lock:
