@@ -103,8 +103,9 @@ class VaeTiling:
 
 # The causal convolutions' caches, named so in both frame graphs (inputs ``caches_i``,
 # outputs ``cache_i``): on OpenVINO they stay OpenVINO tensors from one call to the next,
-# bf16 at bf16 precision (the 17x256x256 decode of benchmarks/wan_pipeline.py carries 620 MB
-# of them, which numpy copies and f32 conversions both ways had cost 5.4 s of 11.4 s).
+# bf16 at bf16 precision. benchmarks/wan_pipeline.py's 17x256x256 decode carries 620 MB of f32
+# caches a call; handed over as tensors it took 8.0 s with f32 ones and 6.0 s with bf16 ones,
+# where copying them through numpy (and the RMS norms' older export) had taken 11.4 s.
 CACHE_PREFIXES = ("caches_", "cache_")
 
 
@@ -117,14 +118,24 @@ class VaeDecoder:
                  config: dict[str, Any] | None = None) -> None:
         self.geometry = VaeGeometry.of(first)
         if backend == "openvino":
-            self._loop = _OpenVinoFrames(first, following, config)
+            self._frames: Callable[[np.ndarray], np.ndarray] = _OpenVinoFrames(
+                first, following, config)
         else:
-            self._first = GraphRunner(first, backend, config)
-            self._following = GraphRunner(following, backend, config)
+            self._frames = _RunnerFrames(first, following, backend, config)
 
     def __call__(self, latents: np.ndarray) -> np.ndarray:
-        if hasattr(self, "_loop"):
-            return self._loop(latents)
+        return self._frames(latents)
+
+
+class _RunnerFrames:
+    """The loop on ONNX Runtime or PyTorch: the caches as numpy arrays."""
+
+    def __init__(self, first: ModelManifest, following: ModelManifest, backend: str,
+                 config: dict[str, Any] | None) -> None:
+        self._first = GraphRunner(first, backend, config)
+        self._following = GraphRunner(following, backend, config)
+
+    def __call__(self, latents: np.ndarray) -> np.ndarray:
         frames, *caches = self._first({"latents": np.ascontiguousarray(latents[:, :, :1])})
         video = [frames]
         for k in range(1, latents.shape[2]):
