@@ -177,9 +177,10 @@ def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
 
 
 def test_served_videos_take_the_first_frame_as_input_reference(ti2v: dict, tmp_path) -> None:
-    """`numaov serve` on the TI2V export: ``input_reference`` (base64, or a data URL) gives the
-    frames ``run_wan_pipeline(image=...)`` gives; a reference of another size, or one that is
-    not an image, is a 400 naming the field before anything runs."""
+    """`numaov serve` on the TI2V export: ``input_reference`` (base64, or a data URL with
+    MIME line breaks) gives the frames ``run_wan_pipeline(image=...)`` gives; a reference of
+    another size, or one that is not an image, is a 400 naming the field before anything
+    runs."""
     import base64
     import io
 
@@ -206,7 +207,8 @@ def test_served_videos_take_the_first_frame_as_input_reference(ti2v: dict, tmp_p
     server, url = start_server(ti2v["export"], "")
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
-            for reference in (encoded, f"data:image/png;base64,{encoded}"):
+            wrapped = "\n".join(encoded[i:i + 76] for i in range(0, len(encoded), 76))
+            for reference in (encoded, f"data:image/png;base64,{wrapped}"):
                 got = frames_of(client.post("/v1/videos",
                                             json={**body, "input_reference": reference}))
                 assert got.shape == direct.shape

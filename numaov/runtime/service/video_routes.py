@@ -117,8 +117,8 @@ def _input_reference(value: Any, width: int, height: int) -> bytes:
         header, _, text = text.partition(",")
         if not header.endswith(";base64"):
             text = None
-    try:
-        data = base64.b64decode(text or "", validate=True) if text else b""
+    try:  # MIME-style line breaks are allowed, anything else outside base64's alphabet is not
+        data = base64.b64decode("".join(text.split()), validate=True) if text else b""
     except (binascii.Error, ValueError):
         data = b""
     if not data:
