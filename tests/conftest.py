@@ -13,6 +13,8 @@ FREE_BYTES_NEEDED = 4 * 1024**3
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
     import shutil
     import tempfile
     from pathlib import Path

@@ -196,3 +196,32 @@ def test_tiled_vae_equals_diffusers_and_splits_over_two_workers(pipeline: dict,
         error = float(np.max(np.abs(got - expected)))
         print(f"tiled VAE, {workers} worker(s): max |numaov - diffusers| = {error:.3g}")
         assert error <= F32_FRAME_TOL
+
+
+def test_vae_caches_pass_as_bf16_tensors_at_bf16(pipeline: dict) -> None:
+    """At bf16 the VAE's frame loop on OpenVINO hands its caches over as bf16 tensors (both
+    frame graphs' ``caches_*`` / ``cache_*``, not the frames), and the decoded video stays
+    within the export's bf16 VAE tolerance of the f32 decode, over three latent frames (the
+    next-frame graph twice on its own caches, on the two requests in turn)."""
+    import openvino as ov
+
+    from numaov.runtime.wan_vae import CACHE_PREFIXES, VaeDecoder
+    from numaov.runtime.wan_video import VAE_FIRST_FRAME, VAE_NEXT_FRAME
+
+    components = read_pipeline(pipeline["export"]).components
+    first, following = components[VAE_FIRST_FRAME], components[VAE_NEXT_FRAME]
+    latents = np.random.default_rng(0).standard_normal((1, 16, 3, 6, 4), dtype=np.float32)
+    f32 = VaeDecoder(first, following, "openvino")(latents)
+    bf16_config = {"INFERENCE_PRECISION_HINT": "bf16"}
+    bf16 = VaeDecoder(first, following, "openvino", bf16_config)(latents)
+    for manifest in (first, following):
+        compiled = manifest.compile_rank(0, bf16_config, bf16_io=CACHE_PREFIXES)
+        ports = [*compiled.model.inputs, *compiled.model.outputs]
+        types = {p.get_any_name(): p.get_element_type() for p in ports}
+        assert all((t == ov.Type.bf16) == name.startswith(CACHE_PREFIXES)
+                   for name, t in types.items()), types
+        assert any(name.startswith(CACHE_PREFIXES) for name in types)
+    assert bf16.shape == f32.shape == (1, 3, 9, 48, 32)
+    error = float(np.max(np.abs(bf16 - f32)) / np.max(np.abs(f32)))
+    print(f"bf16 caches: max relative difference from the f32 decode {error:.3g}")
+    assert 0 < error <= 0.1  # the export's bf16 VAE tolerance; 0: bf16 did not run

@@ -140,10 +140,15 @@ def compile_ir(
             ) from exc
     else:
         name = f"model {source.get_friendly_name()!r}"
-        model = source.clone() if kernel == "numaov" else source
+        # the caller's model is left as it is: swapping and pre/post-processing edit a copy
+        model = source.clone() if kernel == "numaov" or bf16_io else source
     swapped = swap_attention(model) if kernel == "numaov" else 0
     if bf16_io and effective == "bf16":
-        model = _bf16_tensors(model, bf16_io)
+        try:
+            model = _bf16_tensors(model, bf16_io)
+        except Exception as exc:
+            raise CompileError(f"OpenVINO cannot set bf16 inputs and outputs of {name}: "
+                               f"{_cause(exc)}") from exc
     try:
         compiled = core.compile_model(model, "CPU", config)
     except Exception as exc:

@@ -21,23 +21,29 @@ class ImageInputError(NumaovError):
     """An image that cannot be read, or not of the video's size."""
 
 
+FORMATS = ("PNG", "JPEG", "WEBP")
+
+
 def read_image(source: str | Path | BinaryIO, height: int, width: int,
                name: str | None = None) -> np.ndarray:
     """``source`` (a file name, or an open binary file such as a request's decoded bytes) as
-    ``[1, 3, 1, height, width]`` f32 in [-1, 1]. Errors call it ``name`` (default: its path)."""
+    ``[1, 3, 1, height, width]`` f32 in [-1, 1]. Errors call it ``name`` (default: its path).
+    The size is checked from the header, before any pixel is decoded."""
     from PIL import Image, UnidentifiedImageError
 
+    is_file = hasattr(source, "read")
     what = name or repr(str(source))
     try:
-        with Image.open(source if hasattr(source, "read") else Path(source)) as image:
-            size = image.size
+        with Image.open(source if is_file else Path(source), formats=FORMATS) as image:
+            if image.size != (width, height):
+                raise ImageInputError(
+                    f"image {what} is {image.size[0]}x{image.size[1]} pixels; expected the "
+                    f"video's {width}x{height} (width x height)", parameter="image")
             rgb = np.asarray(image.convert("RGB"), dtype=np.float32)
-    except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise ImageInputError(f"cannot read {what} as an image ({exc}); expected a PNG, JPEG "
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+        # PIL's message for an open file names the object (and its address): left out
+        cause = "" if is_file else f" ({exc})"
+        raise ImageInputError(f"cannot read {what} as an image{cause}; expected a PNG, JPEG "
                               "or WebP file", parameter="image") from exc
-    if size != (width, height):
-        raise ImageInputError(
-            f"image {what} is {size[0]}x{size[1]} pixels; expected the video's "
-            f"{width}x{height} (width x height)", parameter="image")
     pixels = rgb / np.float32(255.0) * np.float32(2.0) - np.float32(1.0)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1)[None, :, None])

@@ -192,7 +192,10 @@ def padding_bias(text: torch.Tensor, full_length: int) -> torch.Tensor:
     rows), cut from a ``full_length``-row context: 0 on a token, ``log(padding rows in the
     full context / padding rows kept)`` on a zero row."""
     padding = (text == 0).all(dim=-1)  # [B, L]
-    kept = padding.sum(dim=1, keepdim=True).clamp(min=1)
+    if not padding.any(dim=1).all():
+        raise NumaovError(f"a prompt fills the {text.shape[1]} text rows kept; expected a padding "
+                          "row after each prompt's tokens to stand for the rest")
+    kept = padding.sum(dim=1, keepdim=True)
     full = kept + (full_length - text.shape[1])
     bias = torch.where(padding, torch.log(full.float() / kept.float()), torch.zeros(()))
     return bias[:, None, None, :]
@@ -220,10 +223,8 @@ def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
     """Flow matching over the short context (:class:`PaddingWeightedCrossAttention`):
     ``text`` and ``empty`` are the pipeline's 512-row embeddings, cut here."""
     full_length = text.shape[1]
-    if (text[:, SHORT_CONTEXT - 1] != 0).any():
-        raise NumaovError(f"a prompt has {SHORT_CONTEXT} or more tokens; the short training "
-                          f"context keeps {SHORT_CONTEXT - 1} and a padding row")
     text, empty = text[:, :SHORT_CONTEXT], empty[:SHORT_CONTEXT]
+    padding_bias(text, full_length)  # every prompt leaves a padding row (else it says so)
     processors = short_context(transformer)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=TRANSFORMER_LR, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(

@@ -107,17 +107,15 @@ def _size(body: dict[str, Any], limits: VideoLimits) -> tuple[int, int]:
     return width, height
 
 
-def _input_reference(value: Any, width: int, height: int) -> bytes:
-    """The image file ``input_reference`` carries (base64, or a base64 data URL), read once
-    here so that a bad one is refused before it queues."""
-    from numaov.runtime.image_input import ImageInputError, read_image
-
+def _input_reference(value: Any) -> bytes:
+    """The file ``input_reference`` carries: base64 (line breaks and other whitespace
+    ignored), or a base64 data URL (its scheme and ``;base64`` in any case)."""
     text = value if isinstance(value, str) else None
-    if text is not None and text.startswith("data:"):
+    if text is not None and text[:5].lower() == "data:":
         header, _, text = text.partition(",")
-        if not header.endswith(";base64"):
+        if not header.lower().endswith(";base64"):
             text = None
-    try:  # MIME-style line breaks are allowed, anything else outside base64's alphabet is not
+    try:
         data = base64.b64decode("".join(text.split()), validate=True) if text else b""
     except (binascii.Error, ValueError):
         data = b""
@@ -125,11 +123,18 @@ def _input_reference(value: Any, width: int, height: int) -> bytes:
         shown = json.dumps(value)[:40]
         raise RequestError(f"input_reference is {shown}; expected a PNG, JPEG or WebP image as "
                            "base64 or a data:image/...;base64, URL", "input_reference")
+    return data
+
+
+def check_input_reference(job: VideoJob) -> None:
+    """The reference is an image of the video's size (read from its header; then decoded
+    once, so that a corrupt one is refused before it queues)."""
+    from numaov.runtime.image_input import ImageInputError, read_image
+
     try:
-        read_image(io.BytesIO(data), height, width, name="input_reference")
+        read_image(io.BytesIO(job.image), job.height, job.width, name="input_reference")
     except ImageInputError as exc:
         raise RequestError(str(exc), "input_reference") from None
-    return data
 
 
 def parse_video_job(body: Any, video: bool, limits: VideoLimits,
@@ -194,7 +199,7 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
             raise RequestError(f"format is {json.dumps(kind)}; expected one of "
                                f"{', '.join(FORMATS)}", "format")
     image = (None if body.get("input_reference") is None
-             else _input_reference(body["input_reference"], width, height))
+             else _input_reference(body["input_reference"]))
     return VideoJob(prompt, negative, width, height, frames, steps, float(guidance),
                     [(seed + j) % 2**62 for j in range(n)], kind, response_format == "url",
                     image)
@@ -290,13 +295,23 @@ class VideoService:
 
     def _check_conditioning(self, job: VideoJob, video: bool) -> None:
         """An image for an export that cannot take one, or none for one that needs it, is the
-        request's error, said before it queues (and without the server's paths)."""
-        from numaov.runtime.wan_video import VAE_ENCODER
+        request's error, said before it queues (and without the server's paths); then the
+        image itself."""
+        from numaov.runtime.wan_video import VAE_ENCODER, VAE_ENCODER_NEXT
 
-        if job.image is not None and VAE_ENCODER not in self.pipeline.components:
+        components = self.pipeline.components
+        if job.image is not None and VAE_ENCODER not in components:
             raise RequestError(f"input_reference is set, but {self.model_name!r} has no image "
                                "conditioning (a text-to-video export); expected no "
                                "input_reference", "input_reference")
+        if (job.image is not None and self.pipeline.condition_channels
+                and VAE_ENCODER_NEXT not in components):
+            raise RequestError(f"{self.model_name!r} is an image-to-video export without its "
+                               f"{VAE_ENCODER_NEXT!r} graph; expected a complete re-export of "
+                               "the pipeline directory", "input_reference", 500,
+                               kind="server_error")
+        if job.image is not None:
+            check_input_reference(job)
         if job.image is None and self.pipeline.needs_image:
             where = ("expected input_reference, the video's first frame" if video else
                      "expected POST /v1/videos with input_reference, the video's first frame")
