@@ -71,6 +71,10 @@ TIMESTEP_KINDS = ("scalar", "per-frame")
 ATTENTION_KERNELS = ("numaov", "openvino")
 # A pipeline export's kind: its components are exported graphs in subdirectories.
 PIPELINE_KIND = "wan-pipeline"
+# The diffusers class of an image-to-video pipeline directory (its model_index.json, which a
+# pipeline export keeps in its config): the exporter adds its encoder graphs, the runtime
+# asks it for an image.
+IMAGE_TO_VIDEO_CLASS = "WanImageToVideoPipeline"
 # A Wan pipeline export's components: subdirectory (named as in diffusers' pipeline directory)
 # and the kind of the manifest there. transformer_2 (Wan 2.2 A14B's second expert) is optional.
 TEXT_ENCODER_KIND = "umt5-encoder"

@@ -49,6 +49,7 @@ from numaov.exporter.output_dir import (
 )
 from numaov.exporter.parity import check_parity, parity_attention, torch_reference
 from numaov.manifest import (
+    IMAGE_TO_VIDEO_CLASS,
     PIPELINE_KIND,
     TEXT_ENCODER_KIND,
     VAE_ENCODER_KIND,
@@ -71,7 +72,6 @@ from numaov.models.wan_components import (
 logger = logging.getLogger(__name__)
 
 MODEL_INDEX_NAME = "model_index.json"
-IMAGE_TO_VIDEO_CLASS = "WanImageToVideoPipeline"
 PIPELINE_CLASSES = ("WanPipeline", IMAGE_TO_VIDEO_CLASS)
 # Directories copied into the export as they are (read by the runtime with their libraries).
 COPIED = ("tokenizer", "scheduler")

@@ -33,7 +33,12 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.manifest import OPTIONAL_COMPONENTS, PIPELINE_KIND, WAN_COMPONENTS
+from numaov.manifest import (
+    IMAGE_TO_VIDEO_CLASS,
+    OPTIONAL_COMPONENTS,
+    PIPELINE_KIND,
+    WAN_COMPONENTS,
+)
 from numaov.runtime.binding import check_bind_string, plan_for_ranks
 from numaov.runtime.graph_runner import GraphRunner
 from numaov.runtime.image_input import read_image
@@ -79,7 +84,6 @@ VAE_FIRST_FRAME = "vae_decoder/first_frame"
 VAE_NEXT_FRAME = "vae_decoder/next_frame"
 VAE_ENCODER = "vae_encoder"  # optional: image conditioning (Wan 2.2 TI2V and I2V)
 VAE_ENCODER_NEXT = "vae_encoder_next"  # optional: the condition video's later frames (I2V)
-IMAGE_TO_VIDEO_CLASS = "WanImageToVideoPipeline"  # a pipeline that needs an image
 
 
 class PromptError(NumaovError):
