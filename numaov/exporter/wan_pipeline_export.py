@@ -378,6 +378,24 @@ def _export_text_encoder(
     )
 
 
+def _vae_axes() -> Callable[[Sequence[int]], dict[int, Any]]:
+    """The dynamic axes of a VAE graph's 5-D tensors (latents, pixels, caches) from their
+    example shape: the batch, and height and width as multiples of the latent's, the factor
+    read off the example (``VAE_EXAMPLE``'s latent height and width)."""
+    dim = torch.export.Dim
+    batch = dim("batch", min=1, max=_MAX_BATCH)
+    height = dim("latent_height", min=1, max=_MAX_LATENT)
+    width = dim("latent_width", min=1, max=_MAX_LATENT)
+    _, h0, w0 = VAE_EXAMPLE
+
+    def axes(shape: Sequence[int]) -> dict[int, Any]:
+        fh, fw = shape[3] // h0, shape[4] // w0
+        return {0: batch, 3: height if fh == 1 else fh * height,
+                4: width if fw == 1 else fw * width}
+
+    return axes
+
+
 def _export_vae_decoder(
     vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
     report: Callable[[str], None],
@@ -389,16 +407,8 @@ def _export_vae_decoder(
     def latents(batch: int, height: int, width: int) -> np.ndarray:
         return rng.standard_normal((batch, z_dim, 1, height, width), dtype=np.float32)
 
-    dim = torch.export.Dim
-    batch = dim("batch", min=1, max=_MAX_BATCH)
-    height = dim("latent_height", min=1, max=_MAX_LATENT)
-    width = dim("latent_width", min=1, max=_MAX_LATENT)
-    _, h0, w0 = VAE_EXAMPLE
-
-    def axes(shape: Sequence[int]) -> dict[int, Any]:
-        fh, fw = shape[3] // h0, shape[4] // w0
-        return {0: batch, 3: height if fh == 1 else fh * height,
-                4: width if fw == 1 else fw * width}
+    axes = _vae_axes()
+    _, h0, _ = VAE_EXAMPLE
 
     example = torch.from_numpy(latents(*VAE_EXAMPLE))
     slots = first.cache_slots(example)
@@ -454,16 +464,8 @@ def _export_vae_encoder(
         pixels = rng.uniform(-1.0, 1.0, (batch, 3, frames, scale * height, scale * width))
         return pixels.astype(np.float32)
 
-    dim = torch.export.Dim
-    batch = dim("batch", min=1, max=_MAX_BATCH)
-    height = dim("latent_height", min=1, max=_MAX_LATENT)
-    width = dim("latent_width", min=1, max=_MAX_LATENT)
-    _, h0, w0 = VAE_EXAMPLE
-
-    def axes(shape: Sequence[int]) -> dict[int, Any]:
-        fh, fw = shape[3] // h0, shape[4] // w0
-        return {0: batch, 3: height if fh == 1 else fh * height,
-                4: width if fw == 1 else fw * width}
+    axes = _vae_axes()
+    _, h0, _ = VAE_EXAMPLE
 
     first = VaeImageEncoderGraph(vae).eval()
     example = torch.from_numpy(video(*VAE_EXAMPLE))
