@@ -205,7 +205,8 @@ def test_vae_caches_pass_as_bf16_tensors_at_bf16(pipeline: dict) -> None:
     next-frame graph twice on its own caches, on the two requests in turn)."""
     import openvino as ov
 
-    from numaov.runtime.wan_vae import CACHE_PREFIXES, VaeDecoder
+    from numaov.runtime.chunk_loop import CACHE_PREFIXES
+    from numaov.runtime.wan_vae import VaeDecoder
     from numaov.runtime.wan_video import VAE_FIRST_FRAME, VAE_NEXT_FRAME
 
     components = read_pipeline(pipeline["export"]).components

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from numaov.runtime.chunk_loop import ChunkLoop
 from numaov.runtime.graph_runner import GraphRunner
 from numaov.runtime.manifest_reader import ModelManifest
 
@@ -55,28 +56,26 @@ class ImageCondition:
 class ImageEncoder:
     """The exported VAE encoder of a pipeline: ``first`` (``vae_encoder``) alone gives the
     first frame's latents; with ``following`` (``vae_encoder_next``) it runs the encoder's
-    chunk loop over the image and zero frames and gives the condition channels."""
+    chunk loop (``chunk_loop.ChunkLoop``) over the image and zero frames and gives the
+    condition channels."""
 
     def __init__(self, first: ModelManifest, following: ModelManifest | None, backend: str,
                  temporal: int, config: dict[str, Any] | None = None) -> None:
-        self._first = GraphRunner(first, backend, config)
-        self._following = None if following is None else GraphRunner(following, backend, config)
+        self._first = GraphRunner(first, backend, config) if following is None else None
+        self._loop = (None if following is None else
+                      ChunkLoop(first, following, backend, config, inputs=("image", "video")))
         self._temporal = temporal
 
     def __call__(self, image: np.ndarray, frames: int) -> ImageCondition:
         """``image`` ``[1, 3, 1, H, W]`` in [-1, 1] for a video of ``frames`` (``4k + 1``)."""
-        latents, *caches = self._first({"image": np.ascontiguousarray(image)})
-        if self._following is None:
+        if self._loop is None:
+            latents, *_caches = self._first({"image": np.ascontiguousarray(image)})
             return ImageCondition(first_frame=latents)
-        video = [latents]
         # diffusers encodes torch.cat([image, zeros]): every later chunk is zeros, so one
         # chunk of zeros serves them all.
         zeros = np.zeros((*image.shape[:2], CHUNK_FRAMES, *image.shape[3:]), dtype=np.float32)
-        for _ in range((frames - 1) // CHUNK_FRAMES):
-            feeds = {"video": zeros, **{f"caches_{i}": c for i, c in enumerate(caches)}}
-            latents, *caches = self._following(feeds)
-            video.append(latents)
-        condition = np.concatenate(video, axis=2)  # [1, C, F', h, w]
+        chunks = [image, *[zeros] * ((frames - 1) // CHUNK_FRAMES)]
+        condition = np.concatenate(self._loop(chunks), axis=2)  # [1, C, F', h, w]
         mask = first_frame_mask(frames, self._temporal, *condition.shape[3:])
         return ImageCondition(channels=np.ascontiguousarray(
             np.concatenate([mask, condition], axis=1)))

@@ -31,7 +31,7 @@ import numpy as np
 
 from numaov import NumaovError
 from numaov.runtime.binding import BindingPlan
-from numaov.runtime.graph_runner import GraphRunner
+from numaov.runtime.chunk_loop import ChunkLoop
 from numaov.runtime.manifest_reader import ModelManifest, read_manifest
 
 # Wan 2.1's VAE, for exports that record no factors; Wan 2.2's is 16x spatial, the built-in
@@ -101,78 +101,19 @@ class VaeTiling:
                 or latent_height > self.min_height // geometry.spatial)
 
 
-# The causal convolutions' caches, named so in both frame graphs (inputs ``caches_i``,
-# outputs ``cache_i``): on OpenVINO they stay OpenVINO tensors from one call to the next,
-# bf16 at bf16 precision. benchmarks/wan_pipeline.py's 17x256x256 decode carries 620 MB of f32
-# caches a call; handed over as tensors it took 8.0 s with f32 ones and 6.0 s with bf16 ones,
-# where copying them through numpy (and the RMS norms' older export) had taken 11.4 s.
-CACHE_PREFIXES = ("caches_", "cache_")
-
-
 class VaeDecoder:
     """The decoder's frame loop: ``[1, C, F, h, w]`` latents to ``[1, 3*p*p, 4F-3, s*h/p,
     s*w/p]`` video (``s``, ``p``: its ``geometry``; Wan 2.1: ``[1, 3, 4F-3, 8h, 8w]``), not
-    clamped and not unpatchified."""
+    clamped and not unpatchified: one latent frame a call (``chunk_loop.ChunkLoop``)."""
 
     def __init__(self, first: ModelManifest, following: ModelManifest, backend: str,
                  config: dict[str, Any] | None = None) -> None:
         self.geometry = VaeGeometry.of(first)
-        if backend == "openvino":
-            self._frames: Callable[[np.ndarray], np.ndarray] = _OpenVinoFrames(
-                first, following, config)
-        else:
-            self._frames = _RunnerFrames(first, following, backend, config)
+        self._loop = ChunkLoop(first, following, backend, config)
 
     def __call__(self, latents: np.ndarray) -> np.ndarray:
-        return self._frames(latents)
-
-
-class _RunnerFrames:
-    """The loop on ONNX Runtime or PyTorch: the caches as numpy arrays."""
-
-    def __init__(self, first: ModelManifest, following: ModelManifest, backend: str,
-                 config: dict[str, Any] | None) -> None:
-        self._first = GraphRunner(first, backend, config)
-        self._following = GraphRunner(following, backend, config)
-
-    def __call__(self, latents: np.ndarray) -> np.ndarray:
-        frames, *caches = self._first({"latents": np.ascontiguousarray(latents[:, :, :1])})
-        video = [frames]
-        for k in range(1, latents.shape[2]):
-            feeds = {"latents": np.ascontiguousarray(latents[:, :, k:k + 1])}
-            feeds.update({f"caches_{i}": cache for i, cache in enumerate(caches)})
-            frames, *caches = self._following(feeds)
-            video.append(frames)
-        return np.concatenate(video, axis=2)
-
-
-class _OpenVinoFrames:
-    """The same loop on OpenVINO, the caches handed from one call's output tensors to the
-    next call's inputs: two requests of the next-frame graph take turns, so the one running
-    never writes the tensors it reads."""
-
-    def __init__(self, first: ModelManifest, following: ModelManifest,
-                 config: dict[str, Any] | None) -> None:
-        self._first = first.compile_rank(0, config, bf16_io=CACHE_PREFIXES)
-        self._following = following.compile_rank(0, config, bf16_io=CACHE_PREFIXES)
-        self._caches = len(self._first.outputs) - 1
-
-    def __call__(self, latents: np.ndarray) -> np.ndarray:
-        import openvino as ov
-
-        previous = self._first.create_infer_request()
-        previous.infer({"latents": np.ascontiguousarray(latents[:, :, :1])})
-        video = [np.array(previous.get_output_tensor(0).data)]
-        turns = [self._following.create_infer_request() for _ in range(min(2, latents.shape[2] - 1))]
-        for k in range(1, latents.shape[2]):
-            request = turns[k % len(turns)]
-            request.set_tensor("latents", ov.Tensor(np.ascontiguousarray(latents[:, :, k:k + 1])))
-            for i in range(self._caches):
-                request.set_tensor(f"caches_{i}", previous.get_output_tensor(i + 1))
-            request.infer()
-            video.append(np.array(request.get_output_tensor(0).data))
-            previous = request
-        return np.concatenate(video, axis=2)
+        frames = [latents[:, :, k:k + 1] for k in range(latents.shape[2])]
+        return np.concatenate(self._loop(frames), axis=2)
 
 
 TileDecoder = Callable[[Sequence[np.ndarray]], list[np.ndarray]]
