@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,6 +150,55 @@ def digest_files(model_dir: str | Path, names: Iterable[str]) -> dict[str, FileD
     return {name: digest_file(Path(model_dir) / name) for name in sorted(set(names))}
 
 
+@dataclass(frozen=True)
+class RowShare:
+    """The per-row parity criterion's verdict (quantized weights, ``exporter.parity``) on one
+    output of one backend, over every input set."""
+
+    backend: str
+    output: str
+    rows: int
+    rows_within: int
+    token_rows: int
+    rows_same_argmax: int
+    tolerance: float
+    min_row_share: float
+    min_token_share: float
+
+    @property
+    def passed(self) -> bool:
+        return (self.rows_within >= self.min_row_share * self.rows
+                and self.rows_same_argmax >= self.min_token_share * self.token_rows)
+
+    def describe(self) -> str:
+        tokens = (f", {self.rows_same_argmax} of {self.token_rows} keep PyTorch's argmax "
+                  f"(required: {self.min_token_share:.0%})" if self.token_rows else "")
+        return (f"{self.backend} output {self.output!r}: {self.rows_within} of {self.rows} rows "
+                f"within {self.tolerance:g} of the output's scale (required: "
+                f"{self.min_row_share:.0%}){tokens}")
+
+
+def row_shares(figures: Iterable[Mapping[str, Any]]) -> list[RowShare]:
+    """Parity figures as the manifest records them (``ParityFigure.as_dict()``), those of the
+    per-row criterion pooled per (backend, output) over the input sets: one decode step has a
+    few rows, so the share is taken over all of them."""
+    pooled: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for figure in figures:
+        if figure.get("min_row_share") is not None:
+            pooled.setdefault((figure["backend"], figure["output"]), []).append(figure)
+    shares = []
+    for (backend, output), group in pooled.items():
+        tokens = [f for f in group if f.get("rows_same_argmax") is not None]
+        shares.append(RowShare(
+            backend, output, sum(f.get("rows") or 0 for f in group),
+            sum(f.get("rows_within") or 0 for f in group),
+            sum(f.get("rows") or 0 for f in tokens),
+            sum(f.get("rows_same_argmax") or 0 for f in tokens), float(group[0]["tolerance"]),
+            float(group[0]["min_row_share"] or 0.0),
+            float(group[0].get("min_token_share") or 0.0)))
+    return shares
+
+
 @dataclass
 class ExportManifest:
     """Everything the runtime needs to know about an exported model directory."""
@@ -200,24 +249,15 @@ class ExportManifest:
     def _row_parity(self) -> str:
         """The per-row parity of quantized weights (``exporter.parity``), for the CLI line:
         per output, its rows within tolerance and greedy tokens kept over every input set."""
-        pooled: dict[str, list[dict[str, Any]]] = {}
-        for figure in self.parity:
-            if figure.get("min_row_share") is not None:
-                pooled.setdefault(figure["output"], []).append(figure)
-        if not pooled:
+        shares = row_shares(self.parity)
+        if not shares:
             return ""
-        parts = []
-        for output, figures in pooled.items():
-            rows = sum(f["rows"] for f in figures)
-            part = f"{output} {sum(f['rows_within'] for f in figures)} of {rows} rows within"
-            tokens = [f for f in figures if f.get("rows_same_argmax") is not None]
-            if tokens:
-                part += (f", {sum(f['rows_same_argmax'] for f in tokens)} of "
-                         f"{sum(f['rows'] for f in tokens)} greedy tokens equal")
-            parts.append(part)
-        first = next(iter(pooled.values()))[0]
-        return (f"; checked per row (tolerance {first['tolerance']:g}, required "
-                f"{first['min_row_share']:.0%} of rows, {first['min_token_share']:.0%} of "
+        parts = [f"{s.output} {s.rows_within} of {s.rows} rows within"
+                 + (f", {s.rows_same_argmax} of {s.token_rows} greedy tokens equal"
+                    if s.token_rows else "") for s in shares]
+        first = shares[0]
+        return (f"; checked per row (tolerance {first.tolerance:g}, required "
+                f"{first.min_row_share:.0%} of rows, {first.min_token_share:.0%} of "
                 f"tokens): {'; '.join(parts)}")
 
     def write_and_report(

@@ -31,6 +31,8 @@ import numpy as np
 
 from numaov import NumaovError
 from numaov.exporter.openvino_convert import check_precision
+from numaov.manifest import RowShare
+from numaov.manifest import row_shares as pooled_row_shares
 
 logger = logging.getLogger(__name__)
 
@@ -120,49 +122,10 @@ class ParityFigure:
         return f"{head}{self.rows_within} of {self.rows} rows within {self.tolerance:g}{argmax}; {whole}"
 
 
-@dataclass(frozen=True)
-class RowShare:
-    """The per-row criterion's verdict on one output of one backend, over every input set."""
-
-    backend: str
-    output: str
-    rows: int
-    rows_within: int
-    token_rows: int
-    rows_same_argmax: int
-    tolerance: float
-    min_row_share: float
-    min_token_share: float
-
-    @property
-    def passed(self) -> bool:
-        return (self.rows_within >= self.min_row_share * self.rows
-                and self.rows_same_argmax >= self.min_token_share * self.token_rows)
-
-    def describe(self) -> str:
-        tokens = (f", {self.rows_same_argmax} of {self.token_rows} keep PyTorch's argmax "
-                  f"(required: {self.min_token_share:.0%})" if self.token_rows else "")
-        return (f"{self.backend} output {self.output!r}: {self.rows_within} of {self.rows} rows "
-                f"within {self.tolerance:g} of the output's scale (required: "
-                f"{self.min_row_share:.0%}){tokens}")
-
-
 def row_shares(figures: Sequence[ParityFigure]) -> list[RowShare]:
-    """The per-row figures pooled per (backend, output) over the input sets: one decode step
-    has a few rows, so the share is taken over all of them."""
-    pooled: dict[tuple[str, str], list[ParityFigure]] = {}
-    for figure in figures:
-        if figure.min_row_share is not None:
-            pooled.setdefault((figure.backend, figure.output), []).append(figure)
-    shares = []
-    for (backend, output), group in pooled.items():
-        tokens = [f for f in group if f.rows_same_argmax is not None]
-        shares.append(RowShare(
-            backend, output, sum(f.rows or 0 for f in group),
-            sum(f.rows_within or 0 for f in group), sum(f.rows or 0 for f in tokens),
-            sum(f.rows_same_argmax or 0 for f in tokens), group[0].tolerance,
-            float(group[0].min_row_share or 0.0), float(group[0].min_token_share or 0.0)))
-    return shares
+    """The per-row figures pooled per (backend, output) over the input sets
+    (``manifest.row_shares``, which reads them as the manifest records them)."""
+    return pooled_row_shares([f.as_dict() for f in figures])
 
 
 def judge(figures: Sequence[ParityFigure], mismatch: str) -> list[ParityFigure]:
