@@ -80,8 +80,10 @@ def test_the_judge_reads_real_digit_clips(judge: DigitJudge) -> None:
 
 
 def test_digits_vae_reconstructs_digits_the_judge_reads(judge: DigitJudge) -> None:
-    """The ceiling of the quality test: the committed VAE's reconstructions of real clips
-    (encode, decode) are labelled as their digit as often as the real clips are."""
+    """What the decoder can be judged to draw: the committed VAE's reconstructions of real
+    clips (encode, decode) are labelled as their digit nearly as often as the real clips are.
+    Its decoder trains on latents moved by noise (``LATENT_NOISE``), which costs a few points
+    here and gains more on the denoiser's clips (model card, "Quality")."""
     from diffusers import AutoencoderKLWan
 
     from numaov.models.builtin.train_digits_wan import judged_reconstructions
@@ -89,7 +91,7 @@ def test_digits_vae_reconstructs_digits_the_judge_reads(judge: DigitJudge) -> No
     vae = AutoencoderKLWan.from_pretrained(str(DIGITS_WAN_DIR / "vae")).eval()
     share = judged_reconstructions(vae, judge, seed=0)
     print(f"the judge labels {share:.0%} of the reconstructions right")
-    assert share >= 0.9  # 0.985 measured (the real clips: 0.995)
+    assert share >= 0.85  # 0.895 measured (the real clips: 0.995)
 
 
 def test_short_training_context_attends_as_the_full_one() -> None:
@@ -173,6 +175,41 @@ def test_transformer_only_training_keeps_the_committed_vae(tmp_path: Path,
     assert {k: figures[k] for k in ("vae_steps", "vae_mse", "vae_judged", "vae_seconds")} == \
         {k: before[k] for k in ("vae_steps", "vae_mse", "vae_judged", "vae_seconds")}
     assert figures["transformer_steps"] == 3 and figures["transformer_only"] is True
+
+
+@pytest.mark.slow
+def test_digits_training_saves_a_pipeline_diffusers_loads(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole script, both phases for 3 steps (the noised latents the VAE's decoder trains
+    on included): it saves a ``WanPipeline`` directory with the latents' statistics measured
+    into the VAE's config and its figures in ``training.json``."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from numaov.models.builtin import train_digits_wan
+
+    monkeypatch.setattr(train_digits_wan, "VAE_STEPS", 3)
+    monkeypatch.setattr(train_digits_wan, "TRANSFORMER_STEPS", 3)
+    out = tmp_path / "digits-wan"
+    figures = train_digits_wan.train(out, say=lambda _message: None)
+    assert figures["vae_steps"] == 3 and figures["transformer_only"] is False
+    assert np.isfinite(figures["vae_mse"]) and np.isfinite(figures["flow_mse"])
+    assert json.loads((out / "training.json").read_text()) == figures
+    vae = AutoencoderKLWan.from_pretrained(out / "vae")
+    assert len(vae.config.latents_mean) == len(vae.config.latents_std) == 16
+    assert all(s > 0 for s in vae.config.latents_std)
+    # from_config and the state dict: from_pretrained of a model that keeps modules in f32
+    # asks for accelerate, which is not a dependency.
+    transformer = WanTransformer3DModel.from_config(
+        WanTransformer3DModel.load_config(str(out / "transformer"))).eval()
+    transformer.load_state_dict(load_file(
+        str(out / "transformer" / "diffusion_pytorch_model.safetensors")))
+    with torch.no_grad():
+        x = torch.zeros(1, 16, 3, 4, 4)
+        y = transformer(x, timestep=torch.tensor([500.0]),
+                        encoder_hidden_states=torch.zeros(1, 8, 32), return_dict=False)[0]
+    assert y.shape == x.shape and torch.isfinite(y).all()
 
 
 def test_tiny_moe_training_runs_a_few_steps(tmp_path: Path,
@@ -339,22 +376,11 @@ def judged_digits(demo: dict, judge: DigitJudge, tmp_path_factory: pytest.TempPa
 
 
 @pytest.mark.slow
-def test_digits_pipeline_draws_the_prompted_digits_on_openvino(
-        judged_digits: dict[int, float]) -> None:
-    """What the committed transformer reaches (model card, "Quality": 90% in all, every digit
-    at 70% or more on these clips): at least 80% of all clips, and no digit below half. A
-    transformer that ignored the prompt would draw each digit about a tenth of the time."""
-    assert float(np.mean(list(judged_digits.values()))) >= 0.8, judged_digits
-    assert min(judged_digits.values()) >= 0.5, judged_digits
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the committed digits-wan transformer draws the digits 3 "
-                   "and 8 right in 7 of these 10 clips each (8: 65% of 20), short of 80% (model "
-                   "card, 'Quality')")
 def test_digits_pipeline_draws_every_digit_80_percent_on_openvino(
         judged_digits: dict[int, float]) -> None:
-    """The target: >= 80% of the clips prompted with digit k are labelled k, for every k."""
+    """The target: at least 80% of the clips prompted with digit k are labelled k, for every
+    k (model card, "Quality", gives what the committed weights reach). A transformer that
+    ignored the prompt would draw each digit about a tenth of the time."""
     assert all(share >= 0.8 for share in judged_digits.values()), judged_digits
 
 
