@@ -53,7 +53,7 @@ LATENT_NOISE = 0.1
 TRANSFORMER_STEPS, TRANSFORMER_BATCH = 8000, 32
 TRANSFORMER_LR = 3e-3
 UNCONDITIONAL_RATE = 0.1
-CEILING_DIGITS = 50  # real digits (x 4 directions) whose reconstructions the judge labels
+RECONSTRUCTED_DIGITS = 50  # real digits (x 4 directions) whose reconstructions are judged
 
 
 def build_components(seed: int) -> dict[str, object]:
@@ -73,8 +73,9 @@ def build_components(seed: int) -> dict[str, object]:
                            temperal_downsample=[True, False], is_residual=True,
                            scale_factor_spatial=4, scale_factor_temporal=2)
     # Width 96 (6 heads of 16): at width 64 every training length and learning rate measured
-    # stayed near 90% judged right, a digit or two at 70-75% of 20 clips; width 96 at 8000
-    # steps drew 99%, six layers of width 64 in the same time 93% (model card).
+    # stayed near 90% judged right, a digit or two at 60-75% of 20 clips; width 96 at 8000
+    # steps drew 98-99%, six layers of width 64 (12000 steps, about three times the time)
+    # 93% (model card, "Runs measured").
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=6, attention_head_dim=16, in_channels=16,
         out_channels=16, text_dim=TEXT_DIM, freq_dim=64, ffn_dim=384, num_layers=4,
@@ -148,10 +149,11 @@ def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Genera
 
 @torch.no_grad()
 def judged_reconstructions(vae: torch.nn.Module, judge: DigitJudge, seed: int,
-                           count: int = CEILING_DIGITS) -> float:
+                           count: int = RECONSTRUCTED_DIGITS) -> float:
     """The share of the VAE's reconstructions of real clips that the judge labels as their
-    digit: the ceiling of what the denoiser can be judged to draw through this decoder. Its
-    own random generator, so measuring it leaves the training draws as they were."""
+    digit: what the decoder draws from the encoder's exact latents, a check that it draws
+    digits at all (the denoiser's clips, each digit's typical strokes, are read more often).
+    Its own random generator, so measuring it leaves the training draws as they were."""
     images, labels = load_digit_images()
     rng = np.random.default_rng(seed + 1)
     rows = rng.choice(len(images), count, replace=False)
