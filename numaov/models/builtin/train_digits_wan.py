@@ -39,7 +39,12 @@ from numaov.models.builtin.digit_clips import (
     make_clip,
 )
 from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_tokenizer
-from numaov.models.builtin.training_run import optimizer_step, set_up_threads, training_main
+from numaov.models.builtin.training_run import (
+    one_cycle_adamw,
+    optimizer_step,
+    set_up_threads,
+    training_main,
+)
 
 DEFAULT_OUT = Path(__file__).parent / "digits-wan"
 FLOW_SHIFT = 3.0
@@ -119,9 +124,8 @@ def decode_unclamped(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
 
 def train_vae(vae: torch.nn.Module, clips: torch.Tensor, generator: torch.Generator,
               say) -> float:
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=3e-3, weight_decay=0.0, fused=True)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=VAE_STEPS,
-                                                   pct_start=0.05)
+    optimizer, schedule = one_cycle_adamw(vae.parameters(), 3e-3, VAE_STEPS, weight_decay=0.0,
+                                          fused=True)
     vae.train()
     mse = torch.tensor(0.0)
     for step in range(VAE_STEPS):
@@ -238,10 +242,8 @@ def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
     text, empty = text[:, :SHORT_CONTEXT], empty[:SHORT_CONTEXT]
     padding_bias(text, full_length)  # every prompt leaves a padding row (else it says so)
     processors = short_context(transformer)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=TRANSFORMER_LR, weight_decay=0.01,
-                                  fused=True)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=TRANSFORMER_LR, total_steps=TRANSFORMER_STEPS, pct_start=0.05)
+    optimizer, schedule = one_cycle_adamw(transformer.parameters(), TRANSFORMER_LR,
+                                          TRANSFORMER_STEPS, weight_decay=0.01, fused=True)
     index = torch.from_numpy(prompt_index)
     transformer.train()
     loss = torch.tensor(0.0)

@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from numaov.models.builtin.training_run import optimizer_step, set_up_threads, training_main
+from numaov.models.builtin.training_run import (
+    one_cycle_adamw,
+    optimizer_step,
+    set_up_threads,
+    training_main,
+)
 from numaov.models.deepseek import DeepseekV2, DeepseekV2Config
 
 DEFAULT_OUT = Path(__file__).parent / "tiny-moe"
@@ -149,10 +154,8 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print) -> dict[str, fl
     model = DeepseekV2(TINY_MOE_CONFIG)
     init_weights(model, generator)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05,
-                                  betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=STEPS,
-                                                   pct_start=0.05)
+    optimizer, schedule = one_cycle_adamw(model.parameters(), 3e-3, STEPS, weight_decay=0.05,
+                                          betas=(0.9, 0.95))
     loss = torch.tensor(0.0)
     for step in range(STEPS):
         starts = torch.randint(len(train_ids) - SEQUENCE - 1, (BATCH,), generator=generator)

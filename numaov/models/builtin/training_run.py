@@ -1,4 +1,5 @@
-"""What both training scripts share: the thread setup, the optimiser step and the command line."""
+"""What both training scripts share: the thread setup, the optimiser and its step, and the
+command line."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ def set_up_threads(threads: int) -> None:
     digits-wan). Denormals flushed: tiny gradients late in training cost nothing then."""
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
+
+
+def one_cycle_adamw(parameters: object, lr: float, steps: int, **options: object,
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.OneCycleLR]:
+    """AdamW (``options``: its weight decay, betas, ``fused``) under the one-cycle schedule
+    every training loop here uses: up to ``lr`` over the first 5% of ``steps``, then down."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, **options)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps,
+                                                   pct_start=0.05)
+    return optimizer, schedule
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, schedule: object,

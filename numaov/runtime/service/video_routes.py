@@ -77,7 +77,7 @@ class VideoJob:
     seeds: list[int]
     format: str  # "png", "mp4" or "webp"
     as_url: bool
-    image: bytes | None = None  # input_reference's file, checked to be of the video's size
+    image: bytes | None = None  # input_reference's file (VideoService checks it before queuing)
 
 
 def _is_int(value: Any) -> bool:
