@@ -153,7 +153,7 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from numaov.custom_ops.collectives import GlooCommunicator, ShmCommunicator
+    from numaov.distributed.communicator import GlooCommunicator, ShmCommunicator
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {"memcpy": {}, "records": []}

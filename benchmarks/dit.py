@@ -48,7 +48,7 @@ from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.exporter.wan_export import FFN_COLUMN_BLOCK
 from numaov.models.builtin.wan_tiny import save_wan_checkpoint
-from numaov.models.wan import WanTransformer, WanTransformerConfig
+from numaov.models.wan.transformer import WanTransformer, WanTransformerConfig
 
 OUT = Path(__file__).resolve().parent / "out" / "dit.json"
 SEED = 0

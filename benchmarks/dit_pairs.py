@@ -40,7 +40,7 @@ from dit import (
 )
 
 from numaov.custom_ops.flash_attention import attention_kernel
-from numaov.models.wan import WanTransformer
+from numaov.models.wan.transformer import WanTransformer
 
 OUT = Path(__file__).resolve().parent / "out" / "dit_pairs.json"
 EAGER, NUMAOV, OV_ATTENTION = (

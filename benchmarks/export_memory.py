@@ -40,8 +40,8 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "out" / "export_memory.json"
 NUMAOV = [sys.executable, "-m", "numaov.cli"]
 IMPORTS = (
-    "import torch, onnxruntime, openvino, numaov.exporter.deepseek_export, "
-    "numaov.models.deepseek"
+    "import torch, onnxruntime, openvino, numaov.exporter.lm_export, "
+    "numaov.models.deepseek_v2"
 )
 
 

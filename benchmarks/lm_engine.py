@@ -46,7 +46,7 @@ from machine import cpu_model  # benchmarks/machine.py, beside this file
 from moe import BENCH_CONFIG  # benchmarks/moe.py, beside this file
 
 from numaov.models.builtin.deepseek_tiny import init_tiny_weights
-from numaov.models.deepseek import DeepseekV2
+from numaov.models.deepseek_v2 import DeepseekV2
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out" / "lm_engine_{precision}_{weights}.json"
@@ -95,14 +95,14 @@ def build_checkpoint() -> Path:
 
 
 def numaov_export(checkpoint: Path, dp: int, precision: str, weights: str) -> Path:
-    from numaov.exporter.deepseek_export import export_deepseek
+    from numaov.exporter.lm_export import export_lm
 
     out = WORK / f"numaov_dp{dp}_{precision}_{weights}"
     if (out / "manifest.json").is_file():
         return out
     log(f"numaov export dp={dp} {precision}, {weights} weights")
     os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
-    export_deepseek(checkpoint, out, dp=dp, precision=precision, weights=weights, progress=log,
+    export_lm(checkpoint, out, dp=dp, precision=precision, weights=weights, progress=log,
                     force=True)
     return out
 
@@ -114,7 +114,7 @@ class EngineDecoder:
     """One numaov engine kept running across the rounds (its workers load and compile once)."""
 
     def __init__(self, model_dir: Path, dp: int) -> None:
-        from numaov.runtime.lm_engine import LMEngine, SamplingParams
+        from numaov.runtime.lm.engine import LMEngine, SamplingParams
 
         os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
         self.name = f"numaov dp={dp}"
@@ -142,7 +142,7 @@ class EngineDecoder:
 def engine_context(model_dir: Path, dp: int) -> dict[str, Any]:
     """Decode step time of one request at each cached context length (the prompt is the
     context; prefill in chunks, then CONTEXT_STEPS decode steps timed)."""
-    from numaov.runtime.lm_engine import LMEngine, SamplingParams
+    from numaov.runtime.lm.engine import LMEngine, SamplingParams
 
     os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
     out = {}
@@ -341,8 +341,8 @@ def _profile_rank(context: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 def profile_dp(dirs: dict[int, Path]) -> dict[str, Any]:
     """Per-node profile of a decode step (context 128) at batch 1 and 8, dp=1 and dp=2."""
-    from numaov.runtime.binding import plan_for_ranks
-    from numaov.runtime.workers import run_on_ranks
+    from numaov.runtime.placement.binding import plan_for_ranks
+    from numaov.runtime.placement.workers import run_on_ranks
 
     out: dict[str, Any] = {}
     for batch in (1, 8):

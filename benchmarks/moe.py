@@ -60,12 +60,12 @@ import numpy as np
 import torch
 from fallback_ops import copy_bandwidth  # the one copy-bandwidth probe of the benchmarks
 
-from numaov.exporter.deepseek_export import export_deepseek
+from numaov.exporter.lm_export import export_lm
 from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.models.builtin.deepseek_tiny import init_tiny_weights
-from numaov.models.deepseek import DeepseekV2, DeepseekV2Config, DeepseekV2MoE
-from numaov.runtime.lm_engine import (
+from numaov.models.deepseek_v2 import DeepseekV2, DeepseekV2Config, DeepseekV2MoE
+from numaov.runtime.lm.engine import (
     StepModel,
     TorchStep,
     generate_on_rank,
@@ -74,7 +74,7 @@ from numaov.runtime.lm_engine import (
     split_prompts,
 )
 from numaov.runtime.manifest_reader import read_manifest
-from numaov.runtime.workers import run_on_ranks
+from numaov.runtime.placement.workers import run_on_ranks
 
 OUT = Path(__file__).resolve().parent / "out" / "moe.json"
 SEED = 0
@@ -143,7 +143,7 @@ def _bench_rank(context: Any, job: _Job) -> list[float]:
     if job.kind == "torch-gloo":
         import torch.distributed as dist
 
-        from numaov.custom_ops.collectives import GlooCommunicator, register_communicator
+        from numaov.distributed.communicator import GlooCommunicator, register_communicator
 
         dist.init_process_group("gloo", init_method=f"file://{job.rendezvous}",
                                 rank=context.rank, world_size=context.world_size)
@@ -451,7 +451,7 @@ def whole_model(tmp: Path, decode_steps: int, l3: int | None,
         f"{l3 / 2**20 if l3 else float('nan'):.0f} MiB")
     for dp in (1, 2):
         start = time.perf_counter()
-        export_deepseek(checkpoint, tmp / f"dp{dp}", dp=dp, precision="f32",
+        export_lm(checkpoint, tmp / f"dp{dp}", dp=dp, precision="f32",
                         progress=lambda m: log(f"    export: {m}"))
         results[f"export_dp{dp}_s"] = time.perf_counter() - start
     rng = np.random.default_rng(SEED)
@@ -467,7 +467,7 @@ def whole_model(tmp: Path, decode_steps: int, l3: int | None,
     for weights in formats:  # dp=1 only: the format changes the weight bytes, not the DP split
         if weights == "f32":
             continue
-        export_deepseek(checkpoint, tmp / f"dp1-{weights}", dp=1, precision="f32",
+        export_lm(checkpoint, tmp / f"dp1-{weights}", dp=1, precision="f32",
                         weights=weights, progress=lambda m: log(f"    export: {m}"))
         runs[f"openvino_dp1_{weights}"] = run_model("openvino", tmp / f"dp1-{weights}", 1,
                                                     prompts, new_tokens, tmp)

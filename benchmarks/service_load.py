@@ -84,14 +84,14 @@ def export_lm(model: str) -> tuple[Path, int]:
             from lm_engine import LM_BENCH_CONFIG  # benchmarks/lm_engine.py: 537 MB
 
             from numaov.models.builtin.deepseek_tiny import init_tiny_weights
-            from numaov.models.deepseek import DeepseekV2
+            from numaov.models.deepseek_v2 import DeepseekV2
 
             m = DeepseekV2.empty(LM_BENCH_CONFIG)
             init_tiny_weights(m, torch.Generator().manual_seed(SEED))
             m.save_pretrained(checkpoint)
     if not (out / "manifest.json").is_file():
         log(f"exporting the {model} model (dp=1)")
-        cli("export", "deepseek", "--checkpoint", str(checkpoint), "--dp", "1", "--out",
+        cli("export", "lm", "--checkpoint", str(checkpoint), "--dp", "1", "--out",
             str(out), "--force", env={"NUMAOV_CPU_BIND": BIND})
     config = json.loads((out / "manifest.json").read_text())["config"]
     return out, int(config["vocab_size"])

@@ -33,9 +33,9 @@ from wan_pipeline import cpu_model, write_results
 
 from numaov.exporter.wan_export import export_wan
 from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_tokenizer
-from numaov.runtime.image_input import read_image
-from numaov.runtime.wan_image_condition import ImageEncoder
-from numaov.runtime.wan_video import VAE_ENCODER, VAE_ENCODER_NEXT, read_pipeline
+from numaov.runtime.wan.image_condition import ImageEncoder
+from numaov.runtime.wan.image_input import read_image
+from numaov.runtime.wan.pipeline import VAE_ENCODER, VAE_ENCODER_NEXT, read_pipeline
 
 OUT = Path(__file__).resolve().parent / "out" / "wan_i2v_encode.json"
 SEED = 0

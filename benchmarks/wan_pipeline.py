@@ -40,15 +40,15 @@ import torch
 from machine import cpu_model  # benchmarks/machine.py, beside this file
 
 from numaov.exporter.wan_export import export_wan
-from numaov.runtime.binding import plan_for_ranks
-from numaov.runtime.wan_pipeline import WanSampleRequest
-from numaov.runtime.wan_vae import VaeDecoder, VaeTiling, decode_tiles_on_workers, decode_video
-from numaov.runtime.wan_video import (
+from numaov.runtime.placement.binding import plan_for_ranks
+from numaov.runtime.wan.pipeline import (
     VAE_FIRST_FRAME,
     VAE_NEXT_FRAME,
     read_pipeline,
     run_wan_pipeline,
 )
+from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.vae import VaeDecoder, VaeTiling, decode_tiles_on_workers, decode_video
 
 OUT = Path(__file__).resolve().parent / "out" / "wan_pipeline.json"
 SEED = 0

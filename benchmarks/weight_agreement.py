@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from numaov.exporter.deepseek_export import export_deepseek
+from numaov.exporter.lm_export import export_lm
 from numaov.exporter.parity import ParityError
 from numaov.models.builtin import TINY_MOE_DIR
 from numaov.models.builtin.train_tiny_moe import topics
-from numaov.runtime.lm_engine import SamplingParams, load_tokenizer, run_deepseek
+from numaov.runtime.lm.engine import SamplingParams, load_tokenizer, run_lm
 
 OUT = Path(__file__).resolve().parent / "out" / "weight_agreement.json"
 PROMPT_WORDS = 6
@@ -72,13 +72,13 @@ def main() -> None:
             out = Path(tmp) / weights
             log(f"export {weights}")
             try:
-                export_deepseek(TINY_MOE_DIR, out, precision=precision, weights=weights)
+                export_lm(TINY_MOE_DIR, out, precision=precision, weights=weights)
             except ParityError as exc:  # a format whose export this model fails is a finding
                 results["formats"][weights] = {"export_refused": str(exc).splitlines()[0]}
                 log(f"{weights}: {results['formats'][weights]}")
                 continue
             # every prompt runs to --tokens (no early end-of-sequence), so the rows line up
-            got = run_deepseek(out, prompts, args.tokens, "openvino",
+            got = run_lm(out, prompts, args.tokens, "openvino",
                                params=SamplingParams(args.tokens, ignore_eos=True))
             outputs[weights] = got.tokens
         for weights, tokens in outputs.items():

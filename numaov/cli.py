@@ -22,7 +22,8 @@ from pathlib import Path
 
 from numaov import NumaovError, __version__
 from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS, WEIGHT_FORMATS
-from numaov.runtime import lm_engine, wan_pipeline
+from numaov.runtime.lm import engine as lm_engine
+from numaov.runtime.wan import sampler as wan_sampler
 
 
 def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
@@ -110,11 +111,11 @@ def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None,
         SIZE,
         prompt_for,
     )
-    from numaov.runtime.clip_grid import tile_clips
     from numaov.runtime.comparison import max_rel_error
-    from numaov.runtime.video_output import write_video
-    from numaov.runtime.wan_pipeline import WanSampleRequest
-    from numaov.runtime.wan_video import read_pipeline, run_wan_pipeline
+    from numaov.runtime.wan.clip_grid import tile_clips
+    from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
+    from numaov.runtime.wan.sampler import WanSampleRequest
+    from numaov.runtime.wan.video_output import write_video
 
     model = out_dir / "wan" / "model"
     _cached_export("digits-wan", model, read_pipeline,
@@ -157,23 +158,23 @@ def _demo_deepseek(out_dir: Path, progress: Callable[[str], None] | None,
                    say: Callable[[str], None]) -> tuple[list[str], list[tuple]]:
     """The built-in tiny MoE: export for dp=2, complete a few prompts on two workers with
     OpenVINO and torch, compare tokens, logits and speed."""
-    from numaov.exporter.deepseek_export import export_deepseek
+    from numaov.exporter.lm_export import export_lm
     from numaov.models.builtin import TINY_MOE_DIR
     from numaov.runtime.comparison import GenerationComparison
-    from numaov.runtime.lm_engine import (
+    from numaov.runtime.lm.engine import (
         encode_prompts,
         load_tokenizer,
         open_lm_manifest,
-        run_deepseek,
+        run_lm,
     )
 
     model = out_dir / "deepseek" / "model"
     _cached_export("tiny-moe", model, lambda d: open_lm_manifest(d, "openvino"),
-                   lambda force: export_deepseek(TINY_MOE_DIR, model, dp=2, precision="f32",
+                   lambda force: export_lm(TINY_MOE_DIR, model, dp=2, precision="f32",
                                                  progress=progress, force=force), say)
     tokenizer = load_tokenizer(TINY_MOE_DIR)
     prompts = encode_prompts(tokenizer, DEMO_LM_PROMPTS)
-    runs = {backend: run_deepseek(model, prompts, DEMO_LM_TOKENS, backend, keep_logits=True,
+    runs = {backend: run_lm(model, prompts, DEMO_LM_TOKENS, backend, keep_logits=True,
                                   tokenizer=tokenizer, progress=progress)
             for backend in ("openvino", "torch")}
     comparison = GenerationComparison(runs["torch"], runs["openvino"])
@@ -267,7 +268,7 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run_wan(args: argparse.Namespace) -> int:
-    from numaov.runtime.wan_pipeline import WanSampleRequest, run_wan
+    from numaov.runtime.wan.sampler import WanSampleRequest, run_wan
 
     if (args.prompt is None) == (args.text_embeddings is None):
         raise NumaovError("expected exactly one of --prompt (text to video with a pipeline "
@@ -287,9 +288,9 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
                                guidance_2=args.guidance_2,
                                **({} if args.shift is None else {"shift": args.shift}))
     if args.prompt is not None:
-        from numaov.runtime.video_output import DEFAULT_FPS
-        from numaov.runtime.wan_vae import VaeTiling
-        from numaov.runtime.wan_video import run_wan_pipeline
+        from numaov.runtime.wan.pipeline import run_wan_pipeline
+        from numaov.runtime.wan.vae import VaeTiling
+        from numaov.runtime.wan.video_output import DEFAULT_FPS
 
         video = run_wan_pipeline(args.model_dir, request, args.prompt, args.out,
                                  negative_prompt=args.negative_prompt or "",
@@ -345,7 +346,7 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="FILE",
                    help="with --prompt: .mp4, .webp, .gif, a directory (PNG frames) or .npy "
                    "(latents); with --text-embeddings: .npy, the final latents [1, C, F, H, W]")
-    p.add_argument("--backend", choices=wan_pipeline.BACKENDS, default="openvino",
+    p.add_argument("--backend", choices=wan_sampler.BACKENDS, default="openvino",
                    help="what runs the models (default openvino)")
     p.add_argument("--workers", type=int, default=1,
                    help="2 runs the two guidance branches on two pinned workers (default 1)")
@@ -356,13 +357,13 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run_wan)
 
 
-# -- export deepseek / run deepseek -----------------------------------------------------
+# -- export lm / run lm (aliases: export deepseek / run deepseek) -------------------------
 
 
-def cmd_export_deepseek(args: argparse.Namespace) -> int:
-    from numaov.exporter.deepseek_export import export_deepseek
+def cmd_export_lm(args: argparse.Namespace) -> int:
+    from numaov.exporter.lm_export import export_lm
 
-    manifest = export_deepseek(args.checkpoint, args.out, args.dp, args.precision,
+    manifest = export_lm(args.checkpoint, args.out, args.dp, args.precision,
                                _progress(args), force=args.force, weights=args.weights)
     print(manifest.summary(args.out))
     for note in manifest.notes:
@@ -370,10 +371,15 @@ def cmd_export_deepseek(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_export_deepseek_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("deepseek", help="export a Hugging Face DeepSeek-V2 checkpoint per DP rank")
+def _add_export_lm_parser(sub: argparse._SubParsersAction) -> None:
+    from numaov.models.families import supported_model_types
+
+    # "deepseek" is the command's name from before the model families: kept for one release
+    p = sub.add_parser("lm", aliases=["deepseek"],
+                       help="export a Hugging Face MoE language model per DP rank (alias: deepseek)")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="deepseek_v2 directory (config.json + model.safetensors or sharded index)")
+                   help="Hugging Face model directory (config.json + model.safetensors or sharded "
+                   f"index); its model_type picks the family: {', '.join(supported_model_types())}")
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data-parallel ranks, one graph each (default 1); must divide the MLP "
                    "and expert intermediate sizes")
@@ -387,18 +393,18 @@ def _add_export_deepseek_parser(sub: argparse._SubParsersAction) -> None:
                    "numaov's MoE op and the other layers through NNCF")
     _add_force(p)
     _add_common(p)
-    p.set_defaults(func=cmd_export_deepseek)
+    p.set_defaults(func=cmd_export_lm)
 
 
-def cmd_run_deepseek(args: argparse.Namespace) -> int:
-    from numaov.runtime.lm_engine import (
+def cmd_run_lm(args: argparse.Namespace) -> int:
+    from numaov.runtime.lm.engine import (
         GenerationInputError,
         SamplingParams,
         encode_prompts,
         format_generation,
         load_tokenizer,
         parse_prompt_ids,
-        run_deepseek,
+        run_lm,
     )
 
     if (args.prompt_ids is None) == (not args.prompt):
@@ -423,7 +429,7 @@ def cmd_run_deepseek(args: argparse.Namespace) -> int:
         args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop_token_ids=tuple(args.stop_token_ids), stop=tuple(args.stop),
         logprobs=args.logprobs, ignore_eos=args.ignore_eos)
-    result = run_deepseek(args.model_dir, prompts, args.max_new_tokens, args.backend,
+    result = run_lm(args.model_dir, prompts, args.max_new_tokens, args.backend,
                           params=params, cache_tokens=args.cache_tokens,
                           prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
                           progress=_progress(args))
@@ -433,7 +439,7 @@ def cmd_run_deepseek(args: argparse.Namespace) -> int:
 
 def _tokenizer_dir(given: str | None, model_dir: str | Path) -> str | Path | None:
     """``--tokenizer DIR`` when given, else the model directory when it carries a
-    ``tokenizer.json`` (a DeepSeek export copies its checkpoint's), else None."""
+    ``tokenizer.json`` (an LM export copies its checkpoint's), else None."""
     if given is not None:
         return given
     return model_dir if (Path(model_dir) / "tokenizer.json").is_file() else None
@@ -448,8 +454,8 @@ def _token_id_list(text: str) -> list[int]:
 
 
 def _add_lm_engine_options(p: argparse.ArgumentParser) -> None:
-    from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
-    from numaov.runtime.lm_scheduler import DEFAULT_PREFILL_CHUNK
+    from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS
+    from numaov.runtime.lm.scheduler import DEFAULT_PREFILL_CHUNK
 
     p.add_argument("--cache-tokens", type=int, default=None, metavar="N",
                    help="KV cache capacity per rank, in tokens (default "
@@ -459,11 +465,12 @@ def _add_lm_engine_options(p: argparse.ArgumentParser) -> None:
                    f"steps while the others decode (default {DEFAULT_PREFILL_CHUNK})")
 
 
-def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("deepseek", help="generation with an exported DeepSeek-V2 (greedy or "
-                       "sampled, continuous batching), one worker per DP rank")
+def _add_run_lm_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lm", aliases=["deepseek"],
+                       help="generation with an exported language model (greedy or sampled, "
+                       "continuous batching), one worker per DP rank (alias: deepseek)")
     p.add_argument("--model-dir", required=True, metavar="DIR",
-                   help="output of `numaov export deepseek`")
+                   help="output of `numaov export lm`")
     p.add_argument("--prompt-ids", metavar="IDS",
                    help="token ids, ',' between ids and ';' between prompts: '1,2,3;4,5'")
     p.add_argument("--tokenizer", metavar="DIR",
@@ -491,7 +498,7 @@ def _add_run_deepseek_parser(sub: argparse._SubParsersAction) -> None:
     _add_lm_engine_options(p)
     _add_lm_backend(p)
     _add_common(p)
-    p.set_defaults(func=cmd_run_deepseek)
+    p.set_defaults(func=cmd_run_lm)
 
 
 # -- serve ------------------------------------------------------------------------------------
@@ -501,13 +508,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import contextlib
     import os
 
-    from numaov.runtime.lm_cache import DEFAULT_CACHE_TOKENS
-    from numaov.runtime.lm_engine import load_tokenizer
-    from numaov.runtime.lm_service import LMService
+    from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS
+    from numaov.runtime.lm.engine import load_tokenizer
     from numaov.runtime.service.app import build_app
     from numaov.runtime.service.chat_template import load_chat_template
     from numaov.runtime.service.http_common import API_KEY_ENV, ServiceOptions
     from numaov.runtime.service.lm_requests import Limits
+    from numaov.runtime.service.lm_service import LMService
     from numaov.runtime.service.server import listen, serve_forever
     from numaov.runtime.service.video_routes import VideoService
 
@@ -559,16 +566,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _served_model_dirs(dirs: list[str]) -> tuple[str | None, str | None]:
     """(the LM export, the Wan pipeline export) among ``--model-dir``: at most one of each."""
-    from numaov.manifest import PIPELINE_KIND
+    from numaov.manifest import LM_KIND, PIPELINE_KIND
     from numaov.runtime.manifest_reader import read_manifest
 
     found: dict[str, str] = {}
     for directory in dirs:
         kind = read_manifest(directory).kind
-        role = {"deepseek": "lm", PIPELINE_KIND: "video"}.get(kind)
+        role = {LM_KIND: "lm", PIPELINE_KIND: "video"}.get(kind)
         if role is None:
             raise NumaovError(f"{directory!r} holds a {kind!r} export; expected a `numaov export "
-                              "deepseek` directory or a Wan pipeline export (`numaov export "
+                              "lm` directory or a Wan pipeline export (`numaov export "
                               "wan` of a diffusers pipeline directory)", parameter="model_dir")
         if role in found:
             raise NumaovError(f"{found[role]!r} and {directory!r} are both {kind!r} exports; "
@@ -591,13 +598,13 @@ def _port(text: str) -> int:
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve an exported DeepSeek-V2 over HTTP "
+    p = sub.add_parser("serve", help="serve an exported language model over HTTP "
                        "(OpenAI-style /v1/completions), one worker per DP rank")
-    from numaov.runtime.lm_scheduler import DEFAULT_MAX_RUNNING
+    from numaov.runtime.lm.scheduler import DEFAULT_MAX_RUNNING
     from numaov.runtime.service.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
     p.add_argument("--model-dir", required=True, action="append", metavar="DIR",
-                   help="output of `numaov export deepseek` or a Wan pipeline export; repeat "
+                   help="output of `numaov export lm` or a Wan pipeline export; repeat "
                    "to serve one of each")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--api-key", metavar="KEY",
@@ -662,11 +669,11 @@ def cmd_bench_wan(args: argparse.Namespace) -> int:
         progress=_progress(args)), args)
 
 
-def cmd_bench_deepseek(args: argparse.Namespace) -> int:
-    from numaov.runtime.bench import bench_deepseek
+def cmd_bench_lm(args: argparse.Namespace) -> int:
+    from numaov.runtime.bench import bench_lm
 
     _check_json_target(args.json)
-    return _finish_bench(bench_deepseek(
+    return _finish_bench(bench_lm(
         args.model_dir, args.backends, batch=args.batch,
         prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens,
         rounds=args.rounds, progress=_progress(args)), args)
@@ -692,15 +699,16 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="samples per forward (default 2: a guidance pair)")
     p.add_argument("--text-length", type=int, default=64, metavar="N",
                    help="text embedding tokens (default 64)")
-    _add_backends(p, wan_pipeline.BACKENDS)
+    _add_backends(p, wan_sampler.BACKENDS)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, best kept (default 3)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     _add_common(p)
     p.set_defaults(func=cmd_bench_wan)
-    p = bench_sub.add_parser("deepseek", help="greedy generation per backend on the rank "
-                             "workers")
+    p = bench_sub.add_parser("lm", aliases=["deepseek"],
+                             help="greedy generation per backend on the rank workers (alias: "
+                             "deepseek)")
     p.add_argument("--model-dir", required=True, metavar="DIR",
-                   help="output of `numaov export deepseek`")
+                   help="output of `numaov export lm`")
     p.add_argument("--batch", type=int, default=4, help="prompts (default 4)")
     p.add_argument("--prompt-length", type=int, default=32, metavar="N",
                    help="tokens per prompt, seeded random ids (default 32)")
@@ -710,7 +718,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds, best kept (default 2)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     _add_common(p)
-    p.set_defaults(func=cmd_bench_deepseek)
+    p.set_defaults(func=cmd_bench_lm)
 
 
 # -- parser and entry point ---------------------------------------------------------------
@@ -735,8 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_sub = run.add_subparsers(dest="model", required=True, metavar="MODEL")
     _add_export_wan_parser(export_sub)
     _add_run_wan_parser(run_sub)
-    _add_export_deepseek_parser(export_sub)
-    _add_run_deepseek_parser(run_sub)
+    _add_export_lm_parser(export_sub)
+    _add_run_lm_parser(run_sub)
     _add_serve_parser(sub)
     _add_bench_parsers(sub)
     return parser

@@ -7,8 +7,12 @@ leaf (it imports nothing of numaov's but the base error), see ``docs/architectur
 Fields:
 
 - ``format_version``: bumped when a field changes meaning; readers refuse other versions.
-- ``kind``: the model family (``"wan"``, ``"deepseek"``), which picks the runtime pipeline;
-  readers say which kind they expect.
+- ``kind``: what the export is, which picks the runtime pipeline (``"wan"``, ``"wan-pipeline"``,
+  ``"lm"`` and the pipeline components' kinds); readers say which kind they expect.
+- ``family`` and ``cache_layout``: for a language model (kind ``"lm"``), the model family's name
+  (``numaov.models.families``, e.g. ``"deepseek_v2"``) and its per-layer KV-cache entry
+  (``{"kind", "layers", "width", "parts": [[name, values], ...]}``), which the runtime's cache
+  pool is shaped by. Null for other kinds.
 - ``config``: the model's configuration (diffusers / Hugging Face key names).
 - ``inputs`` / ``outputs``: name, dtype and shape of every graph tensor; a shape entry is an
   int for a static axis or a string naming a dynamic axis (the ``torch.export.Dim`` name or
@@ -62,12 +66,14 @@ from numaov import NumaovError
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 PRECISIONS = ("f32", "bf16")
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
 # How the fallback ops are written into ONNX (numaov.custom_ops.fallback_onnx).
 LOWERINGS = ("decomposed", "opset23")
 TIMESTEP_KINDS = ("scalar", "per-frame")
+# A language model of any family (the family is its own field).
+LM_KIND = "lm"
 ATTENTION_KERNELS = ("numaov", "openvino")
 # A pipeline export's kind: its components are exported graphs in subdirectories.
 PIPELINE_KIND = "wan-pipeline"
@@ -199,6 +205,39 @@ def row_shares(figures: Iterable[Mapping[str, Any]]) -> list[RowShare]:
     return shares
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """One layer's KV-cache entry of one token: named ``parts`` (name, values) laid side by
+    side, ``width`` values in all, for ``layers`` layers. ``kind`` names the attention design
+    (``"mla"``, ``"gqa"``)."""
+
+    kind: str
+    layers: int
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def width(self) -> int:
+        return sum(size for _, size in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "layers": self.layers, "width": self.width,
+                "parts": [[name, size] for name, size in self.parts]}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], where: str) -> CacheLayout:
+        try:
+            layout = cls(str(values["kind"]), int(values["layers"]),
+                         tuple((str(n), int(s)) for n, s in values["parts"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelDirError(f"{where}: cache_layout {dict(values)!r} is malformed ({exc}); "
+                              "expected kind, layers and parts: re-export the model") from None
+        if layout.layers < 1 or not layout.parts or any(s < 1 for _, s in layout.parts) \
+                or int(values.get("width", layout.width)) != layout.width:
+            raise ModelDirError(f"{where}: cache_layout {dict(values)!r} is inconsistent; "
+                              "re-export the model")
+        return layout
+
+
 @dataclass
 class ExportManifest:
     """Everything the runtime needs to know about an exported model directory."""
@@ -225,7 +264,17 @@ class ExportManifest:
     world_size: int = 1
     weights: str | None = None
     weights_group_size: int | None = None
+    family: str | None = None
+    cache_layout: dict[str, Any] | None = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def cache(self) -> CacheLayout:
+        """A language model's per-layer KV-cache entry (``cache_layout``)."""
+        if self.cache_layout is None:
+            raise ModelDirError(f"the {self.kind!r} export has no cache layout; expected a "
+                                f"{LM_KIND!r} export")
+        return CacheLayout.from_dict(self.cache_layout, MANIFEST_NAME)
 
     def summary(self, model_dir: str | Path) -> str:
         """One line for the CLI: what was written and the worst parity figure per backend."""
@@ -354,6 +403,19 @@ class ExportManifest:
                 f"{where} is exported for {self.world_size} ranks but names no "
                 "collective_group; re-export the model with numaov"
             )
+        if (self.kind == LM_KIND) != (self.family is not None):
+            raise ModelDirError(
+                f"{where}: kind {self.kind!r} with family {self.family!r}; expected a family "
+                f"exactly for kind {LM_KIND!r}: re-export the model"
+            )
+        if self.kind == LM_KIND:
+            if not (isinstance(self.family, str) and self.family
+                    and isinstance(self.cache_layout, dict)):
+                raise ModelDirError(
+                    f"{where}: family {self.family!r} and cache_layout {self.cache_layout!r}; "
+                    "expected a family name and its cache layout: re-export the model"
+                )
+            CacheLayout.from_dict(self.cache_layout, where)
         if self.kind == "wan":
             rank = {"scalar": 1, "per-frame": 2}.get(self.timestep or "")
             if rank is None:

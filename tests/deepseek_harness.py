@@ -36,13 +36,13 @@ def two_cpu_bind_string() -> str | None:
 def export_tiny_dp2(root: Path, bind: str) -> dict[str, Any]:
     """Build, export (dp=2, through the CLI) and take torch dp=1 references."""
     from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
-    from numaov.models.deepseek import DeepseekV2
+    from numaov.models.deepseek_v2 import DeepseekV2
 
     print(f"tiny DeepSeek-V2 seed: {SEED}")
     checkpoint = build_tiny_deepseek(root / "checkpoint", seed=SEED)
     model_dir = root / "model"
     proc = subprocess.run(
-        [*CLI, "export", "deepseek", "--checkpoint", str(checkpoint), "--dp", "2",
+        [*CLI, "export", "lm", "--checkpoint", str(checkpoint), "--dp", "2",
          "--out", str(model_dir)],
         capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
         env={**os.environ, "NUMAOV_CPU_BIND": bind},

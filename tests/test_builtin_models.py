@@ -29,7 +29,7 @@ from numaov.models.builtin.digit_clips import (
     prompt_for,
     to_grey,
 )
-from numaov.runtime.clip_grid import split_grid, tile_clips
+from numaov.runtime.wan.clip_grid import split_grid, tile_clips
 
 CLI = [sys.executable, "-m", "numaov.cli"]
 WEIGHTS_BUDGET_BYTES = 20 * 1024 * 1024
@@ -220,7 +220,7 @@ def test_tiny_moe_training_runs_a_few_steps(tmp_path: Path,
     """The training script backpropagates through the MoE op and saves a loadable model
     (3 steps: the loss only has to be finite)."""
     from numaov.models.builtin import train_tiny_moe
-    from numaov.models.deepseek import DeepseekV2
+    from numaov.models.deepseek_v2 import DeepseekV2
 
     monkeypatch.setattr(train_tiny_moe, "STEPS", 3)
     figures = train_tiny_moe.train(tmp_path / "m", say=lambda _message: None)
@@ -248,7 +248,7 @@ def test_tiny_moe_held_out_loss_is_well_below_the_unigram_baseline() -> None:
         topics,
         unigram_loss,
     )
-    from numaov.models.deepseek import DeepseekV2
+    from numaov.models.deepseek_v2 import DeepseekV2
 
     tokenizer = Tokenizer.from_file(str(TINY_MOE_DIR / "tokenizer.json"))
     train_text, held_text = topics()
@@ -314,9 +314,9 @@ def test_digits_pipeline_frames_equal_diffusers(demo: dict, tmp_path: Path) -> N
     from safetensors.torch import load_file
 
     from numaov.models.builtin.digit_clips import SAMPLING_GUIDANCE
-    from numaov.runtime.wan_pipeline import WanSampleRequest
-    from numaov.runtime.wan_vae import VaeGeometry
-    from numaov.runtime.wan_video import VAE_FIRST_FRAME, read_pipeline, run_wan_pipeline
+    from numaov.runtime.wan.pipeline import VAE_FIRST_FRAME, read_pipeline, run_wan_pipeline
+    from numaov.runtime.wan.sampler import WanSampleRequest
+    from numaov.runtime.wan.vae import VaeGeometry
 
     export = demo["out"] / "wan" / "model"
     vae_config = json.loads((DIGITS_WAN_DIR / "vae" / "config.json").read_text())
@@ -357,8 +357,8 @@ def judged_digits(demo: dict, judge: DigitJudge, tmp_path_factory: pytest.TempPa
     export at the model's sampling settings, each graph compiled once."""
     from numaov.models.builtin.digit_clips import SAMPLING_GUIDANCE, SAMPLING_STEPS
     from numaov.runtime.manifest_reader import keep_compiled
-    from numaov.runtime.wan_pipeline import WanSampleRequest
-    from numaov.runtime.wan_video import run_wan_pipeline
+    from numaov.runtime.wan.pipeline import run_wan_pipeline
+    from numaov.runtime.wan.sampler import WanSampleRequest
 
     names, out = list(DIRECTIONS), tmp_path_factory.mktemp("judged")
     per_digit = {}
@@ -392,19 +392,19 @@ def test_tiny_moe_dp2_gives_the_tokens_of_dp1(demo: dict) -> None:
     """The demo's dp=2 OpenVINO export against torch at dp=1 (no cache, whole sequences)."""
     from deepseek_harness import greedy_reference
 
-    from numaov.models.deepseek import DeepseekV2
-    from numaov.runtime.lm_engine import encode_prompts, load_tokenizer, run_deepseek
+    from numaov.models.deepseek_v2 import DeepseekV2
+    from numaov.runtime.lm.engine import encode_prompts, load_tokenizer, run_lm
 
     tokenizer = load_tokenizer(TINY_MOE_DIR)
     prompts = encode_prompts(tokenizer, ["The for statement", "Strings are", "class"])
     model = DeepseekV2.from_pretrained(TINY_MOE_DIR)
     reference, _ = greedy_reference(model, prompts, 12, eos=model.config.eos_token_id)
     export = demo["out"] / "deepseek" / "model"
-    got = run_deepseek(export, prompts, 12, "openvino")
+    got = run_lm(export, prompts, 12, "openvino")
     assert got.tokens == reference
     # The export carries the checkpoint's tokenizer: text prompts need no --tokenizer.
     assert (export / "tokenizer.json").read_bytes() == (TINY_MOE_DIR / "tokenizer.json").read_bytes()
-    run = subprocess.run([*CLI, "run", "deepseek", "--quiet", "--model-dir",
+    run = subprocess.run([*CLI, "run", "lm", "--quiet", "--model-dir",
                           str(export), "--prompt", "Strings are", "--max-new-tokens", "12"],
                          capture_output=True, text=True, timeout=600, env=demo["env"])
     assert run.returncode == 0, run.stderr

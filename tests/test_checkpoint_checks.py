@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from numaov import NumaovError
-from numaov.models import wan
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 from numaov.models.builtin.wan_tiny import build_tiny_wan
 from numaov.models.checkpoint import CheckpointError
-from numaov.models.deepseek import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, DeepseekV2
+from numaov.models.deepseek_v2 import WEIGHTS_INDEX_NAME, WEIGHTS_NAME, DeepseekV2
+from numaov.models.wan import transformer as wan
 
 SEED = 0
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from numaov.manifest import LOWERINGS
-from numaov.runtime import lm_engine, wan_pipeline
-from numaov.runtime.topology import read_topology
+from numaov.runtime.lm import engine as lm_engine
+from numaov.runtime.placement.topology import read_topology
+from numaov.runtime.wan import sampler as wan_sampler
 
 CLI = [sys.executable, "-m", "numaov.cli"]
 TIMEOUT_S = 300
@@ -108,7 +109,7 @@ def test_library_errors_are_shown_with_the_flag_of_their_parameter(
 
 
 @pytest.mark.parametrize(("args", "names"), [
-    (["run", "wan", "--backend", "tensorrt"], wan_pipeline.BACKENDS),
+    (["run", "wan", "--backend", "tensorrt"], wan_sampler.BACKENDS),
     (["run", "deepseek", "--backend", "onnxruntime"], lm_engine.BACKENDS),
     (["serve", "--backend", "tensorrt"], lm_engine.BACKENDS),
     (["export", "wan", "--ops", "opset99"], LOWERINGS),
@@ -120,7 +121,7 @@ def test_choices_are_the_library_tuples(args: list[str], names: tuple[str, ...])
 
 
 @pytest.mark.parametrize(("command", "backends"), [
-    ("wan", wan_pipeline.BACKENDS), ("deepseek", lm_engine.BACKENDS)])
+    ("wan", wan_sampler.BACKENDS), ("deepseek", lm_engine.BACKENDS)])
 def test_bench_backends_help_lists_the_library_tuple(command: str,
                                                      backends: tuple[str, ...]) -> None:
     proc = numaov("bench", command, "--help")

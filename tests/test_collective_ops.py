@@ -289,7 +289,7 @@ def test_onnxruntime_refusal_is_clear(exported, tmp_path: Path) -> None:
 @pytest.fixture
 def solo_group():
     """A registered world-size-1 shared-memory group (name -> communicator)."""
-    from numaov.custom_ops.collectives import ShmCommunicator, destroy_communicator
+    from numaov.distributed.communicator import ShmCommunicator, destroy_communicator
 
     made: list[str] = []
 
@@ -337,7 +337,7 @@ def _gloo_named_group(rank: int, world: int, args: dict) -> dict[str, str]:
     """A GlooCommunicator under a group name, seen through every lookup of that name."""
     import torch.distributed as dist
 
-    from numaov.custom_ops.collectives import (
+    from numaov.distributed.communicator import (
         CollectiveError,
         GlooCommunicator,
         ShmCommunicator,
@@ -407,9 +407,9 @@ def _run_rank(context, job: dict) -> dict:
 
 @pytest.mark.slow
 def test_two_ranks_openvino_matches_eager_and_plain_math(exported, two_cpus) -> None:
-    from numaov.runtime.binding import BindingPlan
-    from numaov.runtime.topology import read_topology
-    from numaov.runtime.workers import run_on_ranks
+    from numaov.runtime.placement.binding import BindingPlan
+    from numaov.runtime.placement.topology import read_topology
+    from numaov.runtime.placement.workers import run_on_ranks
 
     seed = SEED + 1
     print(f"seed={seed}")
@@ -462,7 +462,7 @@ FAILURES = {
 
 def _failing_rank(rank: int, world: int, args: dict) -> dict[str, tuple[str, float]]:
     """Per scenario: this rank's error text and how long its inference took to raise."""
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     core = _core()
     control = ShmCommunicator(args["prefix"] + "-control", rank, world, job_id=args["prefix"],

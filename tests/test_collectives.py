@@ -193,7 +193,7 @@ def _gloo_worker(rank: int, world: int, args: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from numaov.custom_ops.collectives import GlooCommunicator, ShmCommunicator
+    from numaov.distributed.communicator import GlooCommunicator, ShmCommunicator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args['store']}", rank=rank,
@@ -273,7 +273,7 @@ def test_every_op_matches_gloo_and_the_exact_sum(world: int, tmp_path: Path) -> 
 def _interleave_worker(rank: int, world: int, args: dict) -> dict:
     import torch
 
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     torch.set_num_threads(1)
     # Non-temporal result stores from 4 KiB up (default 8 MiB), so unaligned destinations and
@@ -358,7 +358,7 @@ def _all_reduce_problems(comm: Any, rank: int, world: int, seed: int, case: int,
 
 
 def _eight_worker(rank: int, world: int, args: dict) -> list[str]:
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     comm = ShmCommunicator(args["group"], rank, world, job_id=args["job"], timeout_s=60)
     problems: list[str] = []
@@ -413,7 +413,7 @@ SECOND_COPY_BLOCK_BYTES = 8 << 10  # kSecondCopyBlockBytes in csrc/reduce_kernel
 
 
 def _boundary_worker(rank: int, world: int, args: dict) -> list[str]:
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     os.environ["NUMAOV_COLL_ONESHOT_BYTES"] = str(ONESHOT_BYTES)
     os.environ["NUMAOV_COLL_BUFFER_BYTES"] = str(64 << 10)  # many chunks per message
@@ -457,7 +457,7 @@ def test_all_reduce_is_exact_at_every_algorithm_boundary(world: int) -> None:
 
 
 def _native() -> Any:
-    from numaov.custom_ops.collectives import _native as native
+    from numaov.distributed.communicator import _native as native
 
     return native()
 
@@ -571,7 +571,7 @@ def test_sum_kernels_never_touch_memory_past_the_end() -> None:
 def test_world_size_one_is_the_identity_for_numpy_and_torch() -> None:
     import torch
 
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     group = unique_name("solo")
     comm = ShmCommunicator(group, 0, 1, job_id=group, timeout_s=10)
@@ -594,7 +594,7 @@ def test_world_size_one_is_the_identity_for_numpy_and_torch() -> None:
 
 
 def test_registry_says_not_found_and_destroyed_in_python_and_cpp() -> None:
-    from numaov.custom_ops.collectives import (
+    from numaov.distributed.communicator import (
         CollectiveError,
         ShmCommunicator,
         destroy_communicator,

@@ -83,7 +83,7 @@ SCENARIOS = {
 
 
 def _scenario_worker(rank: int, world: int, args: dict) -> dict[str, tuple[str, str]]:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     # A control group with a long timeout lines the ranks up before each scenario, whatever
     # the previous one did to them.
@@ -151,7 +151,7 @@ def test_mismatches_timeouts_and_bad_arguments_raise_on_every_rank() -> None:
 
 
 def _looping_worker(rank: int, world: int, args: dict) -> str:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     comm = ShmCommunicator(args["group"], rank, world, job_id=args["group"],
                            timeout_s=args["timeout"])
@@ -195,7 +195,7 @@ def test_a_killed_rank_stops_the_others_and_leaves_nothing_in_dev_shm() -> None:
 
 
 def _lone_creator(rank: int, world: int, args: dict) -> None:
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     ShmCommunicator(args["group"], 0, 2, job_id=args["job"], timeout_s=120)  # waits for rank 1
 
@@ -203,12 +203,12 @@ def _lone_creator(rank: int, world: int, args: dict) -> None:
 def _reclaiming_worker(rank: int, world: int, args: dict) -> tuple[list[str], float]:
     import logging
 
-    from numaov.custom_ops.collectives import ShmCommunicator
+    from numaov.distributed.communicator import ShmCommunicator
 
     notes: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: notes.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("numaov.custom_ops.collectives").addHandler(handler)
+    logging.getLogger("numaov.distributed.communicator").addHandler(handler)
     comm = ShmCommunicator(args["group"], rank, world, job_id=args["job"], timeout_s=60)
     x = np.full(10, rank + 1.0, np.float32)
     comm.all_reduce(x)
@@ -217,13 +217,13 @@ def _reclaiming_worker(rank: int, world: int, args: dict) -> tuple[list[str], fl
 
 
 def _segment_path(group: str, job: str) -> str:
-    from numaov.custom_ops.collectives import _native
+    from numaov.distributed.communicator import _native
 
     return "/dev/shm" + _native().segment_name(group, job)
 
 
 def test_a_stale_segment_is_reclaimed_and_a_live_one_refused() -> None:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     group = unique_name("stale")
     path = _segment_path(group, group)
@@ -247,7 +247,7 @@ def test_a_stale_segment_is_reclaimed_and_a_live_one_refused() -> None:
 
 
 def test_a_full_dev_shm_fails_at_creation_with_a_clear_message(monkeypatch) -> None:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     group = unique_name("full")
     # 2 x 1 TiB cannot be reserved in any /dev/shm this test runs on.
@@ -258,7 +258,7 @@ def test_a_full_dev_shm_fails_at_creation_with_a_clear_message(monkeypatch) -> N
 
 
 def test_ranks_that_never_meet_time_out_and_leave_nothing() -> None:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     group = unique_name("alone")
     with pytest.raises(CollectiveError, match=r"waiting for ranks \[1, 2\] to attach"):
@@ -278,14 +278,14 @@ def test_ranks_that_never_meet_time_out_and_leave_nothing() -> None:
     ],
 )
 def test_bad_constructor_arguments_are_named(args: tuple, message: str) -> None:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     with pytest.raises(CollectiveError, match=message):
         ShmCommunicator(*args)
 
 
 def test_a_bad_timeout_variable_is_named(monkeypatch) -> None:
-    from numaov.custom_ops.collectives import CollectiveError, ShmCommunicator
+    from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     monkeypatch.setenv("NUMAOV_COLL_TIMEOUT_S", "soon")
     with pytest.raises(CollectiveError, match="NUMAOV_COLL_TIMEOUT_S='soon'"):

@@ -20,7 +20,7 @@ import torch
 from deepseek_harness import greedy_reference
 
 from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, build_tiny_deepseek
-from numaov.models.deepseek import (
+from numaov.models.deepseek_v2 import (
     DataParallelGroup,
     DeepseekV2,
     ShardError,
@@ -61,14 +61,14 @@ def _rank_main(
         if transport == "gloo":
             import torch.distributed as dist
 
-            from numaov.custom_ops.collectives import GlooCommunicator
+            from numaov.distributed.communicator import GlooCommunicator
 
             dist.init_process_group(
                 "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
             )
             comm = GlooCommunicator(group, dist.group.WORLD)
         else:
-            from numaov.custom_ops.collectives import ShmCommunicator
+            from numaov.distributed.communicator import ShmCommunicator
 
             comm = ShmCommunicator(group, rank, WORLD, job_id=rendezvous, timeout_s=60)
         model = DeepseekV2.from_pretrained(

@@ -30,19 +30,19 @@ from deepseek_harness import (
 )
 
 from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can_run
-from numaov.exporter.deepseek_export import COLLECTIVE_GROUP, export_deepseek
+from numaov.exporter.lm_export import COLLECTIVE_GROUP, export_lm
 from numaov.models.checkpoint import CheckpointError
-from numaov.models.deepseek import DeepseekV2, ShardError
-from numaov.runtime.binding import BindingPlan
-from numaov.runtime.lm_engine import (
+from numaov.models.deepseek_v2 import DeepseekV2, ShardError
+from numaov.runtime.lm.engine import (
     GenerationInputError,
     RankPlanError,
     SamplingParams,
     parse_prompt_ids,
     plan_for_ranks,
-    run_deepseek,
+    run_lm,
 )
-from numaov.runtime.topology import read_topology
+from numaov.runtime.placement.binding import BindingPlan
+from numaov.runtime.placement.topology import read_topology
 
 pytestmark = pytest.mark.slow  # exports the tiny DeepSeek and runs rank workers
 
@@ -72,7 +72,8 @@ def exported(deepseek_exported: dict[str, Any]) -> dict[str, Any]:
 def test_export_writes_rank_graphs_with_collectives_and_one_manifest(exported) -> None:
     model_dir = exported["model_dir"]
     manifest = json.loads((model_dir / "manifest.json").read_text())
-    assert manifest["kind"] == "deepseek"
+    assert manifest["kind"] == "lm" and manifest["family"] == "deepseek_v2"
+    assert manifest["cache_layout"]["kind"] == "mla"
     assert manifest["world_size"] == 2
     assert manifest["collective_group"] == COLLECTIVE_GROUP
     assert [r["ir_xml"] for r in manifest["ranks"]] == ["rank_0/model.xml", "rank_1/model.xml"]
@@ -160,7 +161,7 @@ def test_compiled_rank_graph_runs_the_moe_op_between_gather_and_reduce_scatter(e
 
 def test_dp_not_dividing_the_sharded_dims_is_a_clear_cli_error(exported, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [*CLI, "export", "deepseek", "--checkpoint", str(exported["checkpoint"]), "--dp", "3",
+        [*CLI, "export", "lm", "--checkpoint", str(exported["checkpoint"]), "--dp", "3",
          "--out", str(tmp_path / "out"), "--quiet"],
         capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
     )
@@ -180,9 +181,9 @@ def test_checkpoint_that_does_not_fit_its_config_is_a_clear_error(
     config["moe_intermediate_size"] = 16  # the tensors on disk are 32 wide
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"mis-shaped|shape"):
-        export_deepseek(broken, tmp_path / "out", dp=2)
+        export_lm(broken, tmp_path / "out", dp=2)
     with pytest.raises(ShardError, match="dp=3 does not divide"):
-        export_deepseek(exported["checkpoint"], tmp_path / "out3", dp=3)
+        export_lm(exported["checkpoint"], tmp_path / "out3", dp=3)
 
 
 # -- the OpenVINO dp=2 rung of the parity ladder ----------------------------------------------
@@ -194,7 +195,7 @@ def test_openvino_dp2_matches_torch_dp1(
 ) -> None:
     monkeypatch.setenv("NUMAOV_CPU_BIND", bind)
     prompts = SCENARIOS[scenario]
-    result = run_deepseek(exported["model_dir"], prompts, MAX_NEW_TOKENS, "openvino",
+    result = run_lm(exported["model_dir"], prompts, MAX_NEW_TOKENS, "openvino",
                           params=SamplingParams(MAX_NEW_TOKENS, ignore_eos=True),
                           keep_logits=True)
     ref_tokens, ref_logits = exported["references"][scenario]
@@ -211,7 +212,7 @@ def test_openvino_dp2_matches_torch_dp1(
 
 def _run_cli(exported, bind: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, "run", "deepseek", "--model-dir", str(exported["model_dir"]),
+        [*CLI, "run", "lm", "--model-dir", str(exported["model_dir"]),
          "--max-new-tokens", str(MAX_NEW_TOKENS), "--quiet", *args],
         capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
         env={**os.environ, "NUMAOV_CPU_BIND": bind},
@@ -276,13 +277,13 @@ def test_prompt_parsing_and_generation_arguments(exported, bind: str,
     monkeypatch.setenv("NUMAOV_CPU_BIND", bind)
     model_dir = exported["model_dir"]
     with pytest.raises(GenerationInputError, match="prompt 1 is empty"):
-        run_deepseek(model_dir, [[1], []], 2)
+        run_lm(model_dir, [[1], []], 2)
     with pytest.raises(GenerationInputError, match="max_new_tokens is 0"):
-        run_deepseek(model_dir, [[1]], 0)
+        run_lm(model_dir, [[1]], 0)
     with pytest.raises(GenerationInputError, match="max_position_embeddings=256"):
-        run_deepseek(model_dir, [[1] * 250], 10)
+        run_lm(model_dir, [[1] * 250], 10)
     with pytest.raises(GenerationInputError, match="unknown backend"):
-        run_deepseek(model_dir, [[1]], 2, "onnxruntime")
+        run_lm(model_dir, [[1]], 2, "onnxruntime")
 
 
 def test_a_plan_with_another_rank_count_says_to_set_the_bind_variable(
@@ -291,10 +292,10 @@ def test_a_plan_with_another_rank_count_says_to_set_the_bind_variable(
     cpu = sorted(os.sched_getaffinity(0))[0]
     monkeypatch.setenv("NUMAOV_CPU_BIND", str(cpu))
     with pytest.raises(RankPlanError, match=r"dp=2 runs one worker per rank.*1 CPU list\(s\)"):
-        run_deepseek(exported["model_dir"], [[1, 2]], 2)
+        run_lm(exported["model_dir"], [[1, 2]], 2)
     one_rank = BindingPlan.from_bind_string(str(cpu), read_topology())
     with pytest.raises(RankPlanError, match=r"1 rank\(s\) but .* dp=2.*NUMAOV_CPU_BIND"):
-        run_deepseek(exported["model_dir"], [[1, 2]], 2, plan=one_rank)
+        run_lm(exported["model_dir"], [[1, 2]], 2, plan=one_rank)
 
 
 def test_split_plan_gives_every_rank_its_own_cpus_without_a_bind_string() -> None:
@@ -311,7 +312,7 @@ def test_bench_deepseek_compares_backends_on_the_rank_workers(
 ) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [*CLI, "bench", "deepseek", "--model-dir", str(exported["model_dir"]), "--batch", "3",
+        [*CLI, "bench", "lm", "--model-dir", str(exported["model_dir"]), "--batch", "3",
          "--prompt-length", "5", "--max-new-tokens", "3", "--rounds", "1", "--json", str(out),
          "--quiet"],
         capture_output=True, text=True, timeout=CLI_TIMEOUT_S,

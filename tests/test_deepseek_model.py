@@ -17,13 +17,13 @@ from transformers import DeepseekV2ForCausalLM
 from numaov.custom_ops import moe_experts
 from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, build_tiny_deepseek
 from numaov.models.checkpoint import CheckpointError
-from numaov.models.deepseek import (
+from numaov.models.deepseek_v2 import (
     DeepseekConfigError,
     DeepseekV2,
     DeepseekV2Config,
-    DeepseekV2Experts,
     DeepseekV2Step,
 )
+from numaov.models.layers.experts import RoutedExperts
 
 SEED = 1234
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89], [27, 18], [28, 18, 28, 45, 90]]
@@ -160,7 +160,7 @@ def test_experts_are_the_moe_op_eagerly_and_under_export() -> None:
     """The module is numaov::moe_experts on its stacks; torch.export captures that one op
     (no torch.cond, no per-row weight gather), with the row count still dynamic."""
     gen = torch.Generator().manual_seed(SEED)
-    experts = DeepseekV2Experts(num_experts=8, hidden=16, intermediate=12)
+    experts = RoutedExperts(num_experts=8, hidden=16, intermediate=12)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(8, 24, 16, generator=gen) / 4)
         experts.down_proj.copy_(torch.randn(8, 16, 12, generator=gen) / 4)

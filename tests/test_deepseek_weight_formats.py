@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from numaov.custom_ops import add_extension, compile_ir
-from numaov.exporter.deepseek_export import export_deepseek
+from numaov.exporter.lm_export import export_lm
 from numaov.exporter.weight_formats import WEIGHT_TOLERANCES, WeightFormatError, parity_tolerance
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 
@@ -32,7 +32,7 @@ def test_quantized_export_stores_the_experts_for_the_moe_op(
     import openvino as ov
 
     out = tmp_path / weights
-    manifest = export_deepseek(checkpoint, out, weights=weights)
+    manifest = export_lm(checkpoint, out, weights=weights)
     data = json.loads((out / "manifest.json").read_text())
     assert (data["weights"], data["weights_group_size"]) == (weights, group)
     assert data["precision"] == "f32"
@@ -66,7 +66,7 @@ def test_int4_needs_rows_divisible_by_32(checkpoint: Path, tmp_path: Path) -> No
     # the tiny model's expert shard at dp=2 is 16 values wide
     with pytest.raises(WeightFormatError, match=r"int4 expert weights need rows whose lengths "
                        r"\[64, 16\] are multiples of one of the group sizes") as info:
-        export_deepseek(checkpoint, tmp_path / "out", dp=2, weights="int4")
+        export_lm(checkpoint, tmp_path / "out", dp=2, weights="int4")
     assert info.value.parameter == "weights"
     assert not (tmp_path / "out").exists()
 
@@ -83,7 +83,7 @@ def test_bf16_export_matches_with_the_experts_on_amx_tiles_and_on_avx512(
     if kernel["kernel"] != "amx":
         pytest.skip(f"needs AMX tiles: {kernel['reason']}")
     out = tmp_path / "bf16"
-    export_deepseek(checkpoint, out, weights="bf16")
+    export_lm(checkpoint, out, weights="bf16")
     data = json.loads((out / "manifest.json").read_text())
     assert data["weights"] == "bf16"
     tolerance = parity_tolerance("bf16", data["precision"])  # bf16 inference's, 0.1

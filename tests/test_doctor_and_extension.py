@@ -10,7 +10,7 @@ import openvino as ov
 
 from numaov.custom_ops import add_extension, library_path
 from numaov.runtime.doctor import REPORT_KEYS
-from numaov.runtime.topology import read_topology
+from numaov.runtime.placement.topology import read_topology
 
 
 def test_extension_library_loads_into_openvino() -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, init_tiny_weights
-from numaov.models.deepseek import DeepseekV2, DeepseekV2Step
+from numaov.models.deepseek_v2 import DeepseekV2, DeepseekV2Step
 
 # ~100 MB of f32 weights: large beside the imports' own allocations, quick to write and read.
 MEMORY_CONFIG = dataclasses.replace(
@@ -35,7 +35,7 @@ MEMORY_CONFIG = dataclasses.replace(
 # (about 1.8x).
 _MEASURE = textwrap.dedent("""
     import json, sys, threading, time
-    from numaov.models.deepseek import DataParallelGroup, DeepseekV2
+    from numaov.models.deepseek_v2 import DataParallelGroup, DeepseekV2
 
     def anon():
         for line in open("/proc/self/status"):
@@ -94,7 +94,7 @@ def test_loading_holds_the_weights_once(checkpoints: tuple[Path, Path], dp: int)
 
 @pytest.mark.slow
 def test_onnx_export_lets_the_module_go(tmp_path: Path) -> None:
-    from numaov.exporter.deepseek_export import EXAMPLE_SHAPE, _dynamic_shapes, _step_inputs
+    from numaov.exporter.lm_export import EXAMPLE_SHAPE, _dynamic_shapes, _step_inputs
     from numaov.exporter.onnx_export import export_onnx
 
     model = DeepseekV2.empty(TINY_DEEPSEEK_CONFIG)

@@ -19,19 +19,20 @@ import pytest
 from deepseek_harness import greedy_reference, tiny_tokenizer
 
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
-from numaov.models.deepseek import DeepseekV2
-from numaov.runtime.lm_cache import CacheCapacityError, CacheManager
-from numaov.runtime.lm_engine import (
+from numaov.models.deepseek_v2 import DeepseekV2
+from numaov.models.deepseek_v2.family import FAMILY
+from numaov.runtime.lm.cache import CacheCapacityError, CacheManager
+from numaov.runtime.lm.engine import (
     GenerationInputError,
     LMEngine,
     SamplingParams,
     StepModel,
     TorchStep,
 )
-from numaov.runtime.lm_sampler import new_generator, sample_token
-from numaov.runtime.lm_scheduler import Scheduler
-from numaov.runtime.lm_sequence import Sequence
-from numaov.runtime.lm_text import TextStream
+from numaov.runtime.lm.sampler import new_generator, sample_token
+from numaov.runtime.lm.scheduler import Scheduler
+from numaov.runtime.lm.sequence import Sequence
+from numaov.runtime.lm.text import TextStream
 
 SEED = 3
 EOS = 1  # the tiny model's eos_token_id
@@ -49,7 +50,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _engine(model: DeepseekV2, step: StepModel | None = None, **options: Any) -> LMEngine:
-    return LMEngine.in_process(step or TorchStep.from_model(model), model.config.to_dict(), **options)
+    return LMEngine.in_process(step or TorchStep.from_model(model, FAMILY), model.config.to_dict(),
+                               FAMILY.cache_layout(model.config), **options)
 
 
 def _alone(model: DeepseekV2, prompt: list[int], params: SamplingParams,
@@ -65,7 +67,7 @@ class PacedStep(StepModel):
     name = "torch"
 
     def __init__(self, model: DeepseekV2) -> None:
-        self._inner = TorchStep.from_model(model)
+        self._inner = TorchStep.from_model(model, FAMILY)
         self.allowed = threading.Semaphore(0)
 
     def bind_pool(self, pool: np.ndarray) -> None:

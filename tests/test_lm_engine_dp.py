@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from deepseek_harness import greedy_reference
 
-from numaov.models.deepseek import DeepseekV2
-from numaov.runtime.lm_cache import CacheCapacityError
-from numaov.runtime.lm_engine import LMEngine, SamplingParams
+from numaov.models.deepseek_v2 import DeepseekV2
+from numaov.runtime.lm.cache import CacheCapacityError
+from numaov.runtime.lm.engine import LMEngine, SamplingParams
 
 pytestmark = pytest.mark.slow  # rank worker processes with shared-memory collectives
 

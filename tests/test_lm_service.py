@@ -19,8 +19,8 @@ import pytest
 from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, greedy_reference, tiny_tokenizer
 from service_harness import STARTUP_S, STOP_S, children, start_server, stop_server
 
-from numaov.models.deepseek import DeepseekV2
-from numaov.runtime.lm_sequence import SamplingParams
+from numaov.models.deepseek_v2 import DeepseekV2
+from numaov.runtime.lm.sequence import SamplingParams
 from numaov.runtime.service.errors import RequestError
 from numaov.runtime.service.lm_requests import parse_completion_request
 

@@ -41,8 +41,8 @@ from numaov.custom_ops.moe_ops import (
     write_moe_onnx,
 )
 from numaov.exporter.openvino_convert import convert_to_ir
-from numaov.models.deepseek import DeepseekV2Config
-from numaov.models.deepseek.moe import DeepseekV2Router
+from numaov.models.deepseek_v2 import DeepseekV2Config
+from numaov.models.deepseek_v2.moe import deepseek_v2_router
 
 F32_TOL = 1e-5
 BF16_TOL = 3e-2
@@ -136,7 +136,7 @@ def test_group_limited_routing() -> None:
         n_group=4, topk_group=2, moe_intermediate_size=12, norm_topk_prob=False,
         routed_scaling_factor=1.5,
     )
-    router = DeepseekV2Router(config)
+    router = deepseek_v2_router(config)
     torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(3))
     x, _, _, gate_up, down = _problem(40, experts=16, top_k=4, hidden=32, inter=12, seed=4)
     with torch.no_grad():

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from numaov.exporter.deepseek_export import export_deepseek
+from numaov.exporter.lm_export import export_lm
 from numaov.exporter.parity import ParityError, judge, measure, row_shares
 from numaov.exporter.weight_formats import MIN_ROW_SHARE, MIN_TOKEN_SHARE, WEIGHT_TOLERANCES
 from numaov.manifest import ExportManifest
 from numaov.models.builtin import TINY_MOE_DIR
-from numaov.models.deepseek import DeepseekV2Experts
+from numaov.models.layers.experts import RoutedExperts
 
 SHAPES = {"input_ids": [40, 1]}
 
@@ -96,7 +96,7 @@ def trained_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
                    ) -> tuple[str, Path, ExportManifest]:
     weights = request.param
     out = tmp_path_factory.mktemp("tiny-moe") / weights
-    return weights, out, export_deepseek(TINY_MOE_DIR, out, weights=weights)
+    return weights, out, export_lm(TINY_MOE_DIR, out, weights=weights)
 
 
 @pytest.mark.slow
@@ -127,10 +127,10 @@ def test_an_int8_export_with_one_layers_scales_doubled_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The exporter's own path, with what it stores for the first MoE layer edited: its
     gate/up scales doubled (a wrong-scale bug confined to one expert stack)."""
-    store_as = DeepseekV2Experts.store_as
-    edited: list[DeepseekV2Experts] = []
+    store_as = RoutedExperts.store_as
+    edited: list[RoutedExperts] = []
 
-    def store_doubled(self: DeepseekV2Experts, weight_format: str,
+    def store_doubled(self: RoutedExperts, weight_format: str,
                       group_size: int | None = None) -> None:
         store_as(self, weight_format, group_size)
         if not edited:
@@ -138,11 +138,11 @@ def test_an_int8_export_with_one_layers_scales_doubled_is_refused(
                 self.gate_up_scale.mul_(2.0)
             edited.append(self)
 
-    monkeypatch.setattr(DeepseekV2Experts, "store_as", store_doubled)
+    monkeypatch.setattr(RoutedExperts, "store_as", store_doubled)
     with pytest.raises(ParityError, match=r"exported model does not match PyTorch: .*"
                        r"openvino output 'logits': \d+ of 38 rows within 0.06 of the output's "
                        r"scale \(required: 90%\)") as info:
-        export_deepseek(TINY_MOE_DIR, tmp_path / "out", weights="int8")
+        export_lm(TINY_MOE_DIR, tmp_path / "out", weights="int8")
     assert edited
     (logits,) = [s for s in row_shares(info.value.figures) if s.output == "logits"]
     assert not logits.passed and logits.rows_within < 0.5 * logits.rows

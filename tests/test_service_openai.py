@@ -17,7 +17,7 @@ import pytest
 from deepseek_harness import greedy_reference
 from service_harness import chat_tokenizer, start_server, stop_server
 
-from numaov.models.deepseek import DeepseekV2
+from numaov.models.deepseek_v2 import DeepseekV2
 from numaov.runtime.service.chat_template import load_chat_template
 
 pytestmark = pytest.mark.slow  # a real server with rank workers on the exported tiny model

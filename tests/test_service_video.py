@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from service_harness import start_server, stop_server
 
-from numaov.runtime.video_output import to_uint8
-from numaov.runtime.wan_pipeline import WanSampleRequest
-from numaov.runtime.wan_video import run_wan_pipeline
+from numaov.runtime.wan.pipeline import run_wan_pipeline
+from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.video_output import to_uint8
 
 pytestmark = pytest.mark.slow  # a real server with rank workers and a Wan pipeline
 

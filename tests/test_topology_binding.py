@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from numaov.runtime.binding import (
+from numaov.runtime.placement.binding import (
     BIND_ENV,
     PER_NODE,
     SPLIT,
@@ -22,7 +22,7 @@ from numaov.runtime.binding import (
     memory_bind_nodes,
     plan_for_ranks,
 )
-from numaov.runtime.topology import (
+from numaov.runtime.placement.topology import (
     IsaFlags,
     NumaNode,
     ShmSpace,
@@ -226,10 +226,10 @@ TWO_NODES = fake_topology({0: (0, 1, 2, 3), 1: (4, 5, 6, 7)})
 
 
 def test_fewer_nodes_than_ranks_splits_the_allowed_cpus_and_says_so(caplog, monkeypatch) -> None:
-    from numaov.runtime import binding
+    from numaov.runtime.placement import binding
 
     monkeypatch.setattr(binding, "_warned_splits", set())
-    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.placement.binding"):
         plan = plan_for_ranks(2, env={}, topology=ONE_NODE)
         # Planned again (the demo's second backend, a service's restart): said once.
         assert plan_for_ranks(2, env={}, topology=ONE_NODE) == plan
@@ -243,7 +243,7 @@ def test_fewer_nodes_than_ranks_splits_the_allowed_cpus_and_says_so(caplog, monk
 
 
 def test_as_many_nodes_as_ranks_gives_one_rank_per_node_without_a_warning(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.placement.binding"):
         plan = plan_for_ranks(2, env={}, topology=TWO_NODES)
         assert plan_for_ranks(1, env={}, topology=TWO_NODES).ranks[0].cpus == (0, 1, 2, 3)
     assert plan.source == PER_NODE
@@ -254,7 +254,7 @@ def test_as_many_nodes_as_ranks_gives_one_rank_per_node_without_a_warning(caplog
 
 
 def test_a_bind_string_decides_whatever_the_nodes(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.placement.binding"):
         plan = plan_for_ranks(3, env={BIND_ENV: "0|1|2-3"}, topology=ONE_NODE)
     assert plan.source == BIND_ENV
     assert [b.cpus for b in plan.ranks] == [(0,), (1,), (2, 3)]
@@ -297,7 +297,7 @@ def test_the_entry_count_is_checked_after_the_entries() -> None:
 def test_work_in_this_process_still_checks_a_set_bind_string(caplog, two_cpus) -> None:
     with pytest.raises(BindingError, match=r"entry 1 \('x'\)"):
         check_bind_string("sampling", env={BIND_ENV: f"{two_cpus[0]}|x"})
-    with caplog.at_level(logging.WARNING, logger="numaov.runtime.binding"):
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.placement.binding"):
         check_bind_string("sampling", env={})
         assert caplog.records == []
         check_bind_string("sampling", env={BIND_ENV: f"{two_cpus[0]}"})

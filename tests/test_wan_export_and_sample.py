@@ -22,9 +22,9 @@ from numaov.exporter.output_dir import OutputDirError
 from numaov.exporter.parity import TOLERANCES
 from numaov.exporter.wan_export import WanExportError, export_wan
 from numaov.models.builtin import build_tiny_wan
-from numaov.models.wan import WanTransformer
+from numaov.models.wan.transformer import WanTransformer
 from numaov.runtime.manifest_reader import ModelDirError, read_manifest
-from numaov.runtime.wan_pipeline import (
+from numaov.runtime.wan.sampler import (
     SamplerInputError,
     WanSampleRequest,
     flow_match_sigmas,
@@ -234,7 +234,7 @@ def test_truncated_ir_is_one_line_naming_the_file(wan: dict, tmp_path: Path) -> 
                         "--quiet")
         # Two workers on a one-node machine also get the warning that the CPUs are split.
         lines = [line for line in proc.stderr.strip().splitlines()
-                 if not line.startswith("WARNING numaov.runtime.binding")]
+                 if not line.startswith("WARNING numaov.runtime.placement.binding")]
         assert proc.returncode == 1 and len(lines) == 1, proc.stderr
         assert f"model.bin' is {size // 2:,} bytes; the export wrote {size:,} bytes" in lines[0]
     assert not (tmp_path / "x.npy").exists()
@@ -474,7 +474,7 @@ def test_first_frame_conditioning_matches_diffusers_ti2v_loop(wan: dict, ti2v: d
     from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
     from numaov.models.checkpoint import load_safetensors_state_dict
-    from numaov.models.wan import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+    from numaov.models.wan.transformer import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
     checkpoint = wan["checkpoint"]
     config = json.loads((checkpoint / "config.json").read_text())

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from numaov import NumaovError
 from numaov.models.builtin import TINY_WAN_CONFIG, build_tiny_wan
 from numaov.models.checkpoint import CheckpointError, load_safetensors_state_dict
-from numaov.models.wan import (
+from numaov.models.wan.transformer import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     WanConfigError,

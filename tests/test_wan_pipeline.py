@@ -15,9 +15,9 @@ import pytest
 import torch
 from wan_pipeline_harness import diffusers_tiling, one_line_error
 
-from numaov.runtime.wan_pipeline import WanSampleRequest
-from numaov.runtime.wan_vae import VaeTiling
-from numaov.runtime.wan_video import MAX_TEXT_TOKENS, read_pipeline, run_wan_pipeline
+from numaov.runtime.wan.pipeline import MAX_TEXT_TOKENS, read_pipeline, run_wan_pipeline
+from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.vae import VaeTiling
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
 
@@ -205,9 +205,9 @@ def test_vae_caches_pass_as_bf16_tensors_at_bf16(pipeline: dict) -> None:
     next-frame graph twice on its own caches, on the two requests in turn)."""
     import openvino as ov
 
-    from numaov.runtime.chunk_loop import CACHE_PREFIXES
-    from numaov.runtime.wan_vae import VaeDecoder
-    from numaov.runtime.wan_video import VAE_FIRST_FRAME, VAE_NEXT_FRAME
+    from numaov.runtime.wan.chunk_loop import CACHE_PREFIXES
+    from numaov.runtime.wan.pipeline import VAE_FIRST_FRAME, VAE_NEXT_FRAME
+    from numaov.runtime.wan.vae import VaeDecoder
 
     components = read_pipeline(pipeline["export"]).components
     first, following = components[VAE_FIRST_FRAME], components[VAE_NEXT_FRAME]

@@ -24,15 +24,15 @@ from wan_pipeline_harness import (
 
 from numaov.exporter.wan_export import export_wan
 from numaov.exporter.wan_pipeline_export import PipelineExportError
-from numaov.runtime.image_input import ImageInputError
-from numaov.runtime.wan_image_condition import first_frame_mask
-from numaov.runtime.wan_pipeline import (
+from numaov.runtime.wan.image_condition import first_frame_mask
+from numaov.runtime.wan.image_input import ImageInputError
+from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
+from numaov.runtime.wan.sampler import (
     DiffusersSchedule,
     SamplerInputError,
     WanSampleRequest,
     run_wan,
 )
-from numaov.runtime.wan_video import read_pipeline, run_wan_pipeline
 
 SEED = 11
 BOUNDARY = 0.9  # Wan 2.2 I2V A14B's model_index.json

@@ -16,13 +16,13 @@ from wan_pipeline_harness import (
     write_image,
 )
 
-from numaov.runtime.wan_pipeline import WanSampleRequest
-from numaov.runtime.wan_vae import VaeGeometry, VaeTiling
-from numaov.runtime.wan_video import (
+from numaov.runtime.wan.pipeline import (
     VAE_FIRST_FRAME,
     read_pipeline,
     run_wan_pipeline,
 )
+from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.vae import VaeGeometry, VaeTiling
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
 
@@ -100,7 +100,7 @@ def test_tiled_vae_equals_diffusers(ti2v: dict, tmp_path) -> None:
 
 
 def test_sizes_follow_the_16x_vae(ti2v: dict, tmp_path) -> None:
-    from numaov.runtime.wan_pipeline import SamplerInputError
+    from numaov.runtime.wan.sampler import SamplerInputError
 
     with pytest.raises(SamplerInputError, match=r"height=40; expected a multiple of 32 "
                                                 r"\(VAE factor 16 x patch size 2\)"):
@@ -162,8 +162,8 @@ def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
     assert proc.stderr.strip().splitlines() == [
         f"numaov: error: --image: image {str(tmp_path / 'small.png')!r} is 32x32 pixels; "
         "expected the video's 64x32 (width x height)"]
-    from numaov.runtime.image_input import ImageInputError
-    from numaov.runtime.wan_pipeline import SamplerInputError
+    from numaov.runtime.wan.image_input import ImageInputError
+    from numaov.runtime.wan.sampler import SamplerInputError
 
     (tmp_path / "broken.png").write_bytes(b"not an image")
     with pytest.raises(ImageInputError, match="cannot read .*broken.png.* as an image"):
@@ -188,7 +188,7 @@ def test_served_videos_take_the_first_frame_as_input_reference(ti2v: dict, tmp_p
     from PIL import Image, ImageSequence
     from service_harness import start_server, stop_server
 
-    from numaov.runtime.video_output import to_uint8
+    from numaov.runtime.wan.video_output import to_uint8
 
     frames, height, width = SIZES[0]
     image = write_image(tmp_path / "first.png", height, width)

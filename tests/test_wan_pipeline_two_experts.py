@@ -11,8 +11,8 @@ import pytest
 import torch
 from wan_pipeline_harness import export_tiny_pipeline
 
-from numaov.runtime.wan_pipeline import DiffusersSchedule, WanSampleRequest
-from numaov.runtime.wan_video import read_pipeline, run_wan_pipeline
+from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
+from numaov.runtime.wan.sampler import DiffusersSchedule, WanSampleRequest
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
 

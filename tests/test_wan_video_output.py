@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numaov.runtime.video_output import VideoOutputError, output_format, to_uint8, write_video
+from numaov.runtime.wan.video_output import VideoOutputError, output_format, to_uint8, write_video
 
 # 5 frames at 32x48 (H x W): odd count, non-square.
 FRAMES = np.random.default_rng(0).uniform(0, 1, (5, 32, 48, 3)).astype(np.float32)

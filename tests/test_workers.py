@@ -7,9 +7,9 @@ import os
 import pytest
 
 from numaov import NumaovError
-from numaov.runtime.binding import BindingPlan
-from numaov.runtime.topology import read_topology
-from numaov.runtime.workers import WorkerContext, WorkerError, run_on_ranks
+from numaov.runtime.placement.binding import BindingPlan
+from numaov.runtime.placement.topology import read_topology
+from numaov.runtime.placement.workers import WorkerContext, WorkerError, run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawned worker processes
 

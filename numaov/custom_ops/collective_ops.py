@@ -4,7 +4,7 @@
 The third face, the OpenVINO ops that run those nodes, is C++ (``csrc/collective_ops.cpp``,
 loaded with :func:`numaov.custom_ops.add_extension`). All three faces move data through the
 same shared-memory communicator, found by *group name* in the one process-wide registry (the
-C++ one, which :func:`numaov.custom_ops.collectives.find_communicator` reads from Python and
+C++ one, which :func:`numaov.distributed.communicator.find_communicator` reads from Python and
 ``numaov::find_communicator`` from C++): the name is the only process-group state that crosses an
 op boundary, so a traced graph, an ONNX file and an IR hold no handle and run unchanged on every
 rank.
@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from numaov import NumaovError
-from numaov.custom_ops.collectives import CollectiveError, Communicator, find_communicator
 from numaov.custom_ops.moe_ops import MOE_DOMAIN
+from numaov.distributed.communicator import CollectiveError, Communicator, find_communicator
 
 if TYPE_CHECKING:
     import onnx

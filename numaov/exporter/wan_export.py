@@ -178,7 +178,7 @@ def _export_into(
     timestep: str,
     report: Callable[[str], None],
 ) -> ExportManifest:
-    from numaov.models.wan import WanTransformer
+    from numaov.models.wan.transformer import WanTransformer
 
     timings: dict[str, float] = {}
 

@@ -3,7 +3,7 @@
 A diffusers pipeline directory (``model_index.json`` beside ``transformer/``, ``text_encoder/``,
 ``vae/``, ``tokenizer/``, ``scheduler/``) becomes one staged export:
 
-- ``text_encoder/``: UMT5's encoder (``numaov.models.wan_components.TextEncoderGraph``);
+- ``text_encoder/``: UMT5's encoder (``numaov.models.wan.components.TextEncoderGraph``);
 - ``transformer/``: the DiT, exactly as ``export_wan`` exports a bare transformer directory;
   ``transformer_2/`` likewise for Wan 2.2 A14B's second expert (the pipeline's
   ``boundary_ratio`` stays in the model index, read by the runtime);
@@ -59,7 +59,7 @@ from numaov.manifest import (
     ExportManifest,
     RankFiles,
 )
-from numaov.models.wan_components import (
+from numaov.models.wan.components import (
     GraphInputs,
     VaeFirstFrameGraph,
     VaeImageEncoderGraph,

@@ -128,11 +128,11 @@ def expert_group_size(weights: str, hidden: int, intermediate: int) -> int | Non
 def store_experts(model: Any, weights: str, group_size: int | None) -> int:
     """Put every routed-expert module of ``model`` in ``weights`` (int8 / int4 only: the float
     formats are stored at conversion); returns how many."""
-    from numaov.models.deepseek import DeepseekV2Experts
+    from numaov.models.layers.experts import RoutedExperts
 
     if weights not in ("int8", "int4"):
         return 0
-    modules = [m for m in model.modules() if isinstance(m, DeepseekV2Experts)]
+    modules = [m for m in model.modules() if isinstance(m, RoutedExperts)]
     for module in modules:
         module.store_as(weights, group_size)
     return len(modules)

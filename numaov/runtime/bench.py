@@ -4,7 +4,7 @@
   round-robin (so load from other processes hits them alike); best and median seconds per
   backend, speed-up against the first backend listed, and each backend's largest difference
   from the first one's output (relative to its largest magnitude).
-- ``bench_deepseek``: greedy generation of a batch of seeded random prompts (each its full
+- ``bench_lm``: greedy generation of a batch of seeded random prompts (each its full
   length) with each backend on the LM engine's long-lived rank workers (``numaov serve``'s),
   after a warm-up generation: prefill and decode time per step of the fastest round, tokens/s, and whether the
   backends generated the same tokens.
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.runtime.binding import check_bind_string
 from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import read_manifest
+from numaov.runtime.placement.binding import check_bind_string
 
 SEED = 0
 
@@ -109,7 +109,7 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
               batch: int = 2, text_length: int = 64, progress: Any = None) -> BenchReport:
     """One Wan forward per backend and round at ``frames`` x ``height`` x ``width`` pixels
     (batch 2 = a guidance pair by default)."""
-    from numaov.runtime.wan_pipeline import BACKENDS, latent_shape, open_denoiser, video_tokens
+    from numaov.runtime.wan.sampler import BACKENDS, latent_shape, open_denoiser, video_tokens
 
     report = progress or (lambda _msg: None)
     chosen = _check_backends(backends, BACKENDS)
@@ -160,15 +160,15 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
     return BenchReport(what, [rows[b] for b in chosen], settings=settings)
 
 
-def bench_deepseek(model_dir: str | Path, backends: Sequence[str] = ("torch", "openvino"), *,
+def bench_lm(model_dir: str | Path, backends: Sequence[str] = ("torch", "openvino"), *,
                    batch: int = 4, prompt_length: int = 32, max_new_tokens: int = 8,
                    rounds: int = 2, progress: Any = None) -> BenchReport:
     """Greedy generation of ``batch`` seeded prompts per backend on long-lived rank workers
     (``numaov serve``'s): one untimed warm-up generation, then ``rounds`` timed ones. The
     backends run one after the other, so only one backend's workers hold the model at a
     time."""
-    from numaov.runtime.lm_engine import BACKENDS, SamplingParams, open_lm_manifest
-    from numaov.runtime.lm_service import LMService
+    from numaov.runtime.lm.engine import BACKENDS, SamplingParams, open_lm_manifest
+    from numaov.runtime.service.lm_service import LMService
 
     if "onnxruntime" in [b.strip() for b in backends]:
         raise BenchInputError("onnxruntime cannot run the DeepSeek rank graphs (they hold "

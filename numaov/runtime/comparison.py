@@ -2,7 +2,7 @@
 
 `max_rel_error` is numaov's parity measure (the largest absolute difference relative to the
 reference's largest magnitude). `SampleComparison` compares two `run_wan` results of one
-request, `GenerationComparison` two `run_deepseek` results of the same prompts; each
+request, `GenerationComparison` two `run_lm` results of the same prompts; each
 returns its figures as properties and as lines of text (``lines()``) for whoever prints them.
 """
 
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from numaov.runtime.lm_engine import GenerationResult
-    from numaov.runtime.wan_pipeline import SampleResult
+    from numaov.runtime.lm.engine import GenerationResult
+    from numaov.runtime.wan.sampler import SampleResult
 
 # Below this magnitude the reference counts as zero (no division by it).
 _TINY = 1e-12

@@ -12,8 +12,8 @@ from typing import Any
 
 import numaov
 from numaov import NumaovError
-from numaov.runtime.binding import BindingPlan
-from numaov.runtime.topology import Topology, format_cpu_list, read_topology
+from numaov.runtime.placement.binding import BindingPlan
+from numaov.runtime.placement.topology import Topology, format_cpu_list, read_topology
 
 REPORT_KEYS = (
     "numaov_version", "python", "topology", "isa", "binding_plan", "openvino", "extension",
@@ -117,7 +117,7 @@ def _moe_info() -> dict[str, Any]:
 
 def _shm_needed(world_size: int) -> int | None:
     try:
-        from numaov.custom_ops.collectives import shm_bytes_needed
+        from numaov.distributed.communicator import shm_bytes_needed
     except ImportError:
         return None
     return shm_bytes_needed(world_size)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from numaov.models.deepseek import DeepseekV2, DeepseekV2Config, DeepseekV2Router
+from numaov.models.deepseek_v2 import DeepseekV2, DeepseekV2Config
+from numaov.models.layers.router import Router
 
 TINY_DEEPSEEK_CONFIG = DeepseekV2Config(
     vocab_size=512,
@@ -78,7 +79,7 @@ def init_tiny_weights(model: DeepseekV2, generator: torch.Generator) -> None:
                 fan_in = param.shape[-1]
                 param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
         for module in model.modules():
-            if isinstance(module, DeepseekV2Router):
+            if isinstance(module, Router):
                 module.weight.mul_(4.0)
 
 

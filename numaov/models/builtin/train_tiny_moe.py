@@ -28,7 +28,7 @@ from numaov.models.builtin.training_run import (
     set_up_threads,
     training_main,
 )
-from numaov.models.deepseek import DeepseekV2, DeepseekV2Config
+from numaov.models.deepseek_v2 import DeepseekV2, DeepseekV2Config
 
 DEFAULT_OUT = Path(__file__).parent / "tiny-moe"
 VOCAB_SIZE = 1024

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from numaov.models.wan import (
+from numaov.models.wan.transformer import (
     CONFIG_NAME,
     DIFFUSERS_CLASS_NAME,
     WEIGHTS_NAME,

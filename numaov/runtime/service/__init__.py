@@ -12,5 +12,5 @@
 - :mod:`~numaov.runtime.service.metrics`: the Prometheus metrics;
 - :mod:`~numaov.runtime.service.server`: the socket and uvicorn.
 
-The models themselves live beside the runtime they use (:mod:`numaov.runtime.lm_service`).
+The models themselves live beside the runtime they use (:mod:`numaov.runtime.service.lm_service`).
 """

@@ -21,7 +21,7 @@ from numaov.runtime.service.metrics import ServiceMetrics
 def build_app(service: Any = None, model_name: str = "", tokenizer: Any = None, *,
               template: ChatTemplate | None = None, options: ServiceOptions | None = None,
               video: Any = None) -> Any:
-    """The application serving ``service`` (an :class:`~numaov.runtime.lm_service.LMService`,
+    """The application serving ``service`` (an :class:`~numaov.runtime.service.lm_service.LMService`,
     or None) under ``model_name`` and ``video`` (a
     :class:`~numaov.runtime.service.video_routes.VideoService`, or None)."""
     from fastapi import FastAPI

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from numaov.runtime.lm_sequence import GenerationInputError, SamplingParams, check_prompt
+from numaov.runtime.lm.sequence import GenerationInputError, SamplingParams, check_prompt
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 

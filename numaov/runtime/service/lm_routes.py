@@ -24,9 +24,9 @@ from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotation here
 
-from numaov.runtime.lm_engine import Completion, LMEngine, StreamEvent
-from numaov.runtime.lm_ranks import RankWorkersError, RankWorkersRestarting
-from numaov.runtime.lm_sequence import GenerationInputError
+from numaov.runtime.lm.engine import Completion, LMEngine, StreamEvent
+from numaov.runtime.lm.ranks import RankWorkersError, RankWorkersRestarting
+from numaov.runtime.lm.sequence import GenerationInputError
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 from numaov.runtime.service.http_common import (

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from numaov.runtime.lm_service import ServiceError
+from numaov.runtime.service.lm_service import ServiceError
 
 GIL_SWITCH_S = 0.0005
 

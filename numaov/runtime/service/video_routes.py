@@ -16,7 +16,7 @@
 - ``GET /v1/videos/{id}/content`` and ``GET /v1/images/{id}/content``: a result's file, kept
   for the server's life (the last ``KEPT_RESULTS``); the ``url`` answers point there.
 
-Each image or video is one :func:`numaov.runtime.wan_video.run_wan_pipeline` call (choice
+Each image or video is one :func:`numaov.runtime.wan.pipeline.run_wan_pipeline` call (choice
 ``j`` with ``seed + j``), run one at a time on the pipeline's own thread: requests queue
 (429 beyond ``--max-queue`` waiting), each graph compiled by the first generation that runs it
 and kept (``manifest_reader.keep_compiled``). The pipeline runs in the server's process on the
@@ -46,7 +46,7 @@ from fastapi import Request  # at module level: FastAPI resolves the handler's a
 from numaov import NumaovError
 from numaov.runtime.service.errors import RequestError
 from numaov.runtime.service.http_common import ServiceOptions, error_response, read_json
-from numaov.runtime.video_output import DEFAULT_FPS
+from numaov.runtime.wan.video_output import DEFAULT_FPS
 
 IMAGES = "/v1/images/generations"
 VIDEOS = "/v1/videos"
@@ -129,7 +129,7 @@ def _input_reference(value: Any) -> bytes:
 def check_input_reference(job: VideoJob) -> None:
     """The reference is an image of the video's size (read from its header; then decoded
     once, so that a corrupt one is refused before it queues)."""
-    from numaov.runtime.image_input import ImageInputError, read_image
+    from numaov.runtime.wan.image_input import ImageInputError, read_image
 
     try:
         read_image(io.BytesIO(job.image), job.height, job.width, name="input_reference")
@@ -218,7 +218,7 @@ class VideoService:
 
     def __init__(self, model_dir: str | Path, model_name: str, backend: str = "openvino",
                  limits: VideoLimits | None = None) -> None:
-        from numaov.runtime.wan_video import read_pipeline
+        from numaov.runtime.wan.pipeline import read_pipeline
 
         self.pipeline = read_pipeline(model_dir)  # checked now: a bad export fails at start
         self.model_dir = Path(model_dir)
@@ -263,8 +263,8 @@ class VideoService:
 
     def _generate(self, job: VideoJob, seed: int) -> tuple[bytes, str]:
         from numaov.runtime.manifest_reader import keep_compiled
-        from numaov.runtime.wan_pipeline import WanSampleRequest
-        from numaov.runtime.wan_video import run_wan_pipeline
+        from numaov.runtime.wan.pipeline import run_wan_pipeline
+        from numaov.runtime.wan.sampler import WanSampleRequest
 
         with self._lock:
             self._waiting -= 1
@@ -297,7 +297,7 @@ class VideoService:
         """An image for an export that cannot take one, or none for one that needs it, is the
         request's error, said before it queues (and without the server's paths); then the
         image itself."""
-        from numaov.runtime.wan_video import VAE_ENCODER, VAE_ENCODER_NEXT
+        from numaov.runtime.wan.pipeline import VAE_ENCODER, VAE_ENCODER_NEXT
 
         components = self.pipeline.components
         if job.image is not None and VAE_ENCODER not in components:

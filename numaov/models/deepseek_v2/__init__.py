@@ -1,0 +1,89 @@
+"""DeepSeek-V2: multi-head latent attention (MLA) and a shared + routed-expert MoE, with
+data-parallel (DP) attention across ranks.
+
+Parameter names are those of Hugging Face ``DeepseekV2ForCausalLM.state_dict()``
+(transformers 5), so a ``deepseek_v2`` checkpoint directory (``config.json`` +
+``model.safetensors`` or a sharded index) loads with :meth:`DeepseekV2.from_pretrained`. On
+disk, DeepSeek checkpoints keep one tensor per expert
+(``mlp.experts.{e}.gate_proj.weight`` ...); like transformers, the model holds the experts as
+stacks (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``), because
+an expert stack can be indexed by the router's choice inside one graph.
+
+Semantics follow transformers' ``deepseek_v2`` (which follows DeepSeek's own code):
+
+- rope on the ``qk_rope_head_dim`` slice only, adjacent pairs rotated (interleaved layout);
+  yarn scales cos/sin by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` and the
+  softmax scale by ``mscale(factor, mscale_all_dim) ** 2``;
+- the router is fp32: softmax over all experts, then greedy top-k or group-limited top-k
+  (keep the ``topk_group`` groups with the best single expert, top-k inside them);
+- the top-k weights are multiplied by ``routed_scaling_factor``. ``norm_topk_prob=True``
+  instead renormalises them to sum 1 (no scaling) as DeepSeek's own V2 code does;
+  transformers ignores that flag, and every published V2 checkpoint sets it False;
+- layer ``i`` is an MoE layer when ``i >= first_k_dense_replace`` and
+  ``i % moe_layer_freq == 0``, else a dense MLP.
+
+DP attention (``docs/architecture.md``, "DP attention, in one paragraph"). With a
+:class:`DataParallelGroup` of ``dp`` ranks, each rank holds its own sequences and KV cache and
+runs attention (embedding, norms, attention, lm_head: all replicated) on them only. Around
+every MLP and MoE block:
+
+1. the ranks agree on the padded row count ``M = max_r rows_r`` (one all-gather of the counts
+   per forward, at least 1 row so an idle rank's empty batch still has a shape);
+2. each rank pads its normalised rows to ``M`` and ``all_gather_into_tensor`` stacks them:
+   rank r's rows sit at ``r*M ..`` (MAX_LEN layout);
+3. every rank runs its shard of the block on all ``dp*M`` rows: a partial sum;
+4. ``reduce_scatter_tensor`` sums the partials and hands rank r rows ``r*M ..``; it keeps its
+   first ``rows_r`` and adds its residual. There is no all-reduce anywhere: an all-reduce
+   before the reduce-scatter would count every partial ``dp`` times.
+
+Sharding is along the intermediate dim (dense MLP, shared experts, and inside every routed
+expert), not by expert. Why: with an intermediate split every rank does exactly ``1/dp`` of
+every token's work whatever the router picks, and the shapes stay data-independent (one graph,
+no token dispatch); an expert split makes the busiest rank's experts set the step time and
+needs a data-dependent dispatch of tokens to the rank owning each expert. The router is
+replicated: every rank routes the same gathered rows with the same fp32 weights, so all ranks
+pick the same experts. ``--dp`` must therefore divide ``intermediate_size``,
+``moe_intermediate_size`` and ``n_shared_experts * moe_intermediate_size``
+(:func:`check_dp_divides`). The model calls the collectives of
+:mod:`numaov.custom_ops.collective_ops` by group name only; which transport (gloo,
+shared memory, the OpenVINO extension op) serves the group is not its concern.
+
+The package, one concern per module: ``config`` (the config and its rope / yarn keys),
+``sharding`` (the DP group and the weight split), ``checkpoint_layout`` (per-expert files <->
+expert stacks), then the building blocks bottom up (``norm``, ``rope``, ``attention``,
+``mlp``, ``experts``, ``moe``, ``decoder``) and ``causal_lm`` (the model: load, save, the
+cached step and the pooled step the exporter traces). Generation (scheduling, sampling, the
+cache pool) is the runtime's: :mod:`numaov.runtime.lm.engine`.
+"""
+
+# Names in __all__ are the interface; the ones imported "as" themselves are the building blocks,
+# importable from here as they were before the package split (tests, benchmarks, builtin/).
+from numaov.models.deepseek_v2.attention import LATENT_NORM_EPS as LATENT_NORM_EPS
+from numaov.models.deepseek_v2.attention import DeepseekV2Attention as DeepseekV2Attention
+from numaov.models.deepseek_v2.causal_lm import DeepseekV2, DeepseekV2Step
+from numaov.models.deepseek_v2.checkpoint_layout import WEIGHTS_INDEX_NAME as WEIGHTS_INDEX_NAME
+from numaov.models.deepseek_v2.checkpoint_layout import WEIGHTS_NAME as WEIGHTS_NAME
+from numaov.models.deepseek_v2.checkpoint_layout import (
+    checkpoint_to_model_state_dict,
+    model_to_checkpoint_state_dict,
+)
+from numaov.models.deepseek_v2.config import DeepseekConfigError, DeepseekV2Config
+from numaov.models.deepseek_v2.decoder import DeepseekV2DecoderLayer as DeepseekV2DecoderLayer
+from numaov.models.deepseek_v2.decoder import DeepseekV2Model as DeepseekV2Model
+from numaov.models.deepseek_v2.moe import DeepseekV2MoE as DeepseekV2MoE
+from numaov.models.deepseek_v2.moe import deepseek_v2_router as deepseek_v2_router
+from numaov.models.deepseek_v2.sharding import check_dp_divides, shard_state_dict
+from numaov.models.layers.data_parallel import DataParallelGroup, ShardError
+
+__all__ = [
+    "DataParallelGroup",
+    "DeepseekConfigError",
+    "DeepseekV2",
+    "DeepseekV2Config",
+    "DeepseekV2Step",
+    "ShardError",
+    "check_dp_divides",
+    "checkpoint_to_model_state_dict",
+    "model_to_checkpoint_state_dict",
+    "shard_state_dict",
+]

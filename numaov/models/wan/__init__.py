@@ -1,0 +1,1 @@
+"""numaov.models.wan.transformer"""

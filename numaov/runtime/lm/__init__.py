@@ -1,0 +1,1 @@
+"""numaov.runtime.lm"""
