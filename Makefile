@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.numaov-installed
 # Reinstall (and so rebuild the native library) when any of these change.
-NATIVE_INPUTS := pyproject.toml CMakeLists.txt $(wildcard numaov/custom_ops/csrc/*)
+NATIVE_INPUTS := pyproject.toml CMakeLists.txt $(shell find numaov/custom_ops/csrc -type f)
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-fast bench clean

@@ -20,7 +20,7 @@ Fields:
 - ``precision``: ``"f32"`` or ``"bf16"``; ``inference_precision`` is the OpenVINO
   ``INFERENCE_PRECISION_HINT`` the runtime must compile the IR with.
 - ``weights``: the format the IR stores its weights in, ``WEIGHT_FORMATS`` (``"f32"``,
-  ``"bf16"``, ``"int8"``, ``"int4"``; DeepSeek exports: the routed experts in numaov's MoE op
+  ``"bf16"``, ``"int8"``, ``"int4"``; language-model exports: the routed experts in numaov's MoE op
   and, for int8 / int4, the other layers through NNCF); ``weights_group_size`` the int4 scale
   group (values per scale; null: one scale per output channel). Null in exports from before
   the field (and in Wan exports): the weights are in ``precision``.

@@ -409,7 +409,7 @@ def test_eight_ranks_all_ops_exact() -> None:
 # ---------------------------------------------------------------------------------------------
 
 ONESHOT_BYTES = 64 << 10  # a non-default one-shot limit (f32), set on every rank
-SECOND_COPY_BLOCK_BYTES = 8 << 10  # kSecondCopyBlockBytes in csrc/reduce_kernels.cpp
+SECOND_COPY_BLOCK_BYTES = 8 << 10  # kSecondCopyBlockBytes in csrc/kernels/reduce_kernels.cpp
 
 
 def _boundary_worker(rank: int, world: int, args: dict) -> list[str]:

@@ -26,7 +26,7 @@ import torch
 from test_moe_op import BF16_TOL, _compiled, _feeds, _reference, _rel
 
 from numaov.custom_ops.moe_ops import kernel_unavailable_reason
-from numaov.custom_ops.native import native_module
+from numaov.native import native_module
 
 AMX_MISSING = native_module().amx_unavailable_reason() or kernel_unavailable_reason("bf16")
 pytestmark = pytest.mark.skipif(bool(AMX_MISSING), reason=f"needs AMX tiles: {AMX_MISSING}")

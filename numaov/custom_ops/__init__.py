@@ -20,7 +20,7 @@ from numaov.custom_ops.fallback_ops import (
     scale_residual_norm_scale_shift,
 )
 from numaov.custom_ops.moe_ops import MoeOpError, moe_experts
-from numaov.custom_ops.native import add_extension, library_path
+from numaov.native import add_extension, library_path
 from numaov.custom_ops.openvino_compile import CompiledIR, CompileError, compile_ir
 from numaov.manifest import LOWERINGS
 

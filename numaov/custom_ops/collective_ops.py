@@ -1,7 +1,7 @@
 """Collectives as ops: the eager face (``torch.library`` ops) and the ONNX face (nodes in domain
 ``numaov.collective``) of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``.
 
-The third face, the OpenVINO ops that run those nodes, is C++ (``csrc/collective_ops.cpp``,
+The third face, the OpenVINO ops that run those nodes, is C++ (``csrc/ops/collective_ops.cpp``,
 loaded with :func:`numaov.custom_ops.add_extension`). All three faces move data through the
 same shared-memory communicator, found by *group name* in the one process-wide registry (the
 C++ one, which :func:`numaov.distributed.communicator.find_communicator` reads from Python and

@@ -3,7 +3,7 @@
 OpenVINO 2026.4 runs a non-causal ``ScaledDotProductAttention`` outside stateful LLM graphs
 as its generic MHA snippet; at video-DiT lengths on AMX, numaov's kernel is faster than both
 it and PyTorch's CPU flash attention (figures in benchmarks/RESULTS.md). numaov's
-``FlashAttention`` extension op (``csrc/flash_attention.cpp``) runs it on AMX tiles with an
+``FlashAttention`` extension op (``csrc/kernels/flash_attention.cpp``) runs it on AMX tiles with an
 online softmax.
 
 The exporter never writes the op: an IR stays plain OpenVINO and runs anywhere. The runtime
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.custom_ops.native import library_path, native_module
+from numaov.native import library_path, native_module
 
 ATTENTION_ENV = "NUMAOV_ATTENTION"
 ATTENTION_SETTINGS = ("auto", "numaov", "openvino")

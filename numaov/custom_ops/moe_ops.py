@@ -17,13 +17,13 @@ with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then 
   :func:`moe_translation_table` for a captured program (what ``numaov.exporter`` does) and
   by ``torch.onnx.ops.symbolic`` when ``torch.onnx.export`` traces the public function.
   ONNX Runtime has no kernel for it: ``check_onnxruntime_can_run`` refuses such a graph.
-- **OpenVINO**: the extension op ``MoeExperts`` (``csrc/moe_op.cpp``, kernel in
-  ``csrc/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
+- **OpenVINO**: the extension op ``MoeExperts`` (``csrc/ops/moe_op.cpp``, kernel in
+  ``csrc/kernels/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
   products, int8 / int4 weights widened and scaled as they are read; cost proportional to the
   routed rows.
 
 Weight formats (``WEIGHT_FORMATS``; :func:`quantize_experts` writes them, the layout is drawn
-in ``csrc/moe_kernels.hpp``): ``f32`` and ``bf16`` stacks as they are; ``int8``: int8 stacks
+in ``csrc/kernels/moe_kernels.hpp``): ``f32`` and ``bf16`` stacks as they are; ``int8``: int8 stacks
 plus f32 scales ``[E, rows, groups]`` (symmetric, ``q = round(w / scale)``, one group per
 output channel by default); ``int4``: uint8 stacks holding two values per byte (the last dim
 halved) plus f32 scales per group of 32 / 64 / 128 values. The scales are two more inputs of
@@ -276,7 +276,7 @@ def quantize_experts(stack: Tensor, weight_format: str, group_size: int | None =
     channel). ``int4``: symmetric, ``scale = max|w| / 7`` per group of ``group_size`` values
     (default: :func:`int4_group_size`), ``q`` in [-8, 7] stored as ``q + 8``, two per byte:
     each block of 32 values is 16 bytes, low nibbles the first 16 values, high nibbles the
-    next 16 (``csrc/moe_kernels.hpp``).
+    next 16 (``csrc/kernels/moe_kernels.hpp``).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise MoeOpError(f"weight format {weight_format!r}; expected one of "
@@ -326,7 +326,7 @@ def dequantize_experts(stored: Tensor, scales: Tensor | None) -> Tensor:
 def kernel_unavailable_reason(weight_format: str) -> str:
     """Why the OpenVINO op's kernel cannot run weights of ``weight_format`` on this CPU
     (``""`` when it can): it needs AVX-512, and AVX512-BF16 for bf16 weights."""
-    from numaov.custom_ops.native import native_module
+    from numaov.native import native_module
 
     return native_module().moe_unavailable_reason(weight_format)
 
@@ -336,7 +336,7 @@ def bf16_kernel() -> dict[str, Any]:
     (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
     ``off``; ``always``): ``{"kernel": "amx" | "avx512_bf16" | None, "amx_min_rows": int |
     None, "reason": str}``. Raises MoeOpError for another setting."""
-    from numaov.custom_ops.native import native_module
+    from numaov.native import native_module
 
     try:
         return dict(native_module().moe_bf16_kernel())

@@ -23,7 +23,7 @@ from typing import Any
 
 from numaov import NumaovError
 from numaov.custom_ops.flash_attention import attention_kernel, swap_attention
-from numaov.custom_ops.native import add_extension
+from numaov.native import add_extension
 
 INFERENCE_PRECISIONS = ("f32", "bf16")
 PRECISION_HINT = "INFERENCE_PRECISION_HINT"

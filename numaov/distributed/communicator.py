@@ -3,13 +3,13 @@
 Two transports share one interface (:class:`Communicator`), so call sites never branch on the
 backend:
 
-- :class:`ShmCommunicator`: numaov's C++ shared-memory communicator (``csrc/communicator.cpp``),
+- :class:`ShmCommunicator`: numaov's C++ shared-memory communicator (``csrc/communicator/communicator.cpp``),
   for ranks on one host. Creating one joins the group (every rank must create it) and registers
   it under its group name.
 - :class:`GlooCommunicator`: ``torch.distributed`` with an existing process group, the reference
   the shared-memory one is tested and benchmarked against.
 
-There is one group registry per process, the C++ one (``csrc/communicator.hpp``): the Python
+There is one group registry per process, the C++ one (``csrc/communicator/communicator.hpp``): the Python
 functions below read and write it, and OpenVINO's collective ops read it, so a name means the
 same communicator everywhere. A :class:`GlooCommunicator` takes its name there too, but
 OpenVINO's ops cannot run on ``torch.distributed``: their lookup of such a name is refused with
@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from numaov import NumaovError
-from numaov.custom_ops.native import native_module
+from numaov.native import native_module
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class CollectiveError(NumaovError):
     """A collective failed (mismatch, timeout, dead peer, bad buffer) or a group is unknown."""
 
 
-# dtype codes of numaov::DType (csrc/communicator.hpp).
+# dtype codes of numaov::DType (csrc/communicator/communicator.hpp).
 _F32, _BF16, _F16 = 0, 1, 2
 # numpy has no bfloat16 of its own; ml_dtypes' is recognised by name.
 _NUMPY_CODES = {"float32": _F32, "bfloat16": _BF16, "float16": _F16}
@@ -251,7 +251,7 @@ class ShmCommunicator(Communicator):
         code = _NUMPY_CODES.get(dtype)
         if code is None:
             raise CollectiveError(f"dtype {dtype!r}; expected {_EXPECTED_DTYPES}")
-        # The 16-bit limit is the f32 one over kOneshot16Divisor (csrc/shm_communicator.hpp).
+        # The 16-bit limit is the f32 one over kOneshot16Divisor (csrc/communicator/shm_communicator.hpp).
         oneshot_bytes = self._comm.oneshot_bytes // (1 if code == _F32 else _ONESHOT_16_DIVISOR)
         limits = {"oneshot_elements": oneshot_bytes // (4 if code == _F32 else 2)}
         for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
@@ -377,7 +377,7 @@ class GlooCommunicator(Communicator):
 def shm_bytes_needed(world_size: int) -> int | None:
     """Bytes of /dev/shm a `world_size`-rank group takes (with ``$NUMAOV_COLL_BUFFER_BYTES``),
     or None when the native library is not available to say."""
-    from numaov.custom_ops.native import NativeLibraryError
+    from numaov.native import NativeLibraryError
 
     try:
         return int(_native().segment_bytes(int(world_size)))
@@ -387,7 +387,7 @@ def shm_bytes_needed(world_size: int) -> int | None:
 
 # ---------------------------------------------------------------------------------------------
 # Registry: group name -> communicator, for ops that only carry a group name. It is the C++
-# registry (csrc/communicator.hpp), shared with OpenVINO's collective ops; nothing is kept here.
+# registry (csrc/communicator/communicator.hpp), shared with OpenVINO's collective ops; nothing is kept here.
 # ---------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """torch -> ONNX through the dynamo exporter, with numaov's ops and external weights.
 
-Every numaov model goes through here (the Wan DiT once, DeepSeek once per rank), so
+Every numaov model goes through here (the Wan DiT once, a language model once per rank), so
 the three things that must always hold are in one place:
 
 - the exporter gets numaov's ``custom_translation_table``, so the fallback ops become

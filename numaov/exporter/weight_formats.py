@@ -1,4 +1,4 @@
-"""The weight formats a DeepSeek export can store (``numaov export deepseek --weights``).
+"""The weight formats a language-model export can store (``numaov export lm --weights``).
 
 - ``f32``: as trained.
 - ``bf16``: every large weight constant stored bf16 (``openvino_convert``); the routed experts
@@ -11,9 +11,10 @@
   kernel reads them in place. Every other matmul and the embeddings are compressed on the
   converted ``openvino.Model`` by NNCF's ``compress_weights`` (``INT8_SYM`` / ``INT4_SYM`` with
   the same group size), which OpenVINO's CPU plugin runs as weight-compressed
-  ``FullyConnected`` nodes; the embedding lookup stays f32 (see ``compress_other_weights``). The router stays f32, as in PyTorch (a rounded router flips
-  near-tied experts): its matmuls, found as those whose constant weight has
-  ``n_routed_experts`` rows, go into NNCF's ``ignored_scope``.
+  ``FullyConnected`` nodes; the embedding lookup stays f32 (see ``compress_other_weights``).
+  The router stays f32, as in PyTorch (a rounded router flips
+  near-tied experts): its matmuls, found as those whose constant weight has as many rows as the
+  family has routed experts (``LMFamily.expert_shape``), go into NNCF's ``ignored_scope``.
 
 The parity check at export compares against the f32 PyTorch model. bf16 keeps the whole-output
 criterion (bf16 inference's tolerance). int8 / int4 are checked per row (``parity`` module

@@ -4,7 +4,7 @@ A checkpoint directory holds ``config.json`` plus either one
 ``<weights_name>`` safetensors file or a ``<index_name>`` JSON index whose
 ``weight_map`` maps every tensor name to the shard file that holds it
 (what ``save_pretrained(max_shard_size=...)`` writes). Both the Wan DiT and
-the DeepSeek LM load through here, so a broken checkpoint gets the same
+every language-model family load through here, so a broken checkpoint gets the same
 kind of message whichever model it was meant for.
 
 Every tensor read is checked where it is read, with the file it came from:

@@ -72,7 +72,7 @@ def _extension_info() -> dict[str, Any]:
     try:
         import openvino as ov
 
-        from numaov.custom_ops.native import add_extension, library_path
+        from numaov.native import add_extension, library_path
 
         path = library_path()
         add_extension(ov.Core())

@@ -22,19 +22,9 @@ Semantics follow transformers' ``deepseek_v2`` (which follows DeepSeek's own cod
 - layer ``i`` is an MoE layer when ``i >= first_k_dense_replace`` and
   ``i % moe_layer_freq == 0``, else a dense MLP.
 
-DP attention (``docs/architecture.md``, "DP attention, in one paragraph"). With a
-:class:`DataParallelGroup` of ``dp`` ranks, each rank holds its own sequences and KV cache and
-runs attention (embedding, norms, attention, lm_head: all replicated) on them only. Around
-every MLP and MoE block:
-
-1. the ranks agree on the padded row count ``M = max_r rows_r`` (one all-gather of the counts
-   per forward, at least 1 row so an idle rank's empty batch still has a shape);
-2. each rank pads its normalised rows to ``M`` and ``all_gather_into_tensor`` stacks them:
-   rank r's rows sit at ``r*M ..`` (MAX_LEN layout);
-3. every rank runs its shard of the block on all ``dp*M`` rows: a partial sum;
-4. ``reduce_scatter_tensor`` sums the partials and hands rank r rows ``r*M ..``; it keeps its
-   first ``rows_r`` and adds its residual. There is no all-reduce anywhere: an all-reduce
-   before the reduce-scatter would count every partial ``dp`` times.
+DP attention: each rank runs attention on its own sequences and, around every MLP and MoE
+block, the exchange of :mod:`numaov.models.layers.data_parallel` (gather every rank's rows, run
+this rank's shard, reduce-scatter the partial sums).
 
 Sharding is along the intermediate dim (dense MLP, shared experts, and inside every routed
 expert), not by expert. Why: with an intermediate split every rank does exactly ``1/dp`` of
@@ -45,13 +35,13 @@ replicated: every rank routes the same gathered rows with the same fp32 weights,
 pick the same experts. ``--dp`` must therefore divide ``intermediate_size``,
 ``moe_intermediate_size`` and ``n_shared_experts * moe_intermediate_size``
 (:func:`check_dp_divides`). The model calls the collectives of
-:mod:`numaov.custom_ops.collective_ops` by group name only; which transport (gloo,
-shared memory, the OpenVINO extension op) serves the group is not its concern.
+:mod:`numaov.custom_ops.collective_ops` by group name only.
 
-The package, one concern per module: ``config`` (the config and its rope / yarn keys),
-``sharding`` (the DP group and the weight split), ``checkpoint_layout`` (per-expert files <->
-expert stacks), then the building blocks bottom up (``norm``, ``rope``, ``attention``,
-``mlp``, ``experts``, ``moe``, ``decoder``) and ``causal_lm`` (the model: load, save, the
+The package, one concern per module: ``family`` (what the rest of numaov reads:
+:class:`numaov.models.families.LMFamily`), ``config`` (the config and its rope / yarn keys),
+``sharding`` (the weight split), ``checkpoint_layout`` (per-expert files <-> expert stacks),
+then the blocks bottom up (``attention``, ``moe``: the router and experts from the shared
+``numaov.models.layers``, ``decoder``) and ``causal_lm`` (the model: load, save, the
 cached step and the pooled step the exporter traces). Generation (scheduling, sampling, the
 cache pool) is the runtime's: :mod:`numaov.runtime.lm.engine`.
 """

@@ -29,8 +29,9 @@ SELECTIONS = ("greedy", "group_limited_greedy", "noaux_tc")
 class Router(nn.Module):
     """Top-k expert choice per row: ``x [N, H]`` -> ``(ids [N, k] int64, weights [N, k] fp32)``.
 
-    ``renormalize_scaled``: whether ``routed_scaling_factor`` also applies after the
-    renormalisation (DeepSeek-V3 does; DeepSeek-V2 renormalises instead of scaling).
+    ``renormalize_scaled`` picks between the two ways the families combine the flags:
+    DeepSeek-V3's (renormalise when ``norm_topk_prob``, whatever k, then always scale) and
+    DeepSeek-V2's (renormalise when ``norm_topk_prob`` and k > 1, else scale).
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *,
@@ -62,18 +63,17 @@ class Router(nn.Module):
             choice = self._keep_best_groups(choice)
         ids = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
+        if self.renormalize_scaled:
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return ids, weights * self.routed_scaling_factor
         if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            if self.renormalize_scaled:
-                weights = weights * self.routed_scaling_factor
-        else:
-            weights = weights * self.routed_scaling_factor
-        return ids, weights
+            return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.routed_scaling_factor
 
     def _keep_best_groups(self, choice: Tensor) -> Tensor:
-        """``choice [N, E]`` with the experts outside the ``topk_group`` best groups zeroed
-        (DeepSeek's own code masks with 0, so a masked expert can still win a tie with a
-        negative score; the sigmoid and softmax scores here are positive)."""
+        """``choice [N, E]`` with the experts outside the ``topk_group`` best groups at -inf
+        (a bias-corrected score may be negative: a masked 0 could still be chosen)."""
         n = choice.shape[0]
         per_group = self.num_experts // self.n_group
         grouped = choice.view(n, self.n_group, per_group)
@@ -84,4 +84,4 @@ class Router(nn.Module):
         chosen = torch.topk(merit, self.topk_group, dim=-1).indices
         group_mask = torch.zeros_like(merit).scatter(1, chosen, 1.0)
         expert_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, per_group)
-        return choice.masked_fill(expert_mask.reshape(n, self.num_experts) == 0, 0.0)
+        return choice.masked_fill(expert_mask.reshape(n, self.num_experts) == 0, float("-inf"))

@@ -1,7 +1,8 @@
 """The KV cache of every rank: a token pool numaov owns, updated in place.
 
-Each rank holds one pool, ``[layers, capacity_tokens, kv_lora_rank + qk_rope_head_dim]`` f32
-(the MLA cache: per token the normalised latent and the rotated rope key), allocated once when
+Each rank holds one pool, ``[layers, capacity_tokens, width]`` f32, shaped by the export's
+cache layout (``manifest.CacheLayout``, which the model family describes: for MLA, per token the
+normalised latent and the rotated rope key; for GQA, the K and V heads), allocated once when
 the rank starts and passed to the graph as an input that shares the pool's memory (no copy in).
 A step's graph reads the cached tokens of its rows by slot (``past_slots``) and returns only the
 new tokens' entries (``new_key_values``), which the rank writes into their slots (no copy out);

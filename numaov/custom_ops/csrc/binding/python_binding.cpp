@@ -1,7 +1,7 @@
 // Python binding of the numaov native library.
 //
 // The library is not built against torch: collectives take raw addresses,
-// element counts and dtype codes, which numaov/custom_ops/collectives.py
+// element counts and dtype codes, which numaov/distributed/communicator.py
 // computes from numpy arrays or torch tensors (bf16 tensors have no numpy
 // dtype, so addresses come from data_ptr()). Blocking calls release the GIL.
 #include <pybind11/pybind11.h>
@@ -10,20 +10,22 @@
 #include <cstdint>
 #include <vector>
 
-#include "amx.hpp"
-#include "communicator.hpp"
-#include "flash_attention.hpp"
-#include "moe_kernels.hpp"
-#include "reduce_kernels.hpp"
-#include "shm_communicator.hpp"
-#include "shm_segment.hpp"
+#include "common/amx.hpp"
+#include "common/types.hpp"
+#include "communicator/communicator.hpp"
+#include "communicator/shm_communicator.hpp"
+#include "communicator/shm_segment.hpp"
+#include "kernels/flash_attention.hpp"
+#include "kernels/moe_kernels.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace py = pybind11;
 
 namespace {
 
-// The Python class CollectiveError(NumaovError) lives in collectives.py,
-// which installs it here; until then errors surface as RuntimeError.
+// The Python class CollectiveError(NumaovError) lives in
+// numaov/distributed/communicator.py, which installs it here; until then
+// errors surface as RuntimeError.
 py::object& collective_error_type() {
     static py::object* type = new py::object();  // leaked: must outlive interpreter teardown
     return *type;
@@ -139,7 +141,7 @@ PYBIND11_MODULE(_native, m) {
             [](const std::shared_ptr<ShmCommunicator>& c) { numaov::close_communicator(c); },
             Release());
 
-    // The group registry is the C++ one (communicator.hpp); Python keeps no
+    // The group registry is the C++ one (communicator/communicator.hpp); Python keeps no
     // copy. Python communicator objects are its frontends.
     m.def(
         "create_communicator",

@@ -1,4 +1,4 @@
-#include "amx.hpp"
+#include "common/amx.hpp"
 
 #include <cpuid.h>
 #include <immintrin.h>

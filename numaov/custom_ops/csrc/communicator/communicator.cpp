@@ -36,7 +36,7 @@
 // (exited). After any error the communicator refuses further calls.
 //
 // Bit-identical results: every sum adds rank 0's value first, then rank 1's,
-// ... in fp32 (reduce_kernels.hpp), whichever rank computes it, so all ranks
+// ... in fp32 (kernels/reduce_kernels.hpp), whichever rank computes it, so all ranks
 // and both all_reduce algorithms give the same bits.
 #include <sched.h>
 #include <time.h>
@@ -50,7 +50,7 @@
 #include <map>
 #include <set>
 
-#include "shm_communicator.hpp"
+#include "communicator/shm_communicator.hpp"
 
 namespace numaov {
 
@@ -145,24 +145,6 @@ bool overlaps(const void* a, uint64_t a_bytes, const void* b, uint64_t b_bytes) 
 }
 
 }  // namespace
-
-const char* dtype_name(DType dtype) {
-    switch (dtype) {
-        case DType::f32: return "f32";
-        case DType::bf16: return "bf16";
-        case DType::f16: return "f16";
-    }
-    return "unknown";
-}
-
-size_t dtype_size(DType dtype) {
-    switch (dtype) {
-        case DType::f32: return 4;
-        case DType::bf16: return 2;
-        case DType::f16: return 2;
-    }
-    return 0;
-}
 
 const char* op_name(Op op) {
     switch (op) {

@@ -1,5 +1,5 @@
 // numaov shared-memory communicator: the contract shared by the Python
-// binding (python_binding.cpp) and the OpenVINO extension ops.
+// binding (binding/python_binding.cpp) and the OpenVINO extension ops.
 //
 // A group is (name, rank, world_size). Every collective is blocking, works on
 // contiguous host memory, and either completes on every rank or throws
@@ -8,22 +8,11 @@
 
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 
+#include "common/types.hpp"
+
 namespace numaov {
-
-// Element types the collectives move and reduce. Reductions accumulate in
-// fp32 and round back to nearest even.
-enum class DType : uint32_t { f32 = 0, bf16 = 1, f16 = 2 };
-
-const char* dtype_name(DType dtype);
-size_t dtype_size(DType dtype);
-
-class CollectiveError : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
 
 class Communicator {
 public:

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "communicator.hpp"
-#include "reduce_kernels.hpp"
-#include "shm_segment.hpp"
+#include "communicator/communicator.hpp"
+#include "communicator/shm_segment.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 namespace numaov {
 

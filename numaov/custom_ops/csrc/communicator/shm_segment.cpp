@@ -1,6 +1,6 @@
 // Creating, attaching, reclaiming and unlinking a group's shared-memory
 // segment. The layout and the lifetime are drawn in shm_segment.hpp.
-#include "shm_segment.hpp"
+#include "communicator/shm_segment.hpp"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -16,7 +16,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "communicator.hpp"
+#include "common/types.hpp"
 
 namespace numaov::shm {
 namespace {

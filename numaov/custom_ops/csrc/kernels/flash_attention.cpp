@@ -1,4 +1,4 @@
-#include "flash_attention.hpp"
+#include "kernels/flash_attention.hpp"
 
 #include <immintrin.h>
 
@@ -12,7 +12,7 @@
 
 #include <openvino/core/parallel.hpp>
 
-#include "amx.hpp"
+#include "common/amx.hpp"
 
 namespace numaov::attention {
 

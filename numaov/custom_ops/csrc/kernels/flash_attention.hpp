@@ -17,7 +17,7 @@
 //
 // AMX (Sapphire Rapids and later) is required: the tile products are what make
 // it fast, and without them OpenVINO's own attention is the better choice, so
-// callers check amx::usable() (amx.hpp) first and keep OpenVINO's op otherwise.
+// callers check amx::usable() (common/amx.hpp) first and keep OpenVINO's op otherwise.
 #pragma once
 
 #include <cstddef>

@@ -1,10 +1,10 @@
-#include "moe_amx.hpp"
+#include "kernels/moe_amx.hpp"
 
 #include <immintrin.h>
 
 #include <algorithm>
 
-#include "amx.hpp"
+#include "common/amx.hpp"
 
 namespace numaov::moe::amx_tiles {
 

@@ -1,4 +1,4 @@
-#include "moe_kernels.hpp"
+#include "kernels/moe_kernels.hpp"
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -14,8 +14,8 @@
 
 #include <openvino/core/parallel.hpp>
 
-#include "amx.hpp"
-#include "moe_amx.hpp"
+#include "common/amx.hpp"
+#include "kernels/moe_amx.hpp"
 
 // Only the functions marked with this attribute use AVX-512 code; the rest of
 // the file stays baseline x86-64, so loading the library on an older CPU is

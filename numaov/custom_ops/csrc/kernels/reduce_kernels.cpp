@@ -1,6 +1,6 @@
 // Sum kernels for the collectives: scalar, AVX2 and AVX-512 versions of one
 // loop, picked at run time. See reduce_kernels.hpp for the contract.
-#include "reduce_kernels.hpp"
+#include "kernels/reduce_kernels.hpp"
 
 // GCC 12 warns about the deliberately undefined source operand inside its own
 // AVX-512 intrinsics (GCC bug 105593); the warning is located in the header.

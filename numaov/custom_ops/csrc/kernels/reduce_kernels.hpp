@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "communicator.hpp"
+#include "common/types.hpp"
 
 namespace numaov::kernels {
 

@@ -1,9 +1,9 @@
-#include "attention_op.hpp"
+#include "ops/attention_op.hpp"
 
 #include <sstream>
 #include <utility>
 
-#include "flash_attention.hpp"
+#include "kernels/flash_attention.hpp"
 
 namespace numaov {
 

@@ -1,5 +1,5 @@
 // OpenVINO extension op FlashAttention: softmax(Q K^T * scale) V on AMX
-// (flash_attention.hpp), for the non-causal, unmasked attention of video DiTs.
+// (kernels/flash_attention.hpp), for the non-causal, unmasked attention of video DiTs.
 //
 // Not written by the exporter: the IR stays plain ONNX/OpenVINO and portable.
 // The runtime swaps OpenVINO's ScaledDotProductAttention for this op before

@@ -1,4 +1,4 @@
-#include "collective_ops.hpp"
+#include "ops/collective_ops.hpp"
 
 #include <cstring>
 #include <memory>

@@ -3,7 +3,7 @@
 //
 // Each op carries two attributes, `group` (the communicator's name) and
 // `world_size`, and nothing else: the communicator itself lives in the
-// process-wide registry (communicator.hpp) that the runtime fills before
+// process-wide registry (communicator/communicator.hpp) that the runtime fills before
 // inference, so a compiled model holds no process state and the same IR runs
 // on every rank. evaluate() looks the group up on every call, so a group that
 // was destroyed and re-created between inferences is picked up, and a missing
@@ -29,7 +29,7 @@
 
 #include <openvino/op/op.hpp>
 
-#include "communicator.hpp"
+#include "communicator/communicator.hpp"
 
 namespace numaov {
 

@@ -1,9 +1,9 @@
-#include "moe_op.hpp"
+#include "ops/moe_op.hpp"
 
 #include <sstream>
 #include <stdexcept>
 
-#include "moe_kernels.hpp"
+#include "kernels/moe_kernels.hpp"
 
 namespace numaov {
 

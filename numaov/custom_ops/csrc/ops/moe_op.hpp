@@ -1,5 +1,5 @@
 // OpenVINO extension op MoeExperts: the routed experts of a MoE layer, each
-// expert that got rows run once over just those rows (moe_kernels.hpp).
+// expert that got rows run once over just those rows (kernels/moe_kernels.hpp).
 //
 // Written by the exporter as node numaov.moe::MoeExperts (numaov/custom_ops/
 // moe_ops.py), with the expert weights as inputs: in an IR they are
@@ -9,7 +9,7 @@
 //   inputs:  x [N, H] f32|bf16, expert ids [N, k] i64|i32, routing weights
 //            [N, k] f32, gate_up [E, 2I, H] and down [E, H, I] in one
 //            format: f32, bf16, i8 (int8), or u8 holding packed int4 with
-//            the last dim halved (layout in moe_kernels.hpp); for i8 / u8
+//            the last dim halved (layout in kernels/moe_kernels.hpp); for i8 / u8
 //            two more inputs, the f32 scales [E, 2I, G] and [E, H, Gd]
 //   output:  [N, H], x's type: sum over slots j of weights[n, j] times
 //            expert ids[n, j]'s down(silu(gate x) * up x)

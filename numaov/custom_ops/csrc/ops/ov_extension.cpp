@@ -9,9 +9,9 @@
 #include <openvino/core/op_extension.hpp>
 #include <openvino/frontend/onnx/extension/op.hpp>
 
-#include "attention_op.hpp"
-#include "collective_ops.hpp"
-#include "moe_op.hpp"
+#include "ops/attention_op.hpp"
+#include "ops/collective_ops.hpp"
+#include "ops/moe_op.hpp"
 
 // The ONNX domain the exporter writes the collectives in
 // (numaov/custom_ops/collective_ops.py uses the same string).

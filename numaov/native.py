@@ -1,9 +1,11 @@
 """Where the native library lives and how it is loaded.
 
 `libnumaov.so` holds the shared-memory communicator and the OpenVINO extension
-ops; `_native` is its Python binding. Both are installed next to this file by
-the build, so the package finds them itself: nothing is looked up by a
-hard-coded path.
+ops; `_native` is its Python binding. The build installs both in
+`numaov/custom_ops/`, so the package finds them itself: nothing is looked up by a
+hard-coded path. A leaf module (it imports only the base error) at the package's
+top, because both the ops (`custom_ops`) and the communicator (`distributed`)
+load the library: neither package has to import the other to reach it.
 """
 
 from __future__ import annotations
