@@ -47,7 +47,7 @@ from numaov.runtime.wan.pipeline import (
     read_pipeline,
     run_wan_pipeline,
 )
-from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.request import WanSampleRequest
 from numaov.runtime.wan.vae import VaeDecoder, VaeTiling, decode_tiles_on_workers, decode_video
 
 OUT = Path(__file__).resolve().parent / "out" / "wan_pipeline.json"

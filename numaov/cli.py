@@ -13,7 +13,6 @@ from the library's tuples (`LOWERINGS`, `PRECISIONS`, `TIMESTEP_KINDS`, each pip
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -21,9 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from numaov import NumaovError, __version__
+from numaov.console import ProgressLine, quiet_libraries
 from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS, WEIGHT_FORMATS
 from numaov.runtime.lm import engine as lm_engine
-from numaov.runtime.wan import sampler as wan_sampler
+from numaov.runtime.wan import denoisers as wan_denoisers
 
 
 def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
@@ -74,159 +74,19 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
 # -- demo ---------------------------------------------------------------------------------
 
 
-# The demo's prompts: one clip per digit (directions in turn), and documentation openings.
-DEMO_COLUMNS, DEMO_SCALE = 5, 4
-DEMO_LM_PROMPTS = ("The with statement", "A list comprehension", "Exceptions are",
-                   "The import system")
-DEMO_LM_TOKENS = 24
-
-
-def _cached_export(what: str, out: Path, read: Callable[[Path], object],
-                   export: Callable[[bool], object], say: Callable[[str], None]) -> bool:
-    """Reuse the export in ``out`` when it reads back; else export (again). True if reused."""
-    if (out / "manifest.json").is_file():
-        try:
-            read(out)
-            say(f"{what}: reusing the export in {out}")
-            return True
-        except NumaovError as exc:
-            say(f"{what}: exporting again ({exc})")
-    export(out.exists())
-    return False
-
-
-def _demo_wan(out_dir: Path, progress: Callable[[str], None] | None,
-              say: Callable[[str], None]) -> tuple[list[str], list[tuple]]:
-    """The built-in digits pipeline: export, one clip per digit on OpenVINO into a grid GIF,
-    and one prompt on torch and OpenVINO for parity and per-step time."""
-    import numpy as np
-
-    from numaov.exporter.wan_export import export_wan
-    from numaov.models.builtin import DIGITS_WAN_DIR
-    from numaov.models.builtin.digit_clips import (
-        DIRECTIONS,
-        FRAMES,
-        SAMPLING_GUIDANCE,
-        SAMPLING_STEPS,
-        SIZE,
-        prompt_for,
-    )
-    from numaov.runtime.comparison import max_rel_error
-    from numaov.runtime.wan.clip_grid import tile_clips
-    from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
-    from numaov.runtime.wan.sampler import WanSampleRequest
-    from numaov.runtime.wan.video_output import write_video
-
-    model = out_dir / "wan" / "model"
-    _cached_export("digits-wan", model, read_pipeline,
-                   lambda force: export_wan(DIGITS_WAN_DIR, model, "f32", "decomposed", progress,
-                                            force=force), say)
-    request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE, steps=SAMPLING_STEPS,
-                               guidance=SAMPLING_GUIDANCE, seed=0)
-    names = list(DIRECTIONS)
-    clips, runs = [], {}
-    scratch = out_dir / "wan" / "clips"
-    scratch.mkdir(parents=True, exist_ok=True)
-    for digit in range(10):
-        prompt = prompt_for(digit, names[digit % len(names)])
-        video = run_wan_pipeline(model, dataclasses.replace(request, seed=digit), prompt,
-                                 scratch / f"{digit}.gif", progress=progress)
-        clips.append(video.frames)
-        if digit == 3:
-            runs["openvino"] = video
-    runs["torch"] = run_wan_pipeline(model, dataclasses.replace(request, seed=3),
-                                     prompt_for(3, names[3]), scratch / "3_torch.gif",
-                                     backend="torch", progress=progress)
-    grid = tile_clips(np.stack(clips), DEMO_COLUMNS, DEMO_SCALE)
-    gif = out_dir / "digits.gif"
-    write_video(grid, gif, fps=4)
-    step = {b: float(np.median(r.sample.step_seconds[1:] or r.sample.step_seconds))
-            for b, r in runs.items()}
-    error = max_rel_error(runs["openvino"].frames, runs["torch"].frames)
-    lines = [
-        "digits-wan (built in, trained on scikit-learn's digits):",
-        f"  wrote {gif}: {FRAMES} frames of {grid.shape[2]}x{grid.shape[1]}, digits 0-9 in "
-        f"{len(clips) // DEMO_COLUMNS} rows of {DEMO_COLUMNS} ({SIZE}x{SIZE} clips shown "
-        f"{DEMO_SCALE}x), {SAMPLING_STEPS} steps, guidance {SAMPLING_GUIDANCE:g}",
-    ]
-    row = ("digits-wan denoising step (ms)", f"{error:.1e} (frames)", step["torch"] * 1e3,
-           step["openvino"] * 1e3)
-    return lines, [row]
-
-
-def _demo_deepseek(out_dir: Path, progress: Callable[[str], None] | None,
-                   say: Callable[[str], None]) -> tuple[list[str], list[tuple]]:
-    """The built-in tiny MoE: export for dp=2, complete a few prompts on two workers with
-    OpenVINO and torch, compare tokens, logits and speed."""
-    from numaov.exporter.lm_export import export_lm
-    from numaov.models.builtin import TINY_MOE_DIR
-    from numaov.runtime.comparison import GenerationComparison
-    from numaov.runtime.lm.engine import (
-        encode_prompts,
-        load_tokenizer,
-        open_lm_manifest,
-        run_lm,
-    )
-
-    model = out_dir / "deepseek" / "model"
-    _cached_export("tiny-moe", model, lambda d: open_lm_manifest(d, "openvino"),
-                   lambda force: export_lm(TINY_MOE_DIR, model, dp=2, precision="f32",
-                                                 progress=progress, force=force), say)
-    tokenizer = load_tokenizer(TINY_MOE_DIR)
-    prompts = encode_prompts(tokenizer, DEMO_LM_PROMPTS)
-    runs = {backend: run_lm(model, prompts, DEMO_LM_TOKENS, backend, keep_logits=True,
-                                  tokenizer=tokenizer, progress=progress)
-            for backend in ("openvino", "torch")}
-    comparison = GenerationComparison(runs["torch"], runs["openvino"])
-    lines = ["tiny-moe (built in, trained on Python's documentation), DP attention on 2 ranks "
-             f"({runs['openvino'].placement}):"]
-    for text, tokens in zip(DEMO_LM_PROMPTS, runs["openvino"].tokens, strict=True):
-        completion = tokenizer.decode(tokens).replace("\n", " ")
-        lines.append(f"  {text!r} -> {completion!r}")
-    error = comparison.logits_max_rel_error
-    parity = (f"{comparison.same_prompts}/{len(prompts)} same tokens, logits "
-              f"{error:.1e}" if error is not None else "")
-    rates = {b: r.decode_tokens_per_second for b, r in runs.items()}
-    row = ("tiny-moe dp=2 decode (tokens/s)", parity, rates["torch"], rates["openvino"])
-    return lines, [row]
-
-
-def _speed_table(rows: list[tuple]) -> list[str]:
-    """One table: what was timed, parity, torch, OpenVINO, OpenVINO's speed against torch."""
-    header = ("", "parity (OpenVINO vs torch)", "torch", "OpenVINO", "OpenVINO/torch")
-    body = []
-    for what, parity, torch_value, ov_value in rows:
-        faster = (torch_value / ov_value if what.endswith("(ms)") else ov_value / torch_value)
-        body.append((what, parity, f"{torch_value:.1f}", f"{ov_value:.1f}", f"{faster:.2f}x"))
-    widths = [max(len(r[i]) for r in (header, *body)) for i in range(len(header))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in (header, *body)]
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """The README's first command: the built-in models, exported, run and compared."""
-    from numaov.runtime.doctor import collect_report
+    from numaov import demo
 
-    report = collect_report()
-    topo = report["topology"]
-    print(f"machine: {report['openvino'].get('cpu') or 'CPU'}, {len(topo['numa_nodes'])} NUMA node(s), "
-          f"{topo['physical_cores']} physical core(s); ISA: {report['isa']['bf16_matmuls']}",
-          flush=True)
-    for warning in report["warnings"]:
-        print(f"warning: {warning}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    say = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    print("\n".join(demo.machine_lines()), flush=True)
     rows = []
-    for run in (_demo_wan, _demo_deepseek):
-        lines, table = run(out, _progress(args), say)
-        print("\n".join(lines), flush=True)
-        rows += table
-    print("\n".join(_speed_table(rows)))
-    if any((t / o if w.endswith("(ms)") else o / t) < 1.0 for w, _p, t, o in rows):
-        print("OpenVINO below 1.0x: at this size a step is a few small matrix products, so each "
-              "graph call's fixed cost (input binding, output copies, thread wake-up) outweighs "
-              "its faster kernels; `numaov bench` shows the gap close as sizes grow.")
+    with ProgressLine(None if args.quiet else sys.stderr) as line:
+        for section in demo.run_sections(Path(args.out), line):
+            print("\n".join(section.lines), flush=True)
+            rows += section.rows
+    print("\n".join(demo.speed_table(rows)))
+    if (note := demo.slow_note(rows)) is not None:
+        print(note)
     return 0
 
 
@@ -268,7 +128,8 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run_wan(args: argparse.Namespace) -> int:
-    from numaov.runtime.wan.sampler import WanSampleRequest, run_wan
+    from numaov.runtime.wan.request import WanSampleRequest
+    from numaov.runtime.wan.sampler import run_wan
 
     if (args.prompt is None) == (args.text_embeddings is None):
         raise NumaovError("expected exactly one of --prompt (text to video with a pipeline "
@@ -346,7 +207,7 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="FILE",
                    help="with --prompt: .mp4, .webp, .gif, a directory (PNG frames) or .npy "
                    "(latents); with --text-embeddings: .npy, the final latents [1, C, F, H, W]")
-    p.add_argument("--backend", choices=wan_sampler.BACKENDS, default="openvino",
+    p.add_argument("--backend", choices=wan_denoisers.BACKENDS, default="openvino",
                    help="what runs the models (default openvino)")
     p.add_argument("--workers", type=int, default=1,
                    help="2 runs the two guidance branches on two pinned workers (default 1)")
@@ -510,13 +371,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS
     from numaov.runtime.lm.engine import load_tokenizer
-    from numaov.runtime.service.app import build_app
+    from numaov.runtime.service.app import build_app, served_routes
     from numaov.runtime.service.chat_template import load_chat_template
     from numaov.runtime.service.http_common import API_KEY_ENV, ServiceOptions
     from numaov.runtime.service.lm_requests import Limits
     from numaov.runtime.service.lm_service import LMService
     from numaov.runtime.service.server import listen, serve_forever
-    from numaov.runtime.service.video_routes import VideoService
+    from numaov.runtime.service.video_service import VideoService
 
     def say(message: str) -> None:
         print(f"numaov serve: {message}", flush=True)
@@ -555,9 +416,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"{cache_tokens} tokens per rank; chat template: {template.origin})")
         if video is not None:
             served.append(f"{video.model_name!r} (Wan pipeline, {args.backend})")
-        routes = ((["POST /v1/completions", "POST /v1/chat/completions"] if service else [])
-                  + (["POST /v1/images/generations", "POST /v1/videos"] if video else [])
-                  + ["GET /v1/models", "GET /health", "GET /metrics"])
+        routes = map(str, served_routes(service is not None, video is not None))
         say(f"{' and '.join(served)}{key} on http://{host}:{port}  ({', '.join(routes)})")
         serve_forever(app, sock, say)
         say("stopped")
@@ -699,7 +558,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                    help="samples per forward (default 2: a guidance pair)")
     p.add_argument("--text-length", type=int, default=64, metavar="N",
                    help="text embedding tokens (default 64)")
-    _add_backends(p, wan_sampler.BACKENDS)
+    _add_backends(p, wan_denoisers.BACKENDS)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, best kept (default 3)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     _add_common(p)
@@ -765,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    quiet_libraries(args.log_level)
     try:
         return int(args.func(args) or 0)
     except NumaovError as exc:

@@ -77,3 +77,22 @@ def wan_pipeline_exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     return {"root": root, "pipe": pipe, "export": root / "export", "summary": proc.stdout}
+
+
+@pytest.fixture(scope="session")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny Wan exported once (f32, through the CLI), plus text embedding files
+    (wan_harness.export_tiny_wan), shared by the test_wan_{export,sampler,denoisers,cli,bench}
+    tests; samples made with it are kept in it (wan_harness.sample_latents)."""
+    from wan_harness import export_tiny_wan
+
+    return export_tiny_wan(tmp_path_factory.mktemp("wan"))
+
+
+@pytest.fixture(scope="session")
+def ti2v(wan: dict) -> dict:
+    """``wan``'s checkpoint exported with per-frame timesteps, and first-frame latents
+    (wan_harness.export_per_frame). test_wan_pipeline_ti2v.py has a ``ti2v`` of its own."""
+    from wan_harness import export_per_frame
+
+    return export_per_frame(wan)

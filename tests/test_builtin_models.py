@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -292,6 +293,13 @@ def test_demo_gif_is_ten_judged_clips_and_a_table(demo: dict, judge: DigitJudge)
     out = demo["stdout"]
     assert "ISA:" in out and "OpenVINO/torch" in out
     assert "digits-wan denoising step" in out and "tiny-moe dp=2 decode" in out
+    # Progress is one plain line per phase off a terminal, and other libraries stay quiet:
+    # besides numaov's own log, stderr holds only the progress lines.
+    assert not re.search(r"accelerate|Loading weights|Warning", demo["stderr"]), demo["stderr"]
+    progress = [line for line in demo["stderr"].splitlines()
+                if not line.startswith("WARNING numaov.")]
+    assert len(progress) <= 10, demo["stderr"]
+    assert all(line.startswith("numaov: ") for line in progress), demo["stderr"]
     # Cached: a second run reuses both exports.
     again = subprocess.run([*CLI, "demo", "--out", str(demo["out"])], capture_output=True,
                            text=True, timeout=900, env=demo["env"])
@@ -315,7 +323,7 @@ def test_digits_pipeline_frames_equal_diffusers(demo: dict, tmp_path: Path) -> N
 
     from numaov.models.builtin.digit_clips import SAMPLING_GUIDANCE
     from numaov.runtime.wan.pipeline import VAE_FIRST_FRAME, read_pipeline, run_wan_pipeline
-    from numaov.runtime.wan.sampler import WanSampleRequest
+    from numaov.runtime.wan.request import WanSampleRequest
     from numaov.runtime.wan.vae import VaeGeometry
 
     export = demo["out"] / "wan" / "model"
@@ -358,7 +366,7 @@ def judged_digits(demo: dict, judge: DigitJudge, tmp_path_factory: pytest.TempPa
     from numaov.models.builtin.digit_clips import SAMPLING_GUIDANCE, SAMPLING_STEPS
     from numaov.runtime.manifest_reader import keep_compiled
     from numaov.runtime.wan.pipeline import run_wan_pipeline
-    from numaov.runtime.wan.sampler import WanSampleRequest
+    from numaov.runtime.wan.request import WanSampleRequest
 
     names, out = list(DIRECTIONS), tmp_path_factory.mktemp("judged")
     per_digit = {}

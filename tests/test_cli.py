@@ -4,6 +4,7 @@ their parameter, choices taken from the library, and worker errors as one line."
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -14,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from numaov.console import QUIET_ENVIRONMENT, ProgressLine
 from numaov.manifest import LOWERINGS
 from numaov.runtime.lm import engine as lm_engine
 from numaov.runtime.placement.topology import read_topology
-from numaov.runtime.wan import sampler as wan_sampler
+from numaov.runtime.wan import denoisers as wan_denoisers
 
 CLI = [sys.executable, "-m", "numaov.cli"]
 TIMEOUT_S = 300
@@ -109,7 +111,7 @@ def test_library_errors_are_shown_with_the_flag_of_their_parameter(
 
 
 @pytest.mark.parametrize(("args", "names"), [
-    (["run", "wan", "--backend", "tensorrt"], wan_sampler.BACKENDS),
+    (["run", "wan", "--backend", "tensorrt"], wan_denoisers.BACKENDS),
     (["run", "deepseek", "--backend", "onnxruntime"], lm_engine.BACKENDS),
     (["serve", "--backend", "tensorrt"], lm_engine.BACKENDS),
     (["export", "wan", "--ops", "opset99"], LOWERINGS),
@@ -121,7 +123,7 @@ def test_choices_are_the_library_tuples(args: list[str], names: tuple[str, ...])
 
 
 @pytest.mark.parametrize(("command", "backends"), [
-    ("wan", wan_sampler.BACKENDS), ("deepseek", lm_engine.BACKENDS)])
+    ("wan", wan_denoisers.BACKENDS), ("deepseek", lm_engine.BACKENDS)])
 def test_bench_backends_help_lists_the_library_tuple(command: str,
                                                      backends: tuple[str, ...]) -> None:
     proc = numaov("bench", command, "--help")
@@ -184,3 +186,67 @@ def test_an_error_inside_a_worker_is_one_line(tiny_wan, two_cpus) -> None:
     assert re.fullmatch(r"numaov: error: rank \d failed: NUMAOV_ATTENTION='flash' is not a "
                         r"known setting.*", line), line
     assert not (tiny_wan["root"] / "never.npy").exists()
+
+
+# -- what the terminal shows: one progress line per phase, no other library's noise ---------
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_phase_is_one_line_rewritten_in_place_on_a_terminal() -> None:
+    stream = FakeTerminal()
+    with ProgressLine(stream).phase("tiny-moe: export") as phase:
+        phase("translating to ONNX")
+        phase("parity check\non openvino")  # a newline would break the rewrite
+        phase.finish("exported to out")
+    text = stream.getvalue()
+    # Each message rewrites the line; only the outcome ends it.
+    assert text.count("\n") == 1 and text.endswith("\n"), repr(text)
+    assert re.fullmatch(
+        r"(\r\x1b\[K[^\r\n]*){3}\r\x1b\[Knumaov: tiny-moe: export: exported to out \(\d+\.\d s\)\n",
+        text), repr(text)
+    assert "\r\x1b[Knumaov: tiny-moe: export: parity check on openvino" in text
+
+
+def test_a_phase_is_one_plain_line_elsewhere_and_nothing_when_quiet() -> None:
+    stream = io.StringIO()
+    line = ProgressLine(stream)
+    for name in ("one", "two"):
+        with line.phase(name) as phase:
+            phase("news")
+    assert re.fullmatch(r"numaov: one: done \(\d+\.\d s\)\nnumaov: two: done \(\d+\.\d s\)\n",
+                        stream.getvalue()), repr(stream.getvalue())
+    with pytest.raises(ValueError), ProgressLine(stream).phase("three"):
+        raise ValueError("boom")
+    assert re.search(r"numaov: three: failed after \d+\.\d s\n$", stream.getvalue())
+    with ProgressLine(None).phase("quiet") as phase:
+        phase("news")  # --quiet: no stream, nothing to write to
+
+
+# What the first `make demo` showed: diffusers' advice, transformers' weight-loading bar.
+LIBRARY_NOISE = """
+import warnings
+from transformers.utils import logging
+logging.get_logger("transformers.modeling_utils").warning("Cannot initialize model (noise)")
+for _ in logging.tqdm(range(3), desc="Loading weights"):
+    pass
+warnings.warn_explicit("noise", UserWarning, "x.py", 1, module="diffusers.models")
+"""
+
+
+@pytest.mark.parametrize("log_level", ["WARNING", "DEBUG"])
+def test_library_noise_is_silenced_unless_debugging(log_level: str) -> None:
+    environ = {k: v for k, v in os.environ.items() if k not in QUIET_ENVIRONMENT}
+    setup = ("import logging; from numaov.console import quiet_libraries; "  # as cli.main()
+             f"logging.basicConfig(level={log_level!r}); quiet_libraries({log_level!r})")
+    proc = subprocess.run([sys.executable, "-c", setup + LIBRARY_NOISE], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env=environ)
+    assert proc.returncode == 0, proc.stderr
+    if log_level == "DEBUG":  # the noise is there to silence
+        assert "Cannot initialize" in proc.stderr and "Loading weights" in proc.stderr
+        assert "noise" in proc.stderr.replace("Cannot initialize model (noise)", "")
+    else:
+        assert proc.stderr == ""

@@ -94,20 +94,20 @@ def test_loading_holds_the_weights_once(checkpoints: tuple[Path, Path], dp: int)
 
 @pytest.mark.slow
 def test_onnx_export_lets_the_module_go(tmp_path: Path) -> None:
-    from numaov.exporter.lm_export import EXAMPLE_SHAPE, _dynamic_shapes, _step_inputs
+    from numaov.exporter.lm_export import EXAMPLE_SHAPE, _dynamic_shapes, _step_inputs, _StepSpec
     from numaov.exporter.onnx_export import export_onnx
+    from numaov.models.deepseek_v2.family import FAMILY
 
     model = DeepseekV2.empty(TINY_DEEPSEEK_CONFIG)
     init_tiny_weights(model, torch.Generator().manual_seed(0))
     weight = weakref.ref(model.model.embed_tokens.weight)
+    spec = _StepSpec.of(FAMILY, TINY_DEEPSEEK_CONFIG)
     example = {
         name: torch.from_numpy(array)
-        for name, array in _step_inputs(
-            TINY_DEEPSEEK_CONFIG, EXAMPLE_SHAPE, np.random.default_rng(1)
-        ).items()
+        for name, array in _step_inputs(spec, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
     }
     graph = export_onnx(
-        DeepseekV2Step(model), (), example, _dynamic_shapes(TINY_DEEPSEEK_CONFIG, 1),
+        DeepseekV2Step(model), (), example, _dynamic_shapes(spec, 1),
         tmp_path / "model.onnx",
     )
     assert graph.path.is_file()

@@ -16,7 +16,7 @@ import pytest
 from service_harness import start_server, stop_server
 
 from numaov.runtime.wan.pipeline import run_wan_pipeline
-from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.request import WanSampleRequest
 from numaov.runtime.wan.video_output import to_uint8
 
 pytestmark = pytest.mark.slow  # a real server with rank workers and a Wan pipeline

@@ -302,3 +302,6 @@ def test_work_in_this_process_still_checks_a_set_bind_string(caplog, two_cpus) -
         assert caplog.records == []
         check_bind_string("sampling", env={BIND_ENV: f"{two_cpus[0]}"})
     assert "sampling runs in this process, which is not pinned" in caplog.records[0].getMessage()
+    with caplog.at_level(logging.WARNING, logger="numaov.runtime.placement.binding"):
+        check_bind_string("sampling", env={BIND_ENV: f"{two_cpus[0]}"})
+    assert len(caplog.records) == 1, "the same work warned twice in one process"

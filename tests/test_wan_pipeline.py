@@ -16,7 +16,7 @@ import torch
 from wan_pipeline_harness import diffusers_tiling, one_line_error
 
 from numaov.runtime.wan.pipeline import MAX_TEXT_TOKENS, read_pipeline, run_wan_pipeline
-from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.request import WanSampleRequest
 from numaov.runtime.wan.vae import VaeTiling
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline

@@ -27,12 +27,9 @@ from numaov.exporter.wan_pipeline_export import PipelineExportError
 from numaov.runtime.wan.image_condition import first_frame_mask
 from numaov.runtime.wan.image_input import ImageInputError
 from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
-from numaov.runtime.wan.sampler import (
-    DiffusersSchedule,
-    SamplerInputError,
-    WanSampleRequest,
-    run_wan,
-)
+from numaov.runtime.wan.request import SamplerInputError, WanSampleRequest
+from numaov.runtime.wan.sampler import run_wan
+from numaov.runtime.wan.schedules import DiffusersSchedule
 
 SEED = 11
 BOUNDARY = 0.9  # Wan 2.2 I2V A14B's model_index.json

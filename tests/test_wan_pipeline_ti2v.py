@@ -21,7 +21,7 @@ from numaov.runtime.wan.pipeline import (
     read_pipeline,
     run_wan_pipeline,
 )
-from numaov.runtime.wan.sampler import WanSampleRequest
+from numaov.runtime.wan.request import WanSampleRequest
 from numaov.runtime.wan.vae import VaeGeometry, VaeTiling
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
@@ -100,7 +100,7 @@ def test_tiled_vae_equals_diffusers(ti2v: dict, tmp_path) -> None:
 
 
 def test_sizes_follow_the_16x_vae(ti2v: dict, tmp_path) -> None:
-    from numaov.runtime.wan.sampler import SamplerInputError
+    from numaov.runtime.wan.request import SamplerInputError
 
     with pytest.raises(SamplerInputError, match=r"height=40; expected a multiple of 32 "
                                                 r"\(VAE factor 16 x patch size 2\)"):
@@ -163,7 +163,7 @@ def test_bad_images_are_one_line_errors(ti2v: dict, tmp_path) -> None:
         f"numaov: error: --image: image {str(tmp_path / 'small.png')!r} is 32x32 pixels; "
         "expected the video's 64x32 (width x height)"]
     from numaov.runtime.wan.image_input import ImageInputError
-    from numaov.runtime.wan.sampler import SamplerInputError
+    from numaov.runtime.wan.request import SamplerInputError
 
     (tmp_path / "broken.png").write_bytes(b"not an image")
     with pytest.raises(ImageInputError, match="cannot read .*broken.png.* as an image"):

@@ -12,7 +12,8 @@ import torch
 from wan_pipeline_harness import export_tiny_pipeline
 
 from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
-from numaov.runtime.wan.sampler import DiffusersSchedule, WanSampleRequest
+from numaov.runtime.wan.request import WanSampleRequest
+from numaov.runtime.wan.schedules import DiffusersSchedule
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
 

@@ -20,9 +20,9 @@ from numaov.custom_ops.fallback_ops import (
     scale_residual_norm_scale_shift,
 )
 from numaov.custom_ops.moe_ops import MoeOpError, moe_experts
-from numaov.native import add_extension, library_path
 from numaov.custom_ops.openvino_compile import CompiledIR, CompileError, compile_ir
 from numaov.manifest import LOWERINGS
+from numaov.native import add_extension, library_path
 
 
 def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:

@@ -43,6 +43,8 @@ class ConversionError(NumaovError):
 
 
 def check_precision(precision: str) -> str:
+    """The export entry points' check of a requested precision (``export_wan``,
+    ``export_lm``); the stages below them take it as checked."""
     if precision not in PRECISIONS:
         raise ConversionError(
             f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}",
@@ -111,12 +113,14 @@ def convert_to_ir(
     """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path.
 
     ``compress``, when given, is applied to the converted ``openvino.Model`` before it is
-    saved (the int8 / int4 weight compression of ``weight_formats``)."""
+    saved (the int8 / int4 weight compression of ``weight_formats``). ``precision`` is one of
+    ``PRECISIONS``, checked by the export entry point that calls this (``check_precision``)."""
     import openvino as ov
 
     from numaov.custom_ops import library_path
 
-    check_precision(precision)
+    assert precision in PRECISIONS, f"unknown precision {precision!r}; expected one of " \
+        f"{', '.join(PRECISIONS)}"
     onnx_path, xml_path = Path(onnx_path), Path(xml_path)
     if not onnx_path.is_file():
         raise ConversionError(f"ONNX model {str(onnx_path)!r} not found")

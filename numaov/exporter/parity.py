@@ -30,8 +30,7 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.exporter.openvino_convert import check_precision
-from numaov.manifest import RowShare
+from numaov.manifest import PRECISIONS, RowShare
 from numaov.manifest import row_shares as pooled_row_shares
 
 logger = logging.getLogger(__name__)
@@ -279,8 +278,9 @@ def check_parity(
     ``min_row_share`` checks each output row by row, ``min_token_share`` (default: the same)
     the logits rows keeping PyTorch's argmax (the module docstring).
     Returns every figure; raises ``ParityError`` listing the ones outside tolerance.
+    ``openvino_precision`` comes from an export entry point, which checked it.
     """
-    check_precision(openvino_precision)
+    assert openvino_precision in PRECISIONS, openvino_precision
     if len(reference_outputs) != len(input_sets):
         raise ParityError(
             f"{len(reference_outputs)} reference outputs for {len(input_sets)} input sets; "

@@ -109,7 +109,8 @@ def bench_wan(model_dir: str | Path, frames: int, height: int, width: int,
               batch: int = 2, text_length: int = 64, progress: Any = None) -> BenchReport:
     """One Wan forward per backend and round at ``frames`` x ``height`` x ``width`` pixels
     (batch 2 = a guidance pair by default)."""
-    from numaov.runtime.wan.sampler import BACKENDS, latent_shape, open_denoiser, video_tokens
+    from numaov.runtime.wan.denoisers import BACKENDS, open_denoiser
+    from numaov.runtime.wan.request import latent_shape, video_tokens
 
     report = progress or (lambda _msg: None)
     chosen = _check_backends(backends, BACKENDS)

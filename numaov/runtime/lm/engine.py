@@ -148,12 +148,18 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 def check_prompts(
     prompts: Sequence[Sequence[int]], config: Mapping[str, Any], max_new_tokens: int
 ) -> list[list[int]]:
-    """The prompts as lists of ints, after checking them against the model's config."""
+    """The prompts as lists of ints, after checking them against the model's config: for a
+    caller with no engine yet (:func:`run_lm` checks before its workers start). With an
+    engine, :meth:`LMEngine.submit` is the check (``generate`` names each prompt the same)."""
     params = SamplingParams(max_new_tokens)
+    _require_prompts(prompts)
+    return [check_prompt(p, config, params, f"prompt {i}") for i, p in enumerate(prompts)]
+
+
+def _require_prompts(prompts: Sequence[Sequence[int]]) -> None:
     if not prompts:
         raise GenerationInputError("no prompts given; expected at least one prompt",
                                    parameter="prompt")
-    return [check_prompt(p, config, params, f"prompt {i}") for i, p in enumerate(prompts)]
 
 
 def load_tokenizer(directory: str | Path) -> Any:
@@ -404,13 +410,14 @@ class LMEngine:
     # -- the interface ------------------------------------------------------------------------
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, *,
-               keep_logits: bool = False) -> int:
+               keep_logits: bool = False, name: str = "prompt") -> int:
         """Queue one request; returns its id. Bad input, or a request larger than a rank's
-        whole cache, is a :class:`GenerationInputError` here, before anything runs."""
+        whole cache, is a :class:`GenerationInputError` here, before anything runs (the one
+        check of a prompt against the model; errors call it ``name``)."""
         if not isinstance(params, SamplingParams):
             raise GenerationInputError(f"params is {params!r}; expected SamplingParams",
                                        parameter="params")
-        ids = check_prompt(prompt, self.config, params)
+        ids = check_prompt(prompt, self.config, params, name)
         if params.stop and self.tokenizer is None:
             raise GenerationInputError("stop strings need a tokenizer to read the text; "
                                        "expected stop_token_ids instead", parameter="stop")
@@ -477,11 +484,13 @@ class LMEngine:
         """Submit every prompt, wait for all; completions in prompt order. The prompts are
         queued under the engine's lock, so they start together in one step (a step that
         began between two submits would run the first prompts alone)."""
+        _require_prompts(prompts)
         ids: list[int] = []
         with self._cond:  # reentrant: submit takes it again
             try:
-                for prompt in prompts:
-                    ids.append(self.submit(prompt, params, keep_logits=keep_logits))
+                for i, prompt in enumerate(prompts):
+                    ids.append(self.submit(prompt, params, keep_logits=keep_logits,
+                                           name=f"prompt {i}"))
             except BaseException:
                 for request_id in ids:  # a bad prompt: the ones before it do not run alone
                     self.cancel(request_id)

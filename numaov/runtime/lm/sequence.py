@@ -108,9 +108,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def positions_left(config: Mapping[str, Any], prompt_tokens: int) -> int:
+    """How many new tokens fit after a ``prompt_tokens``-token prompt: prompt and new tokens
+    together fit the model's positions (``max_position_embeddings``)."""
+    return int(config["max_position_embeddings"]) - prompt_tokens
+
+
 def check_prompt(prompt: Seq[int], config: Mapping[str, Any], params: SamplingParams,
                  name: str = "prompt") -> list[int]:
-    """``prompt`` as a list of ints, after checking it (and its stop ids) against the model."""
+    """``prompt`` as a list of ints, after checking it (and its stop ids) against the model:
+    the engine's check at :meth:`~numaov.runtime.lm.engine.LMEngine.submit`."""
     vocab = int(config["vocab_size"])
     limit = int(config["max_position_embeddings"])
     ids = list(prompt) if not isinstance(prompt, (str, bytes)) else None
@@ -125,7 +132,7 @@ def check_prompt(prompt: Seq[int], config: Mapping[str, Any], params: SamplingPa
         raise GenerationInputError(
             f"{name} holds token id(s) {bad[:8]} outside the vocabulary; expected ids in "
             f"0 .. {vocab - 1} (vocab_size {vocab})", parameter="prompt")
-    if len(ids) + params.max_new_tokens > limit:
+    if params.max_new_tokens > positions_left(config, len(ids)):
         raise GenerationInputError(
             f"{name} has {len(ids)} tokens; with {params.max_new_tokens} new tokens that is "
             f"more than the model's max_position_embeddings={limit}", parameter="max_new_tokens")

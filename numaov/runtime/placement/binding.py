@@ -214,6 +214,7 @@ def _nodes_of(topology: Topology, cpus: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _warned_splits: set[str] = set()
+_warned_unpinned: set[tuple[str, str]] = set()
 
 
 def plan_for_ranks(
@@ -242,8 +243,11 @@ def check_bind_string(what: str, env: Mapping[str, str] | None = None) -> None:
     if not bind:
         return
     BindingPlan.from_bind_string(bind, read_topology())
-    log.warning("%s runs in this process, which is not pinned: %s=%r applies to worker "
-                "processes only", what, BIND_ENV, bind)
+    # Once per process and kind of work: a server or the demo runs the same work many times.
+    if (what, bind) not in _warned_unpinned:
+        _warned_unpinned.add((what, bind))
+        log.warning("%s runs in this process, which is not pinned: %s=%r applies to worker "
+                    "processes only", what, BIND_ENV, bind)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,9 @@
-"""The FastAPI application: the LM routes, the video routes, models, health, stats, metrics.
+"""The FastAPI application: the LM routes, the video routes, models, health, metrics.
 
+Every route is declared once, by the routes object that answers it (``ROUTES``:
+:class:`~numaov.runtime.service.lm_routes.LMRoutes`,
+:class:`~numaov.runtime.service.video_routes.VideoRoutes`, :class:`CommonRoutes`);
+:func:`served_routes` lists them for the errors, the metrics and ``numaov serve``'s start line.
 ``build_app(...)`` puts :class:`~numaov.runtime.service.http_common.Gate` (the API key and
 the request metrics) in front of every route and answers every error in OpenAI's shape,
 ``{"error": {"message", "type", "param", "code"}}``, unknown paths and methods included.
@@ -7,72 +11,61 @@ the request metrics) in front of every route and answers every error in OpenAI's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotation here
 
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
-from numaov.runtime.service.http_common import Gate, ServiceOptions, error_response
-from numaov.runtime.service.lm_routes import CHAT, COMPLETIONS, LMRoutes
+from numaov.runtime.service.http_common import (
+    Gate,
+    Route,
+    ServiceOptions,
+    add_routes,
+    error_response,
+)
+from numaov.runtime.service.lm_routes import LMRoutes
 from numaov.runtime.service.metrics import ServiceMetrics
+from numaov.runtime.service.video_routes import VideoRoutes
 
 
-def build_app(service: Any = None, model_name: str = "", tokenizer: Any = None, *,
-              template: ChatTemplate | None = None, options: ServiceOptions | None = None,
-              video: Any = None) -> Any:
-    """The application serving ``service`` (an :class:`~numaov.runtime.service.lm_service.LMService`,
-    or None) under ``model_name`` and ``video`` (a
-    :class:`~numaov.runtime.service.video_routes.VideoService`, or None)."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+@dataclass
+class CommonRoutes:
+    """What every server answers: the served models, health, the metrics."""
 
-    options = options or ServiceOptions()
-    engine = service.engine if service is not None else None
-    metrics = ServiceMetrics(engine, video.queue_depth if video is not None else None)
-    app = FastAPI(title="numaov", version="1")
-    app.router.redirect_slashes = False  # "/v1/completions/" is an error, not a redirect
-    routes = ["GET /v1/models", "GET /health", "GET /metrics"]
-    if service is not None:
-        routes = [f"POST {COMPLETIONS}", f"POST {CHAT}", *routes, "GET /stats"]
-    if video is not None:
-        routes = [*(f"POST {p}" for p in video.paths), *routes]
-    listing = ", ".join(routes[:-1]) + " and " + routes[-1]
+    ROUTES = (Route("GET", "/v1/models", "models", kind="info"),
+              Route("GET", "/health", "health", kind="info"),
+              Route("GET", "/metrics", "metrics", kind="info"))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Any:
-        # Unknown paths and methods, in the same error shape as everything else.
-        return error_response(RequestError(
-            f"{request.method} {request.url.path}: {exc.detail}; this server answers "
-            f"{listing}", None, exc.status_code,
-            kind="not_found" if exc.status_code == 404 else "invalid_request_error"))
+    service: Any  # an LMService, or None
+    model_name: str
+    video: Any  # a VideoService, or None
+    scrape: ServiceMetrics
 
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, exc: RequestError) -> Any:
-        return error_response(exc)
-
-    def served() -> list[dict[str, Any]]:
+    def served(self) -> list[dict[str, Any]]:
         out = []
-        if service is not None:
-            out.append({"id": model_name, "object": "model", "created": 0,
+        if self.service is not None:
+            out.append({"id": self.model_name, "object": "model", "created": 0,
                         "owned_by": "numaov", "kind": "language-model"})
-        if video is not None:
-            out.append({"id": video.model_name, "object": "model", "created": 0,
+        if self.video is not None:
+            out.append({"id": self.video.model_name, "object": "model", "created": 0,
                         "owned_by": "numaov", "kind": "wan-pipeline"})
         return out
 
-    @app.get("/v1/models")
-    def models() -> Any:
-        return {"object": "list", "data": served()}
+    def models(self) -> Any:
+        return {"object": "list", "data": self.served()}
 
-    @app.get("/health")
-    def health() -> Any:
-        body: dict[str, Any] = {"status": "ok", "models": [m["id"] for m in served()]}
+    def health(self) -> Any:
+        from fastapi.responses import JSONResponse
+
+        service, video = self.service, self.video
+        body: dict[str, Any] = {"status": "ok", "models": [m["id"] for m in self.served()]}
         if service is not None:
-            state = engine.health()
+            state = service.engine.health()
             body.update({
-                "model": model_name, "ranks": service.world_size, "backend": service.backend,
+                "model": self.model_name, "ranks": service.world_size,
+                "backend": service.backend,
                 "lm": {"state": state.state, "restarts": state.restarts,
                        "error": state.failure, "restart_in_s": state.restart_in_s,
                        "failures": [{"time": t, "error": e} for t, e in state.failures],
@@ -88,30 +81,55 @@ def build_app(service: Any = None, model_name: str = "", tokenizer: Any = None, 
                 body["status"] = body["video"]["state"]
         return JSONResponse(status_code=200 if body["status"] == "ok" else 503, content=body)
 
-    @app.get("/metrics")
-    def scrape() -> Any:
-        data, kind = metrics.render()
+    def metrics(self) -> Any:
+        from fastapi.responses import Response
+
+        data, kind = self.scrape.render()
         return Response(content=data, media_type=kind)
 
+
+def served_routes(lm: bool, video: bool) -> list[Route]:
+    """The routes a server with an LM (``lm``) and a Wan pipeline (``video``) lists: the
+    model routes, then the others (a result's content, ``kind`` "file", is not listed)."""
+    routes = [*(LMRoutes.ROUTES if lm else ()), *(VideoRoutes.ROUTES if video else ())]
+    return ([r for r in routes if r.kind == "model"] + list(CommonRoutes.ROUTES)
+            + [r for r in routes if r.kind == "info"])
+
+
+def build_app(service: Any = None, model_name: str = "", tokenizer: Any = None, *,
+              template: ChatTemplate | None = None, options: ServiceOptions | None = None,
+              video: Any = None) -> Any:
+    """The application serving ``service`` (an :class:`~numaov.runtime.service.lm_service.LMService`,
+    or None) under ``model_name`` and ``video`` (a
+    :class:`~numaov.runtime.service.video_service.VideoService`, or None)."""
+    from fastapi import FastAPI
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    options = options or ServiceOptions()
+    engine = service.engine if service is not None else None
+    metrics = ServiceMetrics(engine, video.queue_depth if video is not None else None)
+    app = FastAPI(title="numaov", version="1")
+    app.router.redirect_slashes = False  # "/v1/completions/" is an error, not a redirect
+    listed = [str(r) for r in served_routes(service is not None, video is not None)]
+    listing = ", ".join(listed[:-1]) + " and " + listed[-1]
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Any:
+        # Unknown paths and methods, in the same error shape as everything else.
+        return error_response(RequestError(
+            f"{request.method} {request.url.path}: {exc.detail}; this server answers "
+            f"{listing}", None, exc.status_code,
+            kind="not_found" if exc.status_code == 404 else "invalid_request_error"))
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> Any:
+        return error_response(exc)
+
+    add_routes(app, CommonRoutes(service, model_name, video, metrics))
     if service is not None:
-        lm = LMRoutes(engine, model_name, tokenizer, template or ChatTemplate(None), options,
-                      metrics, service.failure)
-
-        @app.get("/stats")
-        def stats() -> Any:
-            return engine.stats().as_dict()
-
-        @app.post(COMPLETIONS)
-        async def completions(request: Request) -> Any:
-            return await lm.answer(request, chat=False)
-
-        @app.post(CHAT)
-        async def chat(request: Request) -> Any:
-            return await lm.answer(request, chat=True)
-
+        add_routes(app, LMRoutes(engine, model_name, tokenizer, template or ChatTemplate(None),
+                                 options, metrics, service.failure))
     if video is not None:
-        video.add_routes(app, options, metrics)
-
-    known = {"/v1/models", "/health", "/metrics", "/stats", COMPLETIONS, CHAT,
-             *(video.paths if video is not None else ())}
+        add_routes(app, VideoRoutes(video, options, metrics))
+    known = {r.path for r in served_routes(service is not None, video is not None)}
     return Gate(app, options.api_key, metrics, known)

@@ -1,5 +1,6 @@
-"""What every route of the service shares: options, the error shape, reading a JSON body
-within its size limit, the key and metrics gate, and waiting for a client to go away."""
+"""What every route of the service shares: the route declaration, options, the error shape,
+reading a JSON body within its size limit, the key and metrics gate, and waiting for a client
+to go away."""
 
 from __future__ import annotations
 
@@ -17,6 +18,28 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long prompt fits, a runaway upload 
 DEFAULT_MAX_QUEUE = 256
 # Paths open without the API key: probes and scrapers do not carry it.
 OPEN_PATHS = ("/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of the service, declared once by the routes object that answers it:
+    ``handler`` names its method. ``kind``: ``"model"`` (a route that runs a model: listed
+    first, and in ``numaov serve``'s start line), ``"info"`` (listed after them) or
+    ``"file"`` (a result's content: not listed)."""
+
+    method: str
+    path: str
+    handler: str
+    kind: str = "model"
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+def add_routes(app: Any, routes: Any) -> None:
+    """Register every route ``routes`` declares (its ``ROUTES``) on the FastAPI ``app``."""
+    for route in routes.ROUTES:
+        app.add_api_route(route.path, getattr(routes, route.handler), methods=[route.method])
 
 
 @dataclass(frozen=True)
@@ -62,6 +85,16 @@ async def read_json(request: Any, max_bytes: int) -> Any:
             raise RequestError("the request body is not JSON; expected a JSON object") from None
 
     return await run_in_threadpool(parse, b"".join(chunks))
+
+
+async def read_model_request(request: Any, max_bytes: int, model_name: str) -> Any:
+    """:func:`read_json`, then a 404 when the body names a model other than ``model_name``
+    (the one the route serves); a body without ``model`` is for it."""
+    body = await read_json(request, max_bytes)
+    if isinstance(body, dict) and body.get("model") not in (None, model_name):
+        raise RequestError(f"model {body.get('model')!r} is not served here; expected "
+                           f"{model_name!r}", "model", 404, code="model_not_found")
+    return body
 
 
 async def wait_for_disconnect(request: Any) -> None:

@@ -7,6 +7,11 @@
 ``seed + j``, so the choices differ and each is reproducible), and how to answer (stream,
 usage in the stream). Every refusal is one :class:`RequestError` naming the field.
 
+The model's positions bound the prompt and ``max_tokens`` here (the default ``max_tokens``
+is cut to what fits, from :func:`~numaov.runtime.lm.sequence.positions_left`), so the
+engine's own check at submit never refuses a parsed request for them; the token ids and stop
+ids against the vocabulary are the engine's check at submit alone (the routes name the field).
+
 Fields numaov does not implement are accepted only at the value that changes nothing, or
 only when absent or empty; anything else (a typo such as "max_token" included) is refused,
 so no request is silently answered differently from what it asked. Parsing tokenizes text,
@@ -20,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from numaov.runtime.lm.sequence import GenerationInputError, SamplingParams, check_prompt
+from numaov.runtime.lm.sequence import GenerationInputError, SamplingParams, positions_left
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 
@@ -53,6 +58,8 @@ class LMRequest:
     include_usage: bool = False
     # chat: the chosen tokens' log-probabilities in chat's shape
     logprobs: bool = False
+    # the field the prompts came from ("prompt", or "messages" for chat): errors name it
+    prompt_param: str = "prompt"
 
     @property
     def n(self) -> int:
@@ -190,9 +197,8 @@ def _choices(body: Mapping[str, Any]) -> int:
 def _max_tokens(requested: int | None, default: int, longest: int, config: Mapping[str, Any],
                 limits: Limits, param: str) -> int:
     positions = int(config["max_position_embeddings"])
-    cap = positions - longest
-    if limits.max_tokens is not None:
-        cap = min(cap, limits.max_tokens)
+    room = positions_left(config, longest)
+    cap = room if limits.max_tokens is None else min(room, limits.max_tokens)
     if requested is None:
         if cap < 1:
             raise _refuse(f"the {longest}-token prompt leaves no room in the model's "
@@ -200,7 +206,7 @@ def _max_tokens(requested: int | None, default: int, longest: int, config: Mappi
         return min(default, cap)
     if requested > cap:
         why = (f"with a {longest}-token prompt exceeds the model's {positions} positions"
-               if limits.max_tokens is None or positions - longest < limits.max_tokens
+               if limits.max_tokens is None or room < limits.max_tokens
                else f"exceeds this server's limit of {limits.max_tokens}")
         raise _refuse(f"{param} {requested} {why}; expected {param} at most {max(cap, 0)}",
                       param if longest < positions else "prompt")
@@ -210,7 +216,7 @@ def _max_tokens(requested: int | None, default: int, longest: int, config: Mappi
 def _check_prompt_lengths(prompts: list[list[int]], config: Mapping[str, Any], limits: Limits,
                           param: str) -> None:
     longest = max(len(p) for p in prompts)
-    limit = int(config["max_position_embeddings"]) - 1
+    limit = int(config["max_position_embeddings"]) - 1  # room for one new token
     if limits.max_prompt_tokens is not None:
         limit = min(limit, limits.max_prompt_tokens)
     if longest > limit:
@@ -227,15 +233,8 @@ def _finish(prompts: list[list[int]], body: Mapping[str, Any], config: Mapping[s
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(requested, default, longest, config, limits, requested_name)
     params = _sampling(body, max_tokens, logprobs, n, tokenizer)
-    checked = []
-    for i, prompt in enumerate(prompts):
-        try:
-            checked.append(check_prompt(prompt, config, params[0], f"prompt {i}"))
-        except GenerationInputError as exc:
-            raise _refuse(str(exc), exc.parameter if exc.parameter != "prompt"
-                          else prompt_param) from None
-    return LMRequest(checked, [params] * len(checked), stream, include_usage,
-                     logprobs and chat)
+    return LMRequest(prompts, [params] * len(prompts), stream, include_usage,
+                     logprobs and chat, prompt_param)
 
 
 def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: Any = None,

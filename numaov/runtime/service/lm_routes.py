@@ -1,4 +1,6 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions`` over the LM engine.
+"""``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /stats`` over the LM
+engine (:class:`~numaov.runtime.service.lm_service.LMService`): parse the body
+(:mod:`~numaov.runtime.service.lm_requests`), submit it, shape the answer.
 
 Each choice of a request is one engine sequence, submitted on its own, so it joins the
 running batch at the next step (continuous batching). The body is parsed (and its text
@@ -30,9 +32,10 @@ from numaov.runtime.lm.sequence import GenerationInputError
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 from numaov.runtime.service.http_common import (
+    Route,
     ServiceOptions,
     error_response,
-    read_json,
+    read_model_request,
     wait_for_disconnect,
 )
 from numaov.runtime.service.lm_requests import (
@@ -49,7 +52,10 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class LMRoutes:
-    """The state the two routes share."""
+    """The LM's routes and the state they share."""
+
+    ROUTES = (Route("POST", COMPLETIONS, "completions"), Route("POST", CHAT, "chat"),
+              Route("GET", "/stats", "stats", kind="info"))
 
     engine: LMEngine
     model_name: str
@@ -73,13 +79,16 @@ class LMRoutes:
                 429, kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         ids: list[int] = []
         try:
-            for prompt, params in zip(parsed.prompts, parsed.params, strict=True):
+            for i, (prompt, params) in enumerate(zip(parsed.prompts, parsed.params,
+                                                     strict=True)):
                 for choice in params:
-                    ids.append(self.engine.submit(prompt, choice))
+                    ids.append(self.engine.submit(prompt, choice, name=f"prompt {i}"))
         except BaseException as exc:
             self.drop(ids)
-            if isinstance(exc, GenerationInputError):  # e.g. larger than the whole cache
-                raise RequestError(str(exc), exc.parameter) from None
+            if isinstance(exc, GenerationInputError):  # the engine's checks: the prompt's ids
+                # and stop ids against the model, a request larger than the whole cache
+                param = parsed.prompt_param if exc.parameter == "prompt" else exc.parameter
+                raise RequestError(str(exc), param) from None
             if isinstance(exc, RankWorkersRestarting):
                 raise RequestError(str(exc), None, 503, kind="server_error",
                                    headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -243,7 +252,16 @@ class LMRoutes:
             for task in tasks:
                 task.cancel()
 
-    # -- the route ------------------------------------------------------------------------
+    # -- the routes -----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Any:
+        return await self.answer(request, chat=False)
+
+    async def chat(self, request: Request) -> Any:
+        return await self.answer(request, chat=True)
+
+    def stats(self) -> Any:
+        return self.engine.stats().as_dict()
 
     async def answer(self, request: Request, chat: bool) -> Any:
         from fastapi.responses import StreamingResponse
@@ -252,11 +270,8 @@ class LMRoutes:
         arrived = time.perf_counter()
         endpoint = CHAT if chat else COMPLETIONS
         try:
-            body = await read_json(request, self.options.max_body_bytes)
-            if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
-                raise RequestError(f"model {body.get('model')!r} is not served here; expected "
-                                   f"{self.model_name!r}", "model", 404,
-                                   code="model_not_found")
+            body = await read_model_request(request, self.options.max_body_bytes,
+                                            self.model_name)
             if chat:
                 parsed = await run_in_threadpool(parse_chat_request, body, self.engine.config,
                                                  self.tokenizer, self.template,

@@ -26,7 +26,6 @@ from numaov.runtime.lm.engine import (
     LMEngine,
     Progress,
     SamplingParams,
-    check_prompts,
 )
 from numaov.runtime.lm.ranks import RankWorkersError
 from numaov.runtime.lm.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_PREFILL_CHUNK
@@ -71,11 +70,10 @@ class LMService:
                  params: SamplingParams | None = None) -> GenerationResult:
         """Every prompt's completion (default: greedy, ``max_new_tokens`` at most), in the
         caller's order, and the engine's step times while they ran."""
-        checked = check_prompts(prompts, self.config, max_new_tokens)
         params = params or SamplingParams(max_new_tokens)
         before = len(self.engine.step_seconds)
-        try:
-            completions = self.engine.generate(checked, params)
+        try:  # the engine checks each prompt as it is submitted
+            completions = self.engine.generate(prompts, params)
         except RankWorkersError as exc:
             raise ServiceError(str(exc)) from None
         if any(c.finish_reason == "error" for c in completions):

@@ -4,7 +4,9 @@
 The image is taken at the video's size exactly: diffusers' ``VideoProcessor.preprocess``
 resizes to the requested height and width (a no-op at that size), and numaov resizes nothing
 silently, so another size is an error naming both. It becomes what diffusers feeds the VAE
-encoder: RGB, ``x / 255 * 2 - 1`` in f32, ``[1, 3, 1, H, W]``.
+encoder: RGB, ``x / 255 * 2 - 1`` in f32, ``[1, 3, 1, H, W]``. An image decoded once (the
+service decodes ``input_reference`` to check it before it queues) is passed on as that array
+(:func:`image_pixels`), not decoded again.
 """
 
 from __future__ import annotations
@@ -47,3 +49,20 @@ def read_image(source: str | Path | BinaryIO, height: int, width: int,
                               "or WebP file", parameter="image") from exc
     pixels = rgb / np.float32(255.0) * np.float32(2.0) - np.float32(1.0)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1)[None, :, None])
+
+
+def image_pixels(image: str | Path | BinaryIO | np.ndarray, height: int, width: int,
+                 name: str | None = None) -> np.ndarray:
+    """The pixels of ``image``: a file read by :func:`read_image`, or an array it returned
+    (checked to be of the video's size)."""
+    if not isinstance(image, np.ndarray):
+        return read_image(image, height, width, name)
+    if image.shape[:3] != (1, 3, 1) or image.ndim != 5 or image.dtype != np.float32:
+        raise ImageInputError(f"image {name or 'array'} has shape {list(image.shape)} "
+                              f"({image.dtype}); expected [1, 3, 1, {height}, {width}] float32 "
+                              "as read_image returns", parameter="image")
+    if image.shape[3:] != (height, width):
+        raise ImageInputError(
+            f"image {name or 'array'} is {image.shape[4]}x{image.shape[3]} pixels; expected "
+            f"the video's {width}x{height} (width x height)", parameter="image")
+    return image

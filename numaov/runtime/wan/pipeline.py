@@ -43,18 +43,19 @@ from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_ma
 from numaov.runtime.placement.binding import check_bind_string, plan_for_ranks
 from numaov.runtime.wan.graph_runner import GraphRunner
 from numaov.runtime.wan.image_condition import ImageEncoder
-from numaov.runtime.wan.image_input import read_image
+from numaov.runtime.wan.image_input import image_pixels
+from numaov.runtime.wan.memory import check_memory, estimate_memory
+from numaov.runtime.wan.request import (
+    SamplerInputError,
+    WanSampleRequest,
+    condition_channels,
+    latent_shape,
+)
 from numaov.runtime.wan.sampler import (
     MAX_WORKERS,
     Progress,
     SampleResult,
-    SamplerInputError,
-    WanSampleRequest,
-    check_memory,
-    condition_channels,
     denoise,
-    estimate_memory,
-    latent_shape,
     timestep_layout,
     validate_request,
 )
@@ -90,6 +91,32 @@ class PromptError(NumaovError):
     """A prompt the text encoder cannot take."""
 
 
+# What an export does with an image (the video's first frame): the answers of
+# ImageRule.problem, one rule for run_wan_pipeline and for the service's input_reference.
+IMAGE_NEEDED = "needed"  # an image-to-video export (no text-only mode) without an image
+IMAGE_REFUSED = "refused"  # an image for an export with no image conditioning
+IMAGE_INCOMPLETE = "incomplete"  # an image for an image-to-video export missing an encoder
+
+
+@dataclass(frozen=True)
+class ImageRule:
+    """Which exports take an image: those with a VAE encoder (Wan 2.2 TI2V, and exports of
+    ``WanImageToVideoPipeline`` directories, which need one); an export whose transformer
+    takes condition channels (I2V) needs both encoder graphs."""
+
+    needs: bool
+    takes: bool
+    missing: tuple[str, ...]  # the encoder graphs an I2V export lacks (re-export it)
+
+    def problem(self, has_image: bool) -> str | None:
+        """``IMAGE_NEEDED``, ``IMAGE_INCOMPLETE``, ``IMAGE_REFUSED``, or None: fine."""
+        if not has_image:
+            return IMAGE_NEEDED if self.needs else None
+        if self.missing:
+            return IMAGE_INCOMPLETE
+        return None if self.takes else IMAGE_REFUSED
+
+
 @dataclass(frozen=True)
 class WanPipelineExport:
     """An exported pipeline directory: its manifest and every component's."""
@@ -114,6 +141,12 @@ class WanPipelineExport:
     def needs_image(self) -> bool:
         """diffusers' ``WanImageToVideoPipeline`` (Wan 2.2 I2V A14B) has no text-only mode."""
         return self.record.config.get("model_index", {}).get("_class_name") == IMAGE_TO_VIDEO_CLASS
+
+    @property
+    def image_rule(self) -> ImageRule:
+        missing = (tuple(n for n in (VAE_ENCODER, VAE_ENCODER_NEXT) if n not in self.components)
+                   if self.condition_channels else ())
+        return ImageRule(self.needs_image, VAE_ENCODER in self.components, missing)
 
     @property
     def condition_channels(self) -> int:
@@ -195,25 +228,31 @@ def encode(runner: GraphRunner, token_ids: list[list[int]], pad_id: int) -> list
 # -- the pipeline -----------------------------------------------------------------------------
 
 
-def _conditioning_image(pipeline: WanPipelineExport, image: str | Path,
-                        request: WanSampleRequest) -> np.ndarray:
-    """The image's pixels, after checking the export can condition on one."""
-    missing = [name for name in (VAE_ENCODER, VAE_ENCODER_NEXT)
-               if name not in pipeline.components]
-    if pipeline.condition_channels and missing:
+def _conditioning_image(pipeline: WanPipelineExport, image: str | Path | np.ndarray | None,
+                        request: WanSampleRequest) -> np.ndarray | None:
+    """The image's pixels (None without one), after checking the export's image rule."""
+    rule = pipeline.image_rule
+    problem = rule.problem(image is not None)
+    if problem == IMAGE_NEEDED:
+        raise SamplerInputError(
+            f"the pipeline in {str(pipeline.directory)!r} is image-to-video "
+            f"({IMAGE_TO_VIDEO_CLASS}): expected an image, the video's first frame",
+            parameter="image")
+    if problem == IMAGE_INCOMPLETE:
         raise SamplerInputError(
             f"the image-to-video pipeline in {str(pipeline.directory)!r} has no "
-            f"{' or '.join(map(repr, missing))} component (the VAE encoder its transformer's "
-            f"{pipeline.condition_channels} condition channels are made with); expected both "
-            f"{VAE_ENCODER} and {VAE_ENCODER_NEXT}: re-export the pipeline directory",
-            parameter="image")
-    if VAE_ENCODER not in pipeline.components:
+            f"{' or '.join(map(repr, rule.missing))} component (the VAE encoder its "
+            f"transformer's {pipeline.condition_channels} condition channels are made with); "
+            f"expected both {VAE_ENCODER} and {VAE_ENCODER_NEXT}: re-export the pipeline "
+            "directory", parameter="image")
+    if problem == IMAGE_REFUSED:
+        shown = "an image array" if isinstance(image, np.ndarray) else f"image={str(image)!r}"
         raise SamplerInputError(
-            f"image={str(image)!r}, but the pipeline in {str(pipeline.directory)!r} has no "
+            f"{shown}, but the pipeline in {str(pipeline.directory)!r} has no "
             "image conditioning (no vae_encoder component: exports of Wan 2.2 TI2V pipelines, "
             "with expand_timesteps, and of WanImageToVideoPipeline directories have one); "
             "expected no image", parameter="image")
-    return read_image(image, request.height, request.width)
+    return None if image is None else image_pixels(image, request.height, request.width)
 
 
 @dataclass
@@ -234,20 +273,22 @@ def run_wan_pipeline(
     model_dir: str | Path,
     request: WanSampleRequest,
     prompt: str,
-    out: str | Path,
+    out: str | Path | None,
     *,
     negative_prompt: str = "",
     backend: str = "openvino",
     workers: int = 1,
     fps: int = DEFAULT_FPS,
     vae_tiling: VaeTiling | None = None,
-    image: str | Path | None = None,
+    image: str | Path | np.ndarray | None = None,
     progress: Progress = None,
 ) -> VideoResult:
     """Text to video with an exported pipeline; writes ``out`` by its extension (``.npy``:
-    the final latents, without decoding).
+    the final latents, without decoding), or, with ``out`` None, writes nothing: the frames
+    are the result's (the service encodes them itself, ``video_output.encode_video``).
 
-    ``image`` (a file of the video's size) conditions the video on it as its first frame, as
+    ``image`` (a file of the video's size, or the array ``image_input.read_image`` made of
+    one) conditions the video on it as its first frame, as
     diffusers' ``WanImageToVideoPipeline`` does with ``expand_timesteps`` (Wan 2.2 TI2V): the
     exported VAE encoder's latents are the first latent frame at every step, at timestep 0;
     or, for an export of a ``WanImageToVideoPipeline`` directory (Wan 2.2 I2V A14B, which
@@ -264,18 +305,13 @@ def run_wan_pipeline(
     plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
     if plan is None:
         check_bind_string("sampling with workers=1")
-    kind = output_format(out)
+    kind = None if out is None else output_format(out)
     pipeline = read_pipeline(model_dir)
     transformer = pipeline.components[TRANSFORMER]
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
                          geometry.spatial, geometry.temporal)
-    if image is None and pipeline.needs_image:
-        raise SamplerInputError(
-            f"the pipeline in {str(pipeline.directory)!r} is image-to-video "
-            f"({IMAGE_TO_VIDEO_CLASS}): expected an image, the video's first frame",
-            parameter="image")
-    pixels = None if image is None else _conditioning_image(pipeline, image, request)
+    pixels = _conditioning_image(pipeline, image, request)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
     extra = ({} if kind == LATENTS_FORMAT
@@ -350,6 +386,7 @@ def run_wan_pipeline(
     seconds["vae_decode"] = time.perf_counter() - start
     where = f"in tiles on {workers} worker(s)" if tiled else "whole"
     report(f"decoded {frames.shape[0]} frames ({where}) in {seconds['vae_decode']:.2f} s")
-    write_video(frames, out, fps)
+    if out is not None:
+        write_video(frames, out, fps)
     return VideoResult(sample=sample, frames=frames, seconds=seconds)
 

@@ -1,24 +1,16 @@
-"""Sampling Wan video latents: flow-matching Euler with classifier-free guidance.
+"""Sampling Wan video latents: the denoising loop with classifier-free guidance.
 
 The loop is diffusers' ``WanPipeline`` with ``FlowMatchEulerDiscreteScheduler(shift=...)``
 (the scheduler class WanPipeline is declared with), on latents only (no text encoder,
-no VAE): text embeddings come from a ``.npy`` file, the final latents go to one.
+no VAE): text embeddings come from a ``.npy`` file, the final latents go to one. What a
+request is lives in ``request``, the schedules in ``schedules``, the backends in
+``denoisers``, the memory estimate in ``memory``.
 
-- Schedule: ``FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=s)``
-  followed by ``set_timesteps(N)``, reproduced exactly (``flow_match_sigmas``): N sigmas
-  evenly spaced from 1 down to the shifted training minimum ``s*0.001 / (1 + (s-1)*0.001)``,
-  each passed through Wan's shift ``sigma' = s*sigma / (1 + (s-1)*sigma)``, then a
-  terminal 0. The model is given ``timestep = 1000 * sigma``. Wan 2.1 T2V uses ``s = 5``.
-- Step: ``x <- x + (sigma_next - sigma) * v`` with ``v = v_uncond + g * (v_cond - v_uncond)``,
-  all in f32. A request carrying a diffusers scheduler config (a pipeline export's, see
-  ``wan_video``) is stepped by that diffusers scheduler instead (``DiffusersSchedule``).
+- Step: ``v = v_uncond + g * (v_cond - v_uncond)`` in f32, then the schedule's update.
 - Guidance: the conditional and unconditional predictions come from one batch of two
   (``[cond, uncond]``) on one worker, or from two workers (one branch each) whose halves
   are joined every step by the shared-memory ``all_gather_into_tensor``. The loop does not
   know which: it asks a ``GuidedPredictor`` for both halves.
-- Backends: OpenVINO (the compiled IR, one infer request), ONNX Runtime (the ONNX file),
-  PyTorch (``numaov.models.wan.transformer`` on the exported checkpoint). All take and return f32
-  numpy arrays behind ``Denoiser``, so no call site branches on the backend.
 - Noise: ``torch.randn(shape, generator=torch.Generator().manual_seed(seed))`` as diffusers'
   ``prepare_latents`` does with a CPU generator, so every backend starts from the same noise.
 - Timesteps: a graph exported with ``timestep="per-frame"`` (manifest field ``timestep``) is
@@ -45,25 +37,25 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
-from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 from numaov.runtime.placement.binding import BindingPlan, check_bind_string, plan_for_ranks
+from numaov.runtime.wan.denoisers import BACKENDS, Denoiser, open_denoiser, unknown_backend
+from numaov.runtime.wan.memory import check_memory, estimate_memory
+from numaov.runtime.wan.request import (
+    PER_FRAME,
+    SamplerInputError,
+    WanSampleRequest,
+    check_against_manifest,
+    condition_channels,
+    latent_shape,
+    load_first_frame_latents,
+    load_text_embeddings,
+)
+from numaov.runtime.wan.schedules import make_schedule
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("openvino", "onnxruntime", "torch")
-DEFAULT_SHIFT = 5.0
-NUM_TRAIN_TIMESTEPS = 1000
-# Wan's VAE: 4x temporal compression with the first frame kept (frames = 4k + 1), 8x spatial.
-VAE_TEMPORAL_FACTOR = 4
-VAE_SPATIAL_FACTOR = 8
-INPUT_NAMES = ("hidden_states", "timestep", "encoder_hidden_states")
 MAX_WORKERS = 2  # one per guidance branch
-PER_FRAME = "per-frame"  # the manifest's ``timestep`` for [B, F'] graphs
-
-
-class SamplerInputError(NumaovError):
-    """A sampling request whose arguments or input files do not fit the model."""
 
 
 class GuidanceSplitError(NumaovError):
@@ -71,439 +63,6 @@ class GuidanceSplitError(NumaovError):
 
 
 Progress = Callable[[str], None] | None
-
-
-# -- schedule ---------------------------------------------------------------------------------
-
-
-def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
-    """Wan's timestep shift ``s*sigma / (1 + (s-1)*sigma)``: more steps at high noise for s > 1."""
-    return shift * sigmas / (1 + (shift - 1) * sigmas)
-
-
-def flow_match_sigmas(steps: int, shift: float = DEFAULT_SHIFT) -> np.ndarray:
-    """``steps + 1`` f32 sigmas (the last is 0), as diffusers' FlowMatchEulerDiscreteScheduler.
-
-    The arithmetic follows diffusers step by step, including its precisions (the training
-    table in f32, the inference spacing in f64), so the schedule matches it bit for bit.
-    """
-    if steps < 1:
-        raise SamplerInputError(f"steps={steps}; expected at least 1")
-    if not (math.isfinite(shift) and shift > 0):
-        raise SamplerInputError(f"shift={shift}; expected a positive number (Wan uses 3.0 to 5.0)")
-    train = np.arange(NUM_TRAIN_TIMESTEPS, 0, -1, dtype=np.float32) / np.float32(
-        NUM_TRAIN_TIMESTEPS
-    )
-    train = shift_sigmas(train, np.float32(shift)).astype(np.float32)
-    sigma_max, sigma_min = float(train[0]), float(train[-1])
-    spaced = np.linspace(sigma_max * NUM_TRAIN_TIMESTEPS, sigma_min * NUM_TRAIN_TIMESTEPS, steps)
-    sigmas = shift_sigmas(spaced / NUM_TRAIN_TIMESTEPS, shift).astype(np.float32)
-    return np.concatenate([sigmas, np.zeros(1, dtype=np.float32)])
-
-
-# -- request validation -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WanSampleRequest:
-    """What to sample: the video size (in pixels / frames), the schedule and the seed."""
-
-    frames: int
-    height: int
-    width: int
-    steps: int
-    guidance: float
-    seed: int
-    shift: float = DEFAULT_SHIFT
-    # A diffusers scheduler config (a pipeline's scheduler/scheduler_config.json): when set,
-    # that scheduler steps the latents instead of flow-matching Euler with ``shift``.
-    scheduler: dict[str, Any] | None = None
-    # Two experts (Wan 2.2 A14B): steps at timesteps below ``boundary_timestep`` run the
-    # second transformer with guidance ``guidance_2`` (default: ``guidance``).
-    boundary_timestep: float | None = None
-    guidance_2: float | None = None
-
-    def expert(self, timestep: float) -> int:
-        """0 (the first transformer, high noise) or 1 (the second, low noise)."""
-        return int(self.boundary_timestep is not None and timestep < self.boundary_timestep)
-
-    def guidance_at(self, expert: int) -> float:
-        return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
-
-
-def condition_channels(config: dict[str, Any]) -> int:
-    """Channels a transformer takes beside the latents it predicts (Wan 2.2 I2V: 36 in, 16
-    out, so 20: the first-frame mask and the condition video); 0 for text to video."""
-    return int(config["in_channels"]) - int(config.get("out_channels") or config["in_channels"])
-
-
-def latent_shape(config: dict[str, Any], frames: int, height: int, width: int,
-                 spatial_factor: int = VAE_SPATIAL_FACTOR,
-                 temporal_factor: int = VAE_TEMPORAL_FACTOR) -> tuple[int, ...]:
-    """``(1, C, F, H, W)`` latents for a video of ``frames`` x ``height`` x ``width`` pixels.
-
-    Wan's VAE maps ``frames = tk + 1`` to ``k + 1`` latent frames (``t``: its
-    ``temporal_factor``, 4) and divides height and width by ``spatial_factor`` (8; Wan 2.2's
-    48-channel VAE: 16; the built-in digits-wan's: 4); the transformer then needs
-    latent sizes divisible by its patch size. Sizes that do not fit are errors (diffusers
-    rounds them; here nothing is silently changed).
-    """
-    patch = list(config.get("patch_size", (1, 2, 2)))
-    # The latents are what the transformer predicts: an image-to-video transformer takes
-    # condition channels beside them (Wan 2.2 I2V: in_channels 36, out_channels 16).
-    channels = int(config.get("out_channels") or config["in_channels"])
-    for name, value in (("frames", frames), ("height", height), ("width", width)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SamplerInputError(f"{name}={value!r}; expected a positive integer")
-    t = temporal_factor
-    if (frames - 1) % t != 0:
-        lower = (frames - 1) // t * t + 1
-        raise SamplerInputError(
-            f"frames={frames}; expected {t}k+1 video frames (Wan's VAE keeps "
-            f"the first frame and compresses the rest {t}x), e.g. {lower} or "
-            f"{lower + t}"
-        )
-    latent_frames = (frames - 1) // t + 1
-    if latent_frames % patch[0] != 0:
-        raise SamplerInputError(
-            f"frames={frames} gives {latent_frames} latent frames, not a multiple of the temporal "
-            f"patch size {patch[0]}"
-        )
-    dims = [latent_frames]
-    for name, value, p in (("height", height, patch[1]), ("width", width, patch[2])):
-        multiple = spatial_factor * p
-        if value % multiple != 0:
-            lower = max(multiple, value // multiple * multiple)
-            raise SamplerInputError(
-                f"{name}={value}; expected a multiple of {multiple} (VAE factor "
-                f"{spatial_factor} x patch size {p}), e.g. {lower} or {lower + multiple}"
-            )
-        dims.append(value // spatial_factor)
-    return (1, channels, *dims)
-
-
-def _load_npy(path: str | Path, what: str) -> np.ndarray:
-    path = Path(path)
-    if not path.is_file():
-        raise SamplerInputError(f"{what} file {str(path)!r} not found")
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise SamplerInputError(f"{what} file {str(path)!r} is not a .npy array ({exc})") from exc
-
-
-def _finite_f32(array: np.ndarray, path: str | Path, what: str) -> np.ndarray:
-    if not np.issubdtype(array.dtype, np.floating):
-        raise SamplerInputError(
-            f"{what} in {str(path)!r} have dtype {array.dtype}; expected floats"
-        )
-    array = array.astype(np.float32)
-    if not np.all(np.isfinite(array)):
-        raise SamplerInputError(f"{what} in {str(path)!r} contain NaN or infinity")
-    return array
-
-
-def load_text_embeddings(path: str | Path, text_dim: int, what: str) -> np.ndarray:
-    """Read ``[S, D]`` (or ``[1, S, D]``) f32 text embeddings from a ``.npy`` file."""
-    array = _load_npy(path, what)
-    if array.ndim == 3 and array.shape[0] == 1:
-        array = array[0]
-    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != text_dim:
-        raise SamplerInputError(
-            f"{what} in {str(path)!r} have shape {list(array.shape)}; expected [text_length, "
-            f"{text_dim}] or [1, text_length, {text_dim}] (text_dim of the model)"
-        )
-    return _finite_f32(array, path, what)
-
-
-def load_first_frame_latents(
-    path: str | Path, shape: Sequence[int], manifest: ModelManifest
-) -> np.ndarray:
-    """Read first-frame latents for ``shape`` = (1, C, F, H', W') as ``[1, C, 1, H', W']`` f32.
-
-    They are the VAE-encoded first frame, normalised as the transformer sees latents
-    (diffusers' ``(z - latents_mean) * (1 / latents_std)``); the file may omit the batch axis.
-    """
-    what = "first-frame latents"
-    if manifest.timestep != PER_FRAME:
-        raise SamplerInputError(
-            f"first-frame latents need a model exported with per-frame timesteps (Wan 2.2 TI2V "
-            f"gives the conditioned frame timestep 0), but the model in "
-            f"{str(manifest.directory)!r} takes one timestep per sample: re-export it with "
-            f"timestep {PER_FRAME!r}", parameter="first_frame_latents"
-        )
-    patch_t = int(list(manifest.config.get("patch_size", (1, 2, 2)))[0])
-    if patch_t != 1:
-        raise SamplerInputError(
-            f"first-frame latents need temporal patch size 1 (one latent frame per timestep, "
-            f"as Wan 2.2 TI2V); this model's is {patch_t}", parameter="first_frame_latents"
-        )
-    array = _load_npy(path, what)
-    expected = (1, shape[1], 1, *shape[3:])
-    if tuple(array.shape) not in (expected, expected[1:]):
-        raise SamplerInputError(
-            f"{what} in {str(path)!r} have shape {list(array.shape)}; expected "
-            f"{list(expected[1:])} or {list(expected)} (latent channels, one frame, and the "
-            "latent height and width of the requested video)"
-        )
-    return _finite_f32(array.reshape(expected), path, what)
-
-
-def _check_against_manifest(manifest: ModelManifest, feeds: dict[str, tuple[int, ...]]) -> None:
-    """Static axes recorded in the manifest must match; dynamic (named) axes take any size."""
-    for name, shape in feeds.items():
-        expected = manifest.inputs.get(name)
-        if expected is None:
-            raise SamplerInputError(
-                f"model in {str(manifest.directory)!r} has no input {name!r}; expected a Wan "
-                f"export with inputs {', '.join(INPUT_NAMES)}"
-            )
-        if len(expected) != len(shape) or any(
-            isinstance(e, int) and e != s for e, s in zip(expected, shape, strict=False)
-        ):
-            raise SamplerInputError(
-                f"input {name!r} would have shape {list(shape)} but the model was exported for "
-                f"{expected} (names are dynamic axes)"
-            )
-
-
-# -- memory -----------------------------------------------------------------------------------
-
-_GIB = 1 << 30
-# What the compiled model holds beside its IR weights (measured 1.2-1.5x, README).
-COMPILED_WEIGHTS_FACTOR = 1.5
-# Live f32 activations per video token and sample: about six hidden-width tensors (residual,
-# norm, q, k, v, attention output) plus one feed-forward column block (FFN_COLUMN_BLOCK at
-# export); measured 2.1-2.8 GiB for Wan 1.3B at 32,760 tokens, batch 2 (README).
-ACTIVATION_WIDTHS = 6
-FFN_BLOCK = 2048
-# Latent-sized f32 arrays alive in the loop: noise, latents, the guidance batch, predictions,
-# the scheduler's history.
-LATENT_COPIES = 8
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """What a run will hold, estimated before anything is allocated (bytes per part)."""
-
-    tokens: int
-    parts: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{name} {value / _GIB:.2f} GiB" for name, value in self.parts.items())
-        return f"{self.tokens:,} video tokens, about {self.total / _GIB:.2f} GiB ({parts})"
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def graph_weight_bytes(manifest: ModelManifest) -> int:
-    return sum(d.size for name, d in manifest.record.files.items() if name.endswith(".bin"))
-
-
-def estimate_memory(
-    experts: Sequence[ModelManifest], shape: Sequence[int], text_length: int, workers: int,
-    extra: dict[str, int] | None = None,
-) -> MemoryEstimate:
-    """The transformers' part of a run of ``shape`` latents; ``extra`` adds other parts."""
-    config = experts[0].config
-    tokens = video_tokens(config, shape)
-    width = int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 1))
-    ffn = min(int(config.get("ffn_dim", width)), FFN_BLOCK)
-    per_sample = (tokens * (ACTIVATION_WIDTHS * width + ffn) + 2 * text_length * width) * 4
-    parts = {
-        "weights": int(sum(graph_weight_bytes(m) for m in experts) * COMPILED_WEIGHTS_FACTOR)
-        * workers,
-        "activations": 2 * per_sample,
-        "latents": int(np.prod(shape)) * 4 * LATENT_COPIES,
-        **(extra or {}),
-    }
-    return MemoryEstimate(tokens=tokens, parts=parts)
-
-
-def check_memory(estimate: MemoryEstimate, available: int | None = None) -> None:
-    """Refuse a run the machine cannot hold, with the numbers."""
-    available = available_memory() if available is None else available
-    if available is not None and estimate.total > available:
-        raise SamplerInputError(
-            f"this video needs {estimate.describe()}, but {available / _GIB:.2f} GiB of memory "
-            "is available; expected a smaller video (fewer frames, height or width)"
-        )
-
-
-# -- backends ---------------------------------------------------------------------------------
-
-
-class Denoiser:
-    """One Wan transformer behind one call: f32 numpy in, f32 numpy out, whatever runs it."""
-
-    name = "base"
-
-    def predict(
-        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
-    ) -> np.ndarray:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release the compiled model / session."""
-
-
-# OpenVINO 2026.4's fused attention (an MHA snippet) returns wrong values when the video has a
-# single token (one query row) and the text 16 or more (cross-attention keys): off by the
-# output's own magnitude, while the same graph compiled without snippets matches ONNX Runtime
-# and PyTorch. Such inputs (a 16x16-pixel frame) run on a second compilation made on first use.
-SINGLE_TOKEN_CONFIG = {"SNIPPETS_MODE": "DISABLE"}
-
-
-def video_tokens(config: dict[str, Any], hidden_states_shape: Sequence[int]) -> int:
-    """Video tokens per sample of ``[B, C, F, H, W]`` latents (after patching)."""
-    patch = list(config.get("patch_size", (1, 2, 2)))
-    frames, height, width = hidden_states_shape[2:5]
-    return frames // patch[0] * (height // patch[1]) * (width // patch[2])
-
-
-class OpenVINODenoiser(Denoiser):
-    name = "openvino"
-
-    def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
-        self._manifest, self._config = manifest, dict(config or {})
-        self._compiled = manifest.compile_rank(0, config)
-        # numaov's attention leaves no MHA snippet behind, so it needs no second compilation;
-        # the compile says which kernel its attention nodes got.
-        self.attention = self._compiled.attention
-        self._request = self._compiled.create_infer_request()
-        self._single_token_request = None
-
-    def _request_for(self, hidden_states: np.ndarray) -> Any:
-        if self.attention == "numaov":
-            return self._request
-        if video_tokens(self._manifest.config, hidden_states.shape) != 1:
-            return self._request
-        if self._single_token_request is None:
-            compiled = self._manifest.compile_rank(0, {**self._config, **SINGLE_TOKEN_CONFIG})
-            self._single_token_request = compiled.create_infer_request()
-        return self._single_token_request
-
-    def predict(
-        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
-    ) -> np.ndarray:
-        request = self._request_for(hidden_states)
-        request.infer(
-            {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
-        )
-        return np.array(request.get_output_tensor(0).data, dtype=np.float32)
-
-    def close(self) -> None:
-        self._request = self._single_token_request = None
-        self._compiled = None
-
-
-class OnnxRuntimeDenoiser(Denoiser):
-    name = "onnxruntime"
-
-    def __init__(self, manifest: ModelManifest, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        self._session = ort.InferenceSession(
-            str(manifest.rank(0).onnx), options, providers=["CPUExecutionProvider"]
-        )
-
-    def predict(
-        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
-    ) -> np.ndarray:
-        (out,) = self._session.run(
-            None,
-            {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text},
-        )
-        return np.asarray(out, dtype=np.float32)
-
-    def close(self) -> None:
-        self._session = None
-
-
-class TorchDenoiser(Denoiser):
-    name = "torch"
-
-    def __init__(self, manifest: ModelManifest) -> None:
-        import torch
-
-        from numaov.models.wan.transformer import WanTransformer
-
-        source = manifest.source_checkpoint_dir("openvino or onnxruntime")
-        dtype = torch.bfloat16 if manifest.precision == "bf16" else torch.float32
-        self._torch = torch
-        self._model = WanTransformer.from_pretrained(source, dtype=dtype)
-        # The checkpoint is read from where it was at export time and may have changed since;
-        # the graphs have not, so the backends would silently disagree.
-        error = reference_error(self, manifest)
-        if error is not None and error > (manifest.reference_tolerance or 0.0):
-            raise SamplerInputError(
-                f"checkpoint {str(source)!r} does not reproduce the output recorded at export "
-                f"(max rel error {error:.3g}, tolerance {manifest.reference_tolerance}): it "
-                "changed since the export; re-export it, or use the openvino or onnxruntime "
-                "backend"
-            )
-
-    def predict(
-        self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
-    ) -> np.ndarray:
-        torch = self._torch
-        with torch.inference_mode():
-            out = self._model(
-                torch.from_numpy(hidden_states), torch.from_numpy(timestep), torch.from_numpy(text)
-            )
-        return out.float().numpy()
-
-    def close(self) -> None:
-        self._model = None
-
-
-def reference_error(denoiser: Denoiser, manifest: ModelManifest) -> float | None:
-    """Max error of ``denoiser`` on the export's reference sample, relative to the output's
-    largest magnitude (the export's parity measure); None when the export recorded none."""
-    if manifest.reference_sample is None:
-        return None
-    with np.load(manifest.reference_sample) as sample:
-        inputs = [sample[f"input.{name}"] for name in INPUT_NAMES]
-        expected = sample["output.sample"]
-    got = denoiser.predict(*inputs)
-    return max_rel_error(got, expected)
-
-
-def open_denoiser(
-    manifest: ModelManifest, backend: str, openvino_config: dict[str, Any] | None = None
-) -> Denoiser:
-    """The backend named ``backend`` on ``manifest``'s model; ``openvino_config`` adds
-    compile properties (a worker's threads and pinning), and sets ONNX Runtime's threads."""
-    if backend == "openvino":
-        return OpenVINODenoiser(manifest, openvino_config)
-    if backend == "onnxruntime":
-        threads = (openvino_config or {}).get("INFERENCE_NUM_THREADS")
-        return OnnxRuntimeDenoiser(manifest, int(threads) if threads else None)
-    if backend == "torch":
-        return TorchDenoiser(manifest)
-    raise _unknown_backend(backend)
-
-
-def _unknown_backend(backend: str) -> SamplerInputError:
-    return SamplerInputError(
-        f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}", parameter="backend"
-    )
 
 
 # -- guidance ---------------------------------------------------------------------------------
@@ -553,70 +112,6 @@ class GatheredGuidance(GuidedPredictor):
         both = np.empty((2, *mine.shape[1:]), dtype=np.float32)
         self._communicator.all_gather_into_tensor(both, mine)  # rank r's rows at [r]
         return both[0:1], both[1:2]
-
-
-# -- schedules --------------------------------------------------------------------------------
-
-
-class Schedule:
-    """The timesteps of a run and the update from one to the next."""
-
-    timesteps: list[float]
-
-    def step(self, velocity: np.ndarray, index: int, latents: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-
-class EulerSchedule(Schedule):
-    """Flow-matching Euler with Wan's shift, in numpy (``flow_match_sigmas``)."""
-
-    def __init__(self, steps: int, shift: float) -> None:
-        self._sigmas = flow_match_sigmas(steps, shift)
-        self.timesteps = [float(s * np.float32(NUM_TRAIN_TIMESTEPS)) for s in self._sigmas[:-1]]
-
-    def step(self, velocity: np.ndarray, index: int, latents: np.ndarray) -> np.ndarray:
-        dt = self._sigmas[index + 1] - self._sigmas[index]
-        return (latents + dt * velocity).astype(np.float32)
-
-
-class DiffusersSchedule(Schedule):
-    """diffusers' own scheduler class, built from a pipeline's ``scheduler_config.json``.
-
-    Wan's pipelines ship ``UniPCMultistepScheduler`` (a multistep predictor-corrector with
-    ``flow_shift``); running that class rather than a copy of it keeps numaov's schedule the
-    one diffusers' ``WanPipeline`` steps with, whatever options the config sets. It works on
-    the latents only, a negligible cost beside the transformer.
-    """
-
-    def __init__(self, steps: int, config: dict[str, Any]) -> None:
-        import diffusers
-        import torch
-
-        name = str(config.get("_class_name", ""))
-        cls = getattr(diffusers, name, None) if name.endswith("Scheduler") else None
-        if cls is None or not hasattr(cls, "from_config"):
-            raise SamplerInputError(
-                f"scheduler class {name!r} is not a diffusers scheduler; expected e.g. "
-                "UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler"
-            )
-        self._torch = torch
-        self._scheduler = cls.from_config(config)
-        self._scheduler.set_timesteps(steps)
-        self._scheduler.set_begin_index(0)
-        self._steps = [t for t in self._scheduler.timesteps]
-        self.timesteps = [float(t) for t in self._steps]
-
-    def step(self, velocity: np.ndarray, index: int, latents: np.ndarray) -> np.ndarray:
-        torch = self._torch
-        out = self._scheduler.step(torch.from_numpy(velocity), self._steps[index],
-                                   torch.from_numpy(latents), return_dict=False)[0]
-        return out.numpy().astype(np.float32)
-
-
-def make_schedule(request: WanSampleRequest) -> Schedule:
-    if request.scheduler is not None:
-        return DiffusersSchedule(request.steps, request.scheduler)
-    return EulerSchedule(request.steps, request.shift)
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -755,7 +250,7 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
 
 def validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
     if backend not in BACKENDS:
-        raise _unknown_backend(backend)
+        raise unknown_backend(backend)
     if workers not in (1, MAX_WORKERS):
         raise SamplerInputError(
             f"workers={workers}; expected 1 (both guidance branches in one batch) or "
@@ -851,7 +346,7 @@ def run_wan(
         else load_first_frame_latents(first_frame_latents, shape, manifest),
     )
     batch = 2 if workers == 1 else 1
-    _check_against_manifest(
+    check_against_manifest(
         manifest,
         {
             "hidden_states": (batch, *shape[1:]),

@@ -11,12 +11,15 @@
 - ``.npy``: the final latents, not a video (``run wan`` skips the VAE).
 
 Frames come in as diffusers' ``output_type="np"`` gives them: f32 ``[F, H, W, 3]`` in [0, 1];
-they are rounded to 8 bits.
+they are rounded to 8 bits. :func:`write_video` writes a file; :func:`encode_video` returns
+the same file's bytes (the service answers with them, nothing written to disk).
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -66,20 +69,44 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return np.clip(np.round(frames * 255.0), 0, 255).astype(np.uint8)
 
 
-def write_video(frames: np.ndarray, path: str | Path, fps: int = DEFAULT_FPS) -> str:
-    """Write ``[F, H, W, 3]`` frames in [0, 1] to ``path`` by its format; returns the format."""
-    kind = output_format(path)
+def _pixels(frames: np.ndarray, fps: int) -> np.ndarray:
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise VideoOutputError(f"frames of shape {list(frames.shape)}; expected [F, H, W, 3]")
     if not (isinstance(fps, int) and fps > 0):
         raise VideoOutputError(f"fps={fps!r}; expected a positive integer", parameter="fps")
-    pixels = to_uint8(frames)
+    return to_uint8(frames)
+
+
+def encode_video(frames: np.ndarray, kind: str, fps: int = DEFAULT_FPS) -> bytes:
+    """``[F, H, W, 3]`` frames in [0, 1] as the bytes of a ``kind`` file: ``".mp4"``,
+    ``".webp"``, ``".gif"``, or ``".png"`` (one frame: ``F`` must be 1)."""
+    pixels = _pixels(frames, fps)
+    buffer = io.BytesIO()
+    if kind == ".mp4":
+        _write_mp4(pixels, buffer, fps)
+    elif kind in (".webp", ".gif"):
+        _write_animation(pixels, buffer, fps, kind)
+    elif kind == ".png" and len(pixels) == 1:
+        from PIL import Image
+
+        Image.fromarray(pixels[0]).save(buffer, format="PNG")
+    else:
+        raise VideoOutputError(f"cannot encode {len(pixels)} frame(s) as {kind!r}; expected "
+                               f"{', '.join(VIDEO_FORMATS)}, or .png for one frame",
+                               parameter="format")
+    return buffer.getvalue()
+
+
+def write_video(frames: np.ndarray, path: str | Path, fps: int = DEFAULT_FPS) -> str:
+    """Write ``[F, H, W, 3]`` frames in [0, 1] to ``path`` by its format; returns the format."""
+    kind = output_format(path)
+    pixels = _pixels(frames, fps)
     path = Path(path)
     try:
         if kind == ".mp4":
             _write_mp4(pixels, path, fps)
         elif kind in (".webp", ".gif"):
-            _write_animation(pixels, path, fps)
+            _write_animation(pixels, path, fps, kind)
         elif kind == FRAMES_DIR:
             from PIL import Image
 
@@ -93,10 +120,11 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = DEFAULT_FPS) ->
     return kind
 
 
-def _write_mp4(pixels: np.ndarray, path: Path, fps: int) -> None:
+def _write_mp4(pixels: np.ndarray, target: Path | BinaryIO, fps: int) -> None:
     import av
 
-    with av.open(str(path), mode="w") as container:
+    where = str(target) if isinstance(target, Path) else target
+    with av.open(where, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height = int(pixels.shape[2]), int(pixels.shape[1])
         stream.pix_fmt = "yuv420p"  # what players expect; needs even sizes (Wan's are x16)
@@ -108,10 +136,11 @@ def _write_mp4(pixels: np.ndarray, path: Path, fps: int) -> None:
             container.mux(packet)
 
 
-def _write_animation(pixels: np.ndarray, path: Path, fps: int) -> None:
+def _write_animation(pixels: np.ndarray, target: Path | BinaryIO, fps: int,
+                     kind: str) -> None:
     from PIL import Image
 
     images = [Image.fromarray(frame) for frame in pixels]
-    options = {"lossless": True} if path.suffix.lower() == ".webp" else {}
-    images[0].save(path, save_all=True, append_images=images[1:], duration=round(1000 / fps),
-                   loop=0, **options)
+    options = {"lossless": True} if kind == ".webp" else {}
+    images[0].save(target, format=kind[1:].upper(), save_all=True, append_images=images[1:],
+                   duration=round(1000 / fps), loop=0, **options)

@@ -1,0 +1,215 @@
+"""Image and video bodies (``POST /v1/images/generations``, ``POST /v1/videos``), checked
+into a :class:`VideoJob`; then checked against the served export (:func:`check_video_job`:
+its image rule, ``input_reference`` decoded once).
+
+The fields are described in :mod:`numaov.runtime.service.video_routes`. Every refusal is one
+:class:`RequestError` naming the field; the pipeline checks the rest when it runs (sizes its
+VAE and patch size take, prompt lengths).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from numaov.runtime.service.errors import RequestError
+from numaov.runtime.wan.video_output import DEFAULT_FPS
+
+MAX_IMAGES = 4
+# A video's format as a request names it: (media type, video_output.encode_video's kind);
+# an image is a PNG.
+FORMATS = {"mp4": ("video/mp4", ".mp4"), "webp": ("image/webp", ".webp")}
+PNG = ("image/png", ".png")
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one request may ask for."""
+
+    max_pixels: int = 1280 * 720
+    max_frames: int = 129
+    max_steps: int = 100
+    max_n: int = MAX_IMAGES
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    guidance: float
+    seeds: list[int]
+    format: str  # "png", "mp4" or "webp"
+    as_url: bool
+    image: bytes | None = None  # input_reference's file
+    # input_reference's pixels (check_video_job decodes them once, before the job queues)
+    pixels: np.ndarray | None = None
+
+    @property
+    def output(self) -> tuple[str, str]:
+        """(media type, encode_video kind) of each result."""
+        return FORMATS.get(self.format, PNG)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _get_int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if not _is_int(value) or not low <= value <= high:
+        raise RequestError(f"{name} is {json.dumps(value)}; expected an integer from {low} to "
+                           f"{high}", name)
+    return value
+
+
+def _size(body: dict[str, Any], limits: VideoLimits) -> tuple[int, int]:
+    size = body.get("size") or "64x64"
+    parts = size.lower().split("x") if isinstance(size, str) else []
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise RequestError(f"size is {json.dumps(size)}; expected \"WIDTHxHEIGHT\" such as "
+                           "\"832x480\"", "size")
+    width, height = int(parts[0]), int(parts[1])
+    if width * height > limits.max_pixels:
+        raise RequestError(f"size {width}x{height} is {width * height} pixels; expected at most "
+                           f"{limits.max_pixels}", "size")
+    return width, height
+
+
+def _input_reference(value: Any) -> bytes:
+    """The file ``input_reference`` carries: base64 (line breaks and other whitespace
+    ignored), or a base64 data URL (its scheme and ``;base64`` in any case)."""
+    text = value if isinstance(value, str) else None
+    if text is not None and text[:5].lower() == "data:":
+        header, _, text = text.partition(",")
+        if not header.lower().endswith(";base64"):
+            text = None
+    try:
+        data = base64.b64decode("".join(text.split()), validate=True) if text else b""
+    except (binascii.Error, ValueError):
+        data = b""
+    if not data:
+        shown = json.dumps(value)[:40]
+        raise RequestError(f"input_reference is {shown}; expected a PNG, JPEG or WebP image as "
+                           "base64 or a data:image/...;base64, URL", "input_reference")
+    return data
+
+
+def parse_video_job(body: Any, video: bool, limits: VideoLimits,
+                    fields: tuple[str, ...]) -> VideoJob:
+    """A checked image or video body (the pipeline checks the rest: sizes its VAE and patch
+    size take, prompt lengths)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body is not a JSON object; expected "
+                           '{"prompt": "...", "size": "WxH"}')
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise RequestError(f"unknown field(s) {', '.join(unknown)}; expected only "
+                           f"{', '.join(fields)}", unknown[0])
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise RequestError(f"prompt is {json.dumps(prompt)}; expected non-empty text", "prompt")
+    negative = body.get("negative_prompt") or ""
+    if not isinstance(negative, str):
+        raise RequestError(f"negative_prompt is {json.dumps(negative)}; expected text",
+                           "negative_prompt")
+    width, height = _size(body, limits)
+    n = _get_int(body, "n", 1, 1, limits.max_n)
+    steps = _get_int(body, "steps", 20, 1, limits.max_steps)
+    guidance = body.get("guidance", 5.0)
+    if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or guidance < 1:
+        raise RequestError(f"guidance is {json.dumps(guidance)}; expected a number >= 1 (1: no "
+                           "guidance; Wan uses 5)", "guidance")
+    seed = body.get("seed")
+    if seed is None:
+        seed = secrets.randbits(62)
+    elif not _is_int(seed) or not 0 <= seed < 2**62:
+        raise RequestError(f"seed is {json.dumps(seed)}; expected an integer in 0 .. 2**62-1",
+                           "seed")
+    response_format = body.get("response_format") or "b64_json"
+    if response_format not in ("b64_json", "url"):
+        raise RequestError(f"response_format is {json.dumps(response_format)}; expected "
+                           "\"b64_json\" or \"url\"", "response_format")
+    frames, kind = 1, "png"
+    if video:
+        if body.get("frames") is not None and body.get("seconds") is not None:
+            raise RequestError("frames and seconds are both set; expected one of them",
+                               "seconds")
+        if body.get("seconds") is not None:
+            seconds = body["seconds"]
+            if isinstance(seconds, str) and seconds.replace(".", "", 1).isdigit():
+                seconds = float(seconds)  # OpenAI's video API sends seconds as a string
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+                raise RequestError(f"seconds is {json.dumps(body['seconds'])}; expected a "
+                                   "positive number", "seconds")
+            frames = 4 * max(round(seconds * DEFAULT_FPS / 4), 1) + 1
+            if frames > limits.max_frames:
+                raise RequestError(f"seconds {seconds} is {frames} frames at {DEFAULT_FPS}/s; "
+                                   f"expected at most {limits.max_frames} frames", "seconds")
+        else:
+            frames = _get_int(body, "frames", 17, 1, limits.max_frames)
+            if (frames - 1) % 4:
+                raise RequestError(f"frames is {frames}; expected 4k+1 frames (Wan's VAE), "
+                                   f"such as {(frames - 1) // 4 * 4 + 1} or "
+                                   f"{(frames - 1) // 4 * 4 + 5}", "frames")
+        kind = body.get("format") or "mp4"
+        if kind not in FORMATS:
+            raise RequestError(f"format is {json.dumps(kind)}; expected one of "
+                               f"{', '.join(FORMATS)}", "format")
+    image = (None if body.get("input_reference") is None
+             else _input_reference(body["input_reference"]))
+    return VideoJob(prompt, negative, width, height, frames, steps, float(guidance),
+                    [(seed + j) % 2**62 for j in range(n)], kind, response_format == "url",
+                    image)
+
+
+IMAGE_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
+                "steps", "guidance", "user", "quality", "style")
+VIDEO_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
+                "steps", "guidance", "frames", "seconds", "format", "input_reference", "user")
+
+
+def check_video_job(job: VideoJob, pipeline: Any, model_name: str, video: bool) -> VideoJob:
+    """``job`` against the served export (a ``WanPipelineExport``), before it queues: an
+    image for an export that cannot take one, or none for one that needs it (the export's
+    :class:`~numaov.runtime.wan.pipeline.ImageRule`, said without the server's paths); then
+    the image itself, of the video's size, decoded once: the job carries its pixels."""
+    from numaov.runtime.wan.image_input import ImageInputError, read_image
+    from numaov.runtime.wan.pipeline import IMAGE_INCOMPLETE, IMAGE_NEEDED, IMAGE_REFUSED
+
+    rule = pipeline.image_rule
+    problem = rule.problem(job.image is not None)
+    if problem == IMAGE_REFUSED:
+        raise RequestError(f"input_reference is set, but {model_name!r} has no image "
+                           "conditioning (a text-to-video export); expected no "
+                           "input_reference", "input_reference")
+    if problem == IMAGE_INCOMPLETE:
+        raise RequestError(f"{model_name!r} is an image-to-video export without its "
+                           f"{' or '.join(map(repr, rule.missing))} graph; expected a complete "
+                           "re-export of the pipeline directory", "input_reference", 500,
+                           kind="server_error")
+    if problem == IMAGE_NEEDED:
+        where = ("expected input_reference, the video's first frame" if video else
+                 "expected POST /v1/videos with input_reference, the video's first frame")
+        raise RequestError(f"{model_name!r} is image-to-video: {where}", "input_reference")
+    if job.image is None:
+        return job
+    try:
+        pixels = read_image(io.BytesIO(job.image), job.height, job.width,
+                            name="input_reference")
+    except ImageInputError as exc:
+        raise RequestError(str(exc), "input_reference") from None
+    return dataclasses.replace(job, pixels=pixels)
