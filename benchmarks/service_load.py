@@ -10,7 +10,7 @@ requests at concurrency ``c``, each client sending its next request when its las
 Measured per run: requests/s and output tokens/s (over the run's wall time), time to first
 token (request sent -> first token's chunk) and latency (-> ``[DONE]``), p50 and p99.
 
-The Wan part: a tiny Wan 2.1 pipeline (``tests/wan_pipeline_harness.py``) exported and served
+The Wan part: a tiny Wan 2.1 pipeline (``tests/support/wan_pipeline_harness.py``) exported and served
 by a third server; ``VIDEOS`` videos of ``VIDEO_FRAMES`` frames at ``VIDEO_SIZE``, 2 requests
 at a time, give videos per minute.
 

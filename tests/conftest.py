@@ -41,7 +41,7 @@ def two_cpus() -> tuple[int, int]:
 @pytest.fixture(scope="session")
 def deepseek_bind() -> str:
     """NUMAOV_CPU_BIND for the DeepSeek dp=2 tests: one rank on each of two CPUs."""
-    from deepseek_harness import two_cpu_bind_string
+    from support.deepseek_harness import two_cpu_bind_string
 
     bind = two_cpu_bind_string()
     if bind is None:
@@ -52,7 +52,7 @@ def deepseek_bind() -> str:
 @pytest.fixture(scope="session")
 def deepseek_exported(tmp_path_factory: pytest.TempPathFactory, deepseek_bind: str) -> dict:
     """The tiny DeepSeek-V2 exported once for dp=2 (deepseek_harness.export_tiny_dp2)."""
-    from deepseek_harness import export_tiny_dp2
+    from support.deepseek_harness import export_tiny_dp2
 
     return export_tiny_dp2(tmp_path_factory.mktemp("deepseek_export"), deepseek_bind)
 
@@ -68,7 +68,7 @@ def wan_pipeline_exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import subprocess
     import sys
 
-    from wan_pipeline_harness import build_tiny_pipeline
+    from support.wan_pipeline_harness import build_tiny_pipeline
 
     root = tmp_path_factory.mktemp("wan_pipeline_export")
     pipe = build_tiny_pipeline(root / "pipeline", seed=WAN_PIPELINE_SEED)
@@ -84,7 +84,7 @@ def wan(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny Wan exported once (f32, through the CLI), plus text embedding files
     (wan_harness.export_tiny_wan), shared by the test_wan_{export,sampler,denoisers,cli,bench}
     tests; samples made with it are kept in it (wan_harness.sample_latents)."""
-    from wan_harness import export_tiny_wan
+    from support.wan_harness import export_tiny_wan
 
     return export_tiny_wan(tmp_path_factory.mktemp("wan"))
 
@@ -93,6 +93,6 @@ def wan(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def ti2v(wan: dict) -> dict:
     """``wan``'s checkpoint exported with per-frame timesteps, and first-frame latents
     (wan_harness.export_per_frame). test_wan_pipeline_ti2v.py has a ``ti2v`` of its own."""
-    from wan_harness import export_per_frame
+    from support.wan_harness import export_per_frame
 
     return export_per_frame(wan)

@@ -398,7 +398,7 @@ def test_digits_pipeline_draws_every_digit_80_percent_on_openvino(
 @pytest.mark.slow
 def test_tiny_moe_dp2_gives_the_tokens_of_dp1(demo: dict) -> None:
     """The demo's dp=2 OpenVINO export against torch at dp=1 (no cache, whole sequences)."""
-    from deepseek_harness import greedy_reference
+    from support.deepseek_harness import greedy_reference
 
     from numaov.models.deepseek_v2 import DeepseekV2
     from numaov.runtime.lm.engine import encode_prompts, load_tokenizer, run_lm

@@ -16,7 +16,7 @@ Two lowerings (``onnx_translation_table(lowering)``):
   ``opset_version=onnx_opset_version("opset23")``. ONNX Runtime has no bf16 kernels for these.
 
 What OpenVINO 2026.4's CPU plugin makes of them (checked with ``get_runtime_model()`` layer types,
-``tests/test_fallback_ops_export.py`` asserts it):
+``tests/ops/test_fallback_ops_export.py`` asserts it):
 
 - RMSNorm ``x * 1/sqrt(mean(x^2) + eps) * gamma`` fuses to ``RMS`` when ``gamma`` is a constant
   (an initializer, as in a real model); without a weight we multiply by a constant of ones so

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from collectives_harness import SEED, RankGroup, run_ranks, shm_leftovers, unique_name
+from support.collectives_harness import SEED, RankGroup, run_ranks, shm_leftovers, unique_name
 
 pytestmark = pytest.mark.slow  # spawned rank processes
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from deepseek_harness import (
+from support.deepseek_harness import (
     CLI,
     CLI_TIMEOUT_S,
     MAX_NEW_TOKENS,

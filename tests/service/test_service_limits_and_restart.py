@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from service_harness import STOP_S, shared_memory_of, start_server, stop_server
+from support.service_harness import STOP_S, shared_memory_of, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # a real server with rank workers on the exported tiny model
 

@@ -16,8 +16,14 @@ from typing import Any
 
 import httpx
 import pytest
-from deepseek_harness import CLI, MAX_NEW_TOKENS, SCENARIOS, greedy_reference, tiny_tokenizer
-from service_harness import STARTUP_S, STOP_S, children, start_server, stop_server
+from support.deepseek_harness import (
+    CLI,
+    MAX_NEW_TOKENS,
+    SCENARIOS,
+    greedy_reference,
+    tiny_tokenizer,
+)
+from support.service_harness import STARTUP_S, STOP_S, children, start_server, stop_server
 
 from numaov.models.deepseek_v2 import DeepseekV2
 from numaov.runtime.lm.sequence import SamplingParams

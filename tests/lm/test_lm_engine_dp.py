@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from deepseek_harness import greedy_reference
+from support.deepseek_harness import greedy_reference
 
 from numaov.models.deepseek_v2 import DeepseekV2
 from numaov.runtime.lm.cache import CacheCapacityError

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from deepseek_harness import greedy_reference
+from support.deepseek_harness import greedy_reference
 
 from numaov.models.builtin.deepseek_tiny import TINY_DEEPSEEK_CONFIG, build_tiny_deepseek
 from numaov.models.deepseek_v2 import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import diffusers_tiling, one_line_error
+from support.wan_pipeline_harness import diffusers_tiling, one_line_error
 
 from numaov.runtime.wan.pipeline import MAX_TEXT_TOKENS, read_pipeline, run_wan_pipeline
 from numaov.runtime.wan.request import WanSampleRequest

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wan_harness import SEED, cli_in_process, rel_error
+from support.wan_harness import SEED, cli_in_process, rel_error
 
 from numaov.custom_ops import compile_ir
 from numaov.custom_ops.flash_attention import amx_unavailable_reason

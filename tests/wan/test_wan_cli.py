@@ -7,7 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from wan_harness import REQUEST, TI2V_REQUEST, cli_in_process, rel_error, run_cli, sample_latents
+from support.wan_harness import (
+    REQUEST,
+    TI2V_REQUEST,
+    cli_in_process,
+    rel_error,
+    run_cli,
+    sample_latents,
+)
 
 pytestmark = pytest.mark.slow  # exports the tiny Wan (wan_harness) and runs the CLI on it
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from deepseek_harness import greedy_reference, tiny_tokenizer
+from support.deepseek_harness import greedy_reference, tiny_tokenizer
 
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 from numaov.models.deepseek_v2 import DeepseekV2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import (
+from support.wan_pipeline_harness import (
     TI2V_Z_DIM,
     diffusers_tiling,
     export_tiny_pipeline,
@@ -186,7 +186,7 @@ def test_served_videos_take_the_first_frame_as_input_reference(ti2v: dict, tmp_p
 
     import httpx
     from PIL import Image, ImageSequence
-    from service_harness import start_server, stop_server
+    from support.service_harness import start_server, stop_server
 
     from numaov.runtime.wan.video_output import to_uint8
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import openvino as ov
 import pytest
-from wan_harness import SEED, cli_in_process, rel_error
+from support.wan_harness import SEED, cli_in_process, rel_error
 
 from numaov.custom_ops.flash_attention import AttentionSettingError, amx_unavailable_reason
 from numaov.exporter.parity import TOLERANCES

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import (
+from support.wan_pipeline_harness import (
     I2V_IN_CHANNELS,
     build_tiny_pipeline,
     export_without,
@@ -177,7 +177,7 @@ def test_served_image_to_video_asks_for_input_reference(i2v: dict) -> None:
     """`numaov serve` on an export that needs an image refuses requests without one, naming
     the field and where the image goes, before anything runs."""
     import httpx
-    from service_harness import start_server, stop_server
+    from support.service_harness import start_server, stop_server
 
     server, url = start_server(i2v["export"], "")
     try:

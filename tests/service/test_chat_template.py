@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from deepseek_harness import tiny_tokenizer
-from service_harness import CHAT_TEMPLATE as TEMPLATE
-from service_harness import chat_tokenizer
+from support.deepseek_harness import tiny_tokenizer
+from support.service_harness import CHAT_TEMPLATE as TEMPLATE
+from support.service_harness import chat_tokenizer
 
 from numaov.runtime.service.chat_template import ChatTemplateError, load_chat_template
 from numaov.runtime.service.lm_requests import parse_chat_request

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from service_harness import start_server, stop_server
+from support.service_harness import start_server, stop_server
 
 from numaov.runtime.wan.pipeline import run_wan_pipeline
 from numaov.runtime.wan.request import WanSampleRequest

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from wan_harness import cli_in_process
+from support.wan_harness import cli_in_process
 
 pytestmark = pytest.mark.slow  # exports the tiny Wan (wan_harness) and benchmarks it
 

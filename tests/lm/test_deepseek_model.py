@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from deepseek_harness import greedy_reference
 from safetensors.torch import load_file, save_file
+from support.deepseek_harness import greedy_reference
 from transformers import DeepseekV2Config as HFConfig
 from transformers import DeepseekV2ForCausalLM
 

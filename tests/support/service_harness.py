@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from deepseek_harness import CLI, tiny_tokenizer
+from support.deepseek_harness import CLI, tiny_tokenizer
 
 STARTUP_S = 300
 STOP_S = 60

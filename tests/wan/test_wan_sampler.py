@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from wan_harness import F32_SAMPLE_TOL, REQUEST, SEED, TI2V_REQUEST, rel_error, sample_latents
+from support.wan_harness import (
+    F32_SAMPLE_TOL,
+    REQUEST,
+    SEED,
+    TI2V_REQUEST,
+    rel_error,
+    sample_latents,
+)
 
 from numaov.exporter.wan_export import WanExportError, export_wan
 from numaov.models.builtin import build_tiny_wan
@@ -204,7 +211,7 @@ def test_first_frame_conditioning_matches_diffusers_ti2v_loop(wan: dict, ti2v: d
     latents = (1 - first_frame_mask) * condition + first_frame_mask * latents
     error = rel_error(sample_latents(wan, "torch", ti2v=ti2v), latents.numpy())
     print(f"conditioned torch backend vs diffusers TI2V loop: max rel error {error:.3g}")
-    # numaov's model matches diffusers' to < 1e-6 per forward (tests/test_wan_model.py); three
+    # numaov's model matches diffusers' to < 1e-6 per forward (tests/wan/test_wan_model.py); three
     # guided steps gave 7.5e-7 here. 1e-5 leaves a 10x margin and stays well below the
     # mistakes this guards against, measured on this model: timestep t instead of 0 on the
     # first frame 8.5e-4, first frame not replaced in the model input 1.3e-2.

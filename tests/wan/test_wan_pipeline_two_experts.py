@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from wan_pipeline_harness import export_tiny_pipeline
+from support.wan_pipeline_harness import export_tiny_pipeline
 
 from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
 from numaov.runtime.wan.request import WanSampleRequest

@@ -19,8 +19,8 @@ import onnx
 import openvino as ov
 import pytest
 import torch
-from collectives_harness import run_ranks, shm_leftovers, unique_name
 from onnx import TensorProto, helper
+from support.collectives_harness import run_ranks, shm_leftovers, unique_name
 
 from numaov.custom_ops import (
     CollectiveOpError,

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from deepseek_harness import greedy_reference
-from service_harness import chat_tokenizer, start_server, stop_server
+from support.deepseek_harness import greedy_reference
+from support.service_harness import chat_tokenizer, start_server, stop_server
 
 from numaov.models.deepseek_v2 import DeepseekV2
 from numaov.runtime.service.chat_template import load_chat_template

@@ -1,0 +1,1 @@
+"""Harnesses the test folders share: tiny models, exports and servers built once."""
