@@ -233,14 +233,14 @@ def cmd_export_lm(args: argparse.Namespace) -> int:
 
 
 def _add_export_lm_parser(sub: argparse._SubParsersAction) -> None:
-    from numaov.models.families import supported_model_types
+    from numaov.models.families import FAMILIES
 
     # "deepseek" is the command's name from before the model families: kept for one release
     p = sub.add_parser("lm", aliases=["deepseek"],
                        help="export a Hugging Face MoE language model per DP rank (alias: deepseek)")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="Hugging Face model directory (config.json + model.safetensors or sharded "
-                   f"index); its model_type picks the family: {', '.join(supported_model_types())}")
+                   f"index); its model_type picks the family ({', '.join(FAMILIES)})")
     p.add_argument("--dp", type=int, default=1, metavar="N",
                    help="data-parallel ranks, one graph each (default 1); must divide the MLP "
                    "and expert intermediate sizes")
@@ -264,6 +264,7 @@ def cmd_run_lm(args: argparse.Namespace) -> int:
         encode_prompts,
         format_generation,
         load_tokenizer,
+        open_lm_manifest,
         parse_prompt_ids,
         run_lm,
     )
@@ -280,6 +281,8 @@ def cmd_run_lm(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if args.prompt:
         if tokenizer is None:
+            # A missing or foreign model directory is named as such, not as a missing tokenizer.
+            open_lm_manifest(args.model_dir, args.backend)
             raise GenerationInputError(
                 f"--prompt TEXT needs a tokenizer: {args.model_dir!r} has no tokenizer.json "
                 "(its checkpoint had none); expected --tokenizer DIR (a tokenizer.json)")

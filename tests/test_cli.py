@@ -98,6 +98,8 @@ def test_the_entry_count_is_its_own_message(tmp_path: Path) -> None:
     (["run", "deepseek", "--model-dir", "m", "--max-new-tokens", "2", "--tokenizer",
       "no-such-dir", "--prompt", "hi"],
      "numaov: error: --tokenizer: tokenizer 'no-such-dir' is not a directory"),
+    (["run", "lm", "--model-dir", "no-such-model", "--max-new-tokens", "2", "--prompt", "hi"],
+     "numaov: error: model directory 'no-such-model' does not exist"),
 ])
 def test_library_errors_are_shown_with_the_flag_of_their_parameter(
     tmp_path: Path, args: list[str], line: str

@@ -97,7 +97,7 @@ PARITY_SEED = 0
 # inference (AVX512-BF16 / AMX) turns the encoder's first RMS norm (diffusers' F.normalize over
 # conv_in's 96 channels at the published sizes; the convolution alone is right) into NaN and
 # inf, so parity refused a bf16 encoder and with it the whole export; with the norms exported
-# as one reduction and a product (wan_components._rms_norm) every output is still inf. The
+# as one reduction and a product (models/wan/components._rms_norm) every output is still inf. The
 # encoder runs once per video (benchmarks/RESULTS.md, "Wan 2.2 I2V's image conditioning").
 ENCODER_PRECISION = "f32"
 class PipelineExportError(NumaovError):

@@ -214,6 +214,112 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._files)
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._files[name].entries[name][0]
+
+    def read_float8(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """A float8 tensor as it is stored (no check, no cast): only for a reader that applies
+        its scales (:class:`BlockFp8Checkpoint`)."""
+        if self.dtype(name) not in FLOAT8_DTYPES:
+            raise CheckpointError(f"{self._what}: tensor {name!r} has dtype "
+                                  f"{_dtype_name(self.dtype(name))}; expected a float8 weight")
+        return self._files[name].read(name, rows)
+
+
+#: The float8 dtypes a block-quantized weight may have on disk.
+FLOAT8_DTYPES = (torch.float8_e4m3fn,)
+#: The name of a quantized weight's inverse scales, beside ``<module>.weight``.
+SCALE_SUFFIX = "_scale_inv"
+
+
+class BlockFp8Checkpoint(Mapping[str, torch.Tensor]):
+    """A checkpoint with block-quantized float8 weights seen as plain weights of ``dtype``.
+
+    The layout of DeepSeek's and Qwen's released FP8 checkpoints (``quantization_config``:
+    ``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size: [bn, bk]``): each quantized
+    ``<m>.weight [N, K]`` is float8_e4m3fn and has a float32 ``<m>.weight_scale_inv
+    [ceil(N/bn), ceil(K/bk)]``, one per block; the weight is ``w.float() * scale_inv`` with
+    the scale of its block (the last block of a row or column may be partial and uses its own
+    scale), as transformers' ``finegrained_fp8`` dequantizes it. The scales are hidden from
+    :meth:`shapes`; a weight is dequantized as it is read, ``bn`` rows at a time straight into
+    a ``dtype`` tensor, so no float32 copy of it is ever held. A float8 weight without its
+    scale, or a scale without its weight or of the wrong shape, is a CheckpointError.
+    """
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint, block: tuple[int, int],
+                 dtype: torch.dtype, what: str) -> None:
+        self._checkpoint = checkpoint
+        self._block = block
+        self._dtype = dtype
+        self._what = what
+        names = set(checkpoint)
+        self._quantized: set[str] = set()
+        for name in sorted(names):
+            if checkpoint.dtype(name) not in FLOAT8_DTYPES:
+                continue
+            scale = name + SCALE_SUFFIX
+            if scale not in names:
+                raise CheckpointError(f"{what}: float8 tensor {name!r} has no {scale!r}; "
+                                      "expected one float32 scale per weight block")
+            rows, cols = checkpoint.shape(name)
+            expected = (-(-rows // block[0]), -(-cols // block[1]))
+            if tuple(checkpoint.shape(scale)) != expected:
+                raise CheckpointError(
+                    f"{what}: {scale!r} has shape {list(checkpoint.shape(scale))}; expected "
+                    f"{list(expected)} (one per {block[0]}x{block[1]} block of "
+                    f"{[rows, cols]})")
+            self._quantized.add(name)
+        orphans = sorted(n for n in names if n.endswith(SCALE_SUFFIX)
+                         and n.removesuffix(SCALE_SUFFIX) not in self._quantized)
+        if orphans:
+            raise CheckpointError(f"{what}: scales without a float8 weight: "
+                                  f"{_format_names(orphans)}")
+        self._names = [n for n in checkpoint if not n.endswith(SCALE_SUFFIX)]
+
+    @property
+    def quantized(self) -> frozenset[str]:
+        """The names of the float8 weights."""
+        return frozenset(self._quantized)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._checkpoint.shape(name)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: self.shape(name) for name in self._names}
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or its rows ``rows``), dequantized to ``dtype`` when float8."""
+        if name not in self._quantized:
+            return self._checkpoint.read(name, rows)
+        total, cols = self.shape(name)
+        first, stop, _ = (rows or slice(None)).indices(total)
+        stop = max(stop, first)
+        scale = self._checkpoint.read(name + SCALE_SUFFIX).float()  # [ceil(N/bn), ceil(K/bk)]
+        # per column: the scale of its column block ([ceil(N/bn), K]; small beside the weight)
+        scale = scale.repeat_interleave(self._block[1], dim=1)[:, :cols]
+        out = torch.empty(stop - first, cols, dtype=self._dtype)
+        bn = self._block[0]
+        row = first
+        while row < stop:  # one block row (or the part of it in rows) at a time
+            end = min(stop, (row // bn + 1) * bn)
+            part = self._checkpoint.read_float8(name, slice(row, end)).float()
+            out[row - first:end - first] = part * scale[row // bn]
+            row = end
+        _check_weight(self._checkpoint_path(name), name, out, self._what)
+        return out
+
+    def _checkpoint_path(self, name: str) -> Path:
+        return self._checkpoint._files[name].path
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
 
 def open_safetensors_checkpoint(
     directory: str | Path,

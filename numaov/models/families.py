@@ -33,6 +33,8 @@ from numaov.manifest import CacheLayout
 #: Family name -> the module whose ``FAMILY`` describes it.
 FAMILIES: dict[str, str] = {
     "deepseek_v2": "numaov.models.deepseek_v2.family",
+    "deepseek_v3": "numaov.models.deepseek_v3.family",
+    "qwen_moe": "numaov.models.qwen_moe.family",
 }
 #: The graph inputs and outputs of every family's pooled step, in order.
 STEP_INPUTS = ("input_ids", "position_ids", "attention_mask", "kv_cache", "past_slots")
@@ -99,6 +101,47 @@ class LMFamily:
         """``model``'s pooled step on torch tensors (``STEP_INPUTS`` order) -> ``(logits,
         new_key_values)``: what the PyTorch backend runs."""
         return self.step_module(model)(*inputs)
+
+
+class CausalLMFamily(LMFamily):
+    """An :class:`LMFamily` whose model is a ``layers.causal_lm.CausalLM`` subclass: config,
+    DP check, loading and the step come from that class, imported when first asked for.
+    Subclasses set ``model_class`` and ``step_class`` (``"module:Name"``) and implement
+    ``cache_layout`` and ``expert_shape``."""
+
+    model_class: str = ""
+    step_class: str = ""
+
+    def read_config(self, checkpoint_dir: str | Path) -> Any:
+        return self._model().config_class.from_pretrained(checkpoint_dir)
+
+    def config_from_dict(self, values: Mapping[str, Any]) -> Any:
+        return self._model().config_class.from_dict(values)
+
+    def config_dict(self, config: Any) -> dict[str, Any]:
+        return config.to_dict()
+
+    def check_dp(self, config: Any, dp: int) -> None:
+        self._model().check_dp_divides(config, dp)
+
+    def load(self, checkpoint_dir: str | Path, dtype: Any, dp: Any = None) -> Any:
+        return self._model().from_pretrained(checkpoint_dir, dtype=dtype, dp=dp)
+
+    def step_module(self, model: Any) -> Any:
+        return _imported(self.step_class)(model)
+
+    def step_pooled(self, model: Any, *inputs: Any) -> Any:
+        return model.step_pooled(*inputs)
+
+    def _model(self) -> Any:
+        return _imported(self.model_class)
+
+
+def _imported(name: str) -> Any:
+    """The object ``"module:Name"`` names (importing the module: families are imported when
+    asked for)."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def supported_model_types() -> list[str]:

@@ -132,6 +132,7 @@ def test_models_and_health(served, deepseek_bind: str) -> None:
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
     ({"prompt": [1, 2], "temperature": -0.5}, 400, "temperature", "expected a number >= 0"),
+    ({"prompt": [1, 2], "temperature": 100}, 400, "temperature", "expected a number from 0 to 2"),
     ({"prompt": [1, 2], "top_p": 0}, 400, "top_p", r"expected a number in \(0, 1\]"),
     ({"prompt": [1, 2], "top_k": -1}, 400, "top_k", "expected an integer >= 0"),
     ({"prompt": [1, 2], "seed": "x"}, 400, "seed", "expected an integer"),

@@ -122,6 +122,7 @@ def test_videos_decode_to_the_requested_size_and_frames(served, tmp_path) -> Non
     ("/v1/images/generations", {"prompt": PROMPT, "style": "vivid", "colour": 1}, "colour",
      "unknown field"),
     ("/v1/videos", {"prompt": PROMPT, "frames": 6}, "frames", "4k\\+1 frames"),
+    ("/v1/videos", {"prompt": PROMPT, "frames": 1000}, "frames", "4k\\+1 frames from 1 to"),
     ("/v1/videos", {"prompt": PROMPT, "steps": 1000}, "steps", "from 1 to 100"),
     ("/v1/videos", {"prompt": PROMPT, "format": "avi"}, "format", "mp4, webp"),
     ("/v1/videos", {"prompt": PROMPT, "model": "sora-2"}, "model", "not served here"),

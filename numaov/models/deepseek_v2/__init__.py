@@ -40,9 +40,9 @@ pick the same experts. ``--dp`` must therefore divide ``intermediate_size``,
 The package, one concern per module: ``family`` (what the rest of numaov reads:
 :class:`numaov.models.families.LMFamily`), ``config`` (the config and its rope / yarn keys),
 ``sharding`` (the weight split), ``checkpoint_layout`` (per-expert files <-> expert stacks),
-then the blocks bottom up (``attention``, ``moe``: the router and experts from the shared
-``numaov.models.layers``, ``decoder``) and ``causal_lm`` (the model: load, save, the
-cached step and the pooled step the exporter traces). Generation (scheduling, sampling, the
+then the blocks (``attention``, ``moe``: the router and experts from the shared
+``numaov.models.layers``) and ``causal_lm`` (the model: the shared decoder stack and causal LM
+of ``numaov.models.layers`` with DeepSeek-V2's blocks). Generation (scheduling, sampling, the
 cache pool) is the runtime's: :mod:`numaov.runtime.lm.engine`.
 """
 
@@ -58,8 +58,6 @@ from numaov.models.deepseek_v2.checkpoint_layout import (
     model_to_checkpoint_state_dict,
 )
 from numaov.models.deepseek_v2.config import DeepseekConfigError, DeepseekV2Config
-from numaov.models.deepseek_v2.decoder import DeepseekV2DecoderLayer as DeepseekV2DecoderLayer
-from numaov.models.deepseek_v2.decoder import DeepseekV2Model as DeepseekV2Model
 from numaov.models.deepseek_v2.moe import DeepseekV2MoE as DeepseekV2MoE
 from numaov.models.deepseek_v2.moe import deepseek_v2_router as deepseek_v2_router
 from numaov.models.deepseek_v2.sharding import check_dp_divides, shard_state_dict

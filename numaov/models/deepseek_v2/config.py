@@ -8,12 +8,21 @@ which transformers 5 reads too.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from numaov import NumaovError
 from numaov.models.checkpoint import read_config
+from numaov.models.layers.config_keys import (
+    check_positive,
+    check_silu,
+    config_from_keys,
+    config_to_keys,
+    is_int,
+)
+from numaov.models.layers.mla import MlaConfig
+from numaov.models.layers.rope import read_rope_keys
 
 
 class DeepseekConfigError(NumaovError):
@@ -35,10 +44,12 @@ _REQUIRED_KEYS = (
     "v_head_dim",
 )
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
+#: Plain rope or yarn: the rope DeepSeek-V2 was trained with.
+ROPE_KINDS = ("default", "yarn")
 
 
 @dataclass(frozen=True)
-class DeepseekV2Config:
+class DeepseekV2Config(MlaConfig):
     """The Hugging Face ``deepseek_v2`` config keys the model reads (defaults: transformers').
 
     ``rope_scaling`` is None (plain rope) or the yarn dict (``factor``,
@@ -101,15 +112,10 @@ class DeepseekV2Config:
             raise DeepseekConfigError(
                 f"{what}: model_type is {model_type!r}; expected 'deepseek_v2'"
             )
-        names = {f.name for f in fields(cls)} - {"extra", "rope_scaling", "rope_theta"}
-        kwargs: dict[str, Any] = {k: values[k] for k in names if k in values}
-        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(values, what)
-        used = names | {"rope_scaling", "rope_theta", "rope_parameters"}
-        kwargs["extra"] = {k: v for k, v in values.items() if k not in used}
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:  # a wrongly typed value that broke arithmetic in _validate
-            raise DeepseekConfigError(f"{what}: {exc}") from exc
+        theta, scaling = read_rope_keys(values, what, DeepseekConfigError, kinds=ROPE_KINDS,
+                                        kind_key="type")
+        return config_from_keys(cls, values, what, DeepseekConfigError,
+                                derived={"rope_theta": theta, "rope_scaling": scaling})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> DeepseekV2Config:
@@ -118,22 +124,9 @@ class DeepseekV2Config:
     def to_dict(self) -> dict[str, Any]:
         """The config.json form (Hugging Face keys; rope in the classic rope_theta/rope_scaling
         form, which transformers 5 reads too)."""
-        out = dict(self.extra)
-        out.update({k: v for k, v in asdict(self).items() if k != "extra"})
-        out["model_type"] = "deepseek_v2"
-        out.setdefault("architectures", ["DeepseekV2ForCausalLM"])
-        return out
+        return config_to_keys(self, "DeepseekV2ForCausalLM", model_type="deepseek_v2")
 
     # -- derived sizes -----------------------------------------------------------------------
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kv_cache_dim(self) -> int:
-        """Per-token, per-layer cache width: the normalised latent and the rotated rope key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -149,7 +142,7 @@ class DeepseekV2Config:
     # -- checks ------------------------------------------------------------------------------
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
+        def fail(message: str) -> NoReturn:
             raise DeepseekConfigError(f"DeepSeek-V2 config: {message}")
 
         positive = (
@@ -157,32 +150,16 @@ class DeepseekV2Config:
             "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
             "v_head_dim", "moe_intermediate_size", "moe_layer_freq", "max_position_embeddings",
         )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                fail(f"{name} is {value!r}; expected a positive integer")
-        for name in ("q_lora_rank", "n_routed_experts", "num_experts_per_tok", "n_group",
-                     "topk_group", "num_key_value_heads"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                fail(f"{name} is {value!r}; expected a positive integer or null")
-        if self.n_shared_experts is not None and (
-            isinstance(self.n_shared_experts, bool) or not isinstance(self.n_shared_experts, int)
-            or self.n_shared_experts < 0
-        ):
+        check_positive(self, positive, fail)
+        check_positive(self, ("q_lora_rank", "n_routed_experts", "num_experts_per_tok",
+                              "n_group", "topk_group", "num_key_value_heads"), fail, null_ok=True)
+        if self.n_shared_experts is not None and (not is_int(self.n_shared_experts)
+                                                  or self.n_shared_experts < 0):
             fail(f"n_shared_experts is {self.n_shared_experts!r}; expected a non-negative integer")
         if self.first_k_dense_replace < 0:
             fail(f"first_k_dense_replace is {self.first_k_dense_replace}; expected >= 0")
-        if self.qk_rope_head_dim % 2:
-            fail(f"qk_rope_head_dim is {self.qk_rope_head_dim}; expected an even number "
-                 "(rope rotates pairs)")
-        if self.num_key_value_heads not in (None, self.num_attention_heads):
-            fail(f"num_key_value_heads is {self.num_key_value_heads} but num_attention_heads is "
-                 f"{self.num_attention_heads}; MLA expands its latent to every head, expected "
-                 "them equal")
-        if self.hidden_act != "silu":
-            fail(f"hidden_act is {self.hidden_act!r}; expected 'silu'")
+        self.check_mla(fail)
+        check_silu(self, fail)
         if self.mlp_bias:
             fail("mlp_bias is true; expected false (DeepSeek-V2 MLPs and experts have no bias)")
         if self.scoring_func != "softmax":
@@ -204,40 +181,3 @@ class DeepseekV2Config:
                 if tg * (self.n_routed_experts // g) < k:
                     fail(f"topk_group={tg} groups of {self.n_routed_experts // g} experts hold "
                          f"fewer than num_experts_per_tok={k} experts")
-        if self.rope_scaling is not None:
-            _check_yarn(self.rope_scaling, "DeepSeek-V2 config")
-
-
-def _read_rope(values: Mapping[str, Any], what: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, yarn dict or None) from either the classic or the transformers-5 keys."""
-    params = values.get("rope_parameters")
-    scaling = values.get("rope_scaling")
-    theta = values.get("rope_theta")
-    if isinstance(params, Mapping) and params:
-        theta = params.get("rope_theta", theta)
-        scaling = dict(params)
-    if scaling is not None and not isinstance(scaling, Mapping):
-        raise DeepseekConfigError(f"{what}: rope_scaling is {scaling!r}; expected an object or null")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            scaling = None
-        elif kind == "yarn":
-            scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type",
-                                                                       "rope_type")}
-            scaling["type"] = "yarn"
-        else:
-            raise DeepseekConfigError(
-                f"{what}: rope type {kind!r} is not supported; expected no scaling or 'yarn'"
-            )
-    else:
-        scaling = None
-    return float(theta if theta is not None else 10000.0), scaling
-
-
-def _check_yarn(scaling: Mapping[str, Any], what: str) -> None:
-    for key in ("factor", "original_max_position_embeddings"):
-        if not isinstance(scaling.get(key), (int, float)) or scaling[key] <= 0:
-            raise DeepseekConfigError(
-                f"{what}: yarn rope_scaling needs a positive {key!r}; got {scaling.get(key)!r}"
-            )

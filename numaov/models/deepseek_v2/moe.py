@@ -1,12 +1,9 @@
-"""The MoE block: the fp32 router, the routed experts and the shared experts."""
+"""The MoE block: DeepSeek-V2's fp32 router, the routed experts and the shared experts."""
 
 from __future__ import annotations
 
-from torch import Tensor, nn
-
 from numaov.models.deepseek_v2.config import DeepseekV2Config
-from numaov.models.layers.experts import RoutedExperts
-from numaov.models.layers.mlp import GatedMLP
+from numaov.models.layers.moe import SharedExpertsMoE
 from numaov.models.layers.router import Router
 
 
@@ -23,27 +20,11 @@ def deepseek_v2_router(config: DeepseekV2Config) -> Router:
     )
 
 
-class DeepseekV2MoE(nn.Module):
-    """Router (replicated), routed experts and shared experts (both sharded by intermediate)."""
+class DeepseekV2MoE(SharedExpertsMoE):
+    """DeepSeek-V2's router, routed experts and shared experts, as one rank of
+    ``world_size`` holds them."""
 
     def __init__(self, config: DeepseekV2Config, world_size: int) -> None:
-        super().__init__()
-        assert config.n_routed_experts is not None
-        hidden = config.hidden_size
-        self.gate = deepseek_v2_router(config)
-        self.experts = RoutedExperts(
-            config.n_routed_experts, hidden, config.moe_intermediate_size // world_size
-        )
-        self.shared_experts = (
-            GatedMLP(hidden, config.shared_intermediate_size // world_size)
-            if config.shared_intermediate_size
-            else None
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        """``x [N, H]`` -> this rank's partial sum ``[N, H]``."""
-        ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        super().__init__(deepseek_v2_router(config), config.hidden_size,
+                         config.moe_intermediate_size // world_size,
+                         config.shared_intermediate_size // world_size)

@@ -6,8 +6,18 @@
   a selection-only score correction bias, renormalisation and scaling);
 - ``experts``: the routed experts as weight stacks on numaov's MoE op;
 - ``mlp``: the SwiGLU MLP of dense layers and shared experts;
+- ``mla``: multi-head latent attention (DeepSeek-V2 / V3 / Kimi-K2) over a compressed latent
+  cache;
+- ``gqa``: grouped-query attention (Qwen-MoE) over a cache of rotated K and V heads;
+- ``attention_mask``: the causal mask over past and new tokens that MLA and GQA are given;
 - ``data_parallel``: the DP group a model instance is one rank of, and the exchange around
-  every MLP / MoE block under DP attention.
+  every MLP / MoE block under DP attention;
+- ``sharding``: the check that dp divides the split dims, and which MLP / expert tensors a
+  rank holds a slice of (``shard_tensor``);
+- ``expert_layout``: checkpoints with one tensor per routed expert to and from the model's
+  expert stacks (read shard by shard), and the checkpoint file names;
+- ``lm_loading``: around loading and running a causal LM: dtype resolution, the fp32 router,
+  freezing, positions from the mask, the past rows of a pooled step.
 
 A family (``numaov/models/<family>/``) builds its decoder from these and adds only what is its
 own (attention design, config keys, checkpoint layout).

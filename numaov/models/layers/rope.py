@@ -36,6 +36,46 @@ def rope_kind(scaling: Mapping[str, Any] | None) -> str:
     return str(kind)
 
 
+def read_rope_keys(values: Mapping[str, Any], what: str, error: type[NumaovError], *,
+                   kinds: tuple[str, ...] = ROPE_KINDS,
+                   kind_key: str = "rope_type") -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of a ``config.json`` mapping, from either spelling: the
+    classic ``rope_theta`` / ``rope_scaling`` keys or transformers 5's ``rope_parameters``
+    (theta and kind inside). The scaling is None for plain rope, else the Hugging Face dict
+    without theta, its kind under ``kind_key`` (the key the family's ``to_dict`` writes).
+
+    A malformed entry, a kind outside the family's ``kinds`` or a ``partial_rotary_factor``
+    other than 1 (rope on all of the family's rope dims) raises ``error``, prefixed by ``what``.
+    """
+    params = values.get("rope_parameters")
+    scaling = values.get("rope_scaling")
+    theta = values.get("rope_theta")
+    if isinstance(params, Mapping) and params:
+        theta = params.get("rope_theta", theta)
+        scaling = dict(params)
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise error(f"{what}: rope_scaling is {scaling!r}; expected an object or null")
+    theta = float(theta if theta is not None else 10000.0)
+    if not scaling:
+        return theta, None
+    partial = scaling.get("partial_rotary_factor", values.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise error(f"{what}: partial_rotary_factor is {partial!r}; expected 1 (rope on the "
+                    "whole head)")
+    kind = scaling.get("rope_type", scaling.get("type")) or "default"
+    if kind not in kinds:
+        scaled = [repr(k) for k in kinds if k != "default"]
+        expected = scaled[0] if len(scaled) == 1 else f"one of {', '.join(scaled)}"
+        raise error(f"{what}: rope type {kind!r} is not supported; expected no scaling or "
+                    f"{expected}")
+    if kind == "default":
+        return theta, None
+    kept = {k: v for k, v in scaling.items()
+            if k not in ("rope_theta", "type", "rope_type", "partial_rotary_factor")}
+    kept[kind_key] = kind
+    return theta, kept
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """Yarn's magnitude correction for a context ``scale`` times the original."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

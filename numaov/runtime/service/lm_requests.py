@@ -33,6 +33,8 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's
 MAX_CHOICES = 16  # n at most
 
 _NEUTRAL = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
+# OpenAI's API takes temperatures from 0 to 2; the engine itself takes any (`run lm`).
+MAX_TEMPERATURE = 2.0
 _SHARED = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "user",
            "logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
@@ -170,6 +172,11 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: bool, n: int,
     if "stop_token_ids" in settings and not isinstance(settings["stop_token_ids"], list):
         raise _refuse(f"stop_token_ids is {json.dumps(settings['stop_token_ids'])}; expected a "
                       "list of token ids", "stop_token_ids")
+    temperature = settings.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+            and temperature > MAX_TEMPERATURE:
+        raise _refuse(f"temperature is {json.dumps(temperature)}; expected a number from 0 to "
+                      f"{MAX_TEMPERATURE:g} (OpenAI's range)", "temperature")
     seed = settings.pop("seed", None)
     out = []
     for j in range(n):

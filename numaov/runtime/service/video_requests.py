@@ -160,7 +160,10 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
                 raise RequestError(f"seconds {seconds} is {frames} frames at {DEFAULT_FPS}/s; "
                                    f"expected at most {limits.max_frames} frames", "seconds")
         else:
-            frames = _get_int(body, "frames", 17, 1, limits.max_frames)
+            frames = body.get("frames", 17)
+            if not _is_int(frames) or not 1 <= frames <= limits.max_frames:
+                raise RequestError(f"frames is {json.dumps(frames)}; expected 4k+1 frames from 1 "
+                                   f"to {limits.max_frames} (1, 5, 9, ...)", "frames")
             if (frames - 1) % 4:
                 raise RequestError(f"frames is {frames}; expected 4k+1 frames (Wan's VAE), "
                                    f"such as {(frames - 1) // 4 * 4 + 1} or "

@@ -7,7 +7,7 @@
   terminal 0. The model is given ``timestep = 1000 * sigma``. Wan 2.1 T2V uses ``s = 5``.
   Step: ``x <- x + (sigma_next - sigma) * v``, in f32.
 - ``DiffusersSchedule``: a request carrying a diffusers scheduler config (a pipeline
-  export's, see ``wan_video``) is stepped by that diffusers scheduler instead.
+  export's, see ``pipeline``) is stepped by that diffusers scheduler instead.
 """
 
 from __future__ import annotations

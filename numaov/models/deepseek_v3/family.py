@@ -1,0 +1,28 @@
+"""DeepSeek-V3 (and Kimi-K2) as the rest of numaov sees it
+(:class:`numaov.models.families.LMFamily`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from numaov.models.families import CacheLayout, CausalLMFamily, ExpertShape
+
+
+class DeepseekV3Family(CausalLMFamily):
+    name = "deepseek_v3"
+    title = "DeepSeek-V3"
+    model_types = ("deepseek_v3", "kimi_k2")
+    model_class = "numaov.models.deepseek_v3.causal_lm:DeepseekV3"
+    step_class = "numaov.models.deepseek_v3.causal_lm:DeepseekV3Step"
+
+    def cache_layout(self, config: Any) -> CacheLayout:
+        # MLA, as DeepSeek-V2: per token the normalised latent and the rotated rope key
+        return CacheLayout("mla", config.num_hidden_layers,
+                           (("latent", config.kv_lora_rank), ("rope_key", config.qk_rope_head_dim)))
+
+    def expert_shape(self, config: Any, dp: int) -> ExpertShape | None:
+        return ExpertShape(config.n_routed_experts, config.hidden_size,
+                           config.moe_intermediate_size // dp)
+
+
+FAMILY = DeepseekV3Family()

@@ -1,0 +1,90 @@
+"""Grouped-query attention (GQA) over a cache of per-token K and V heads; the mask it is given
+is :func:`numaov.models.layers.attention_mask.causal_attention_mask`.
+
+The cache entry of one token and layer is its keys then its values, each ``kv_heads *
+head_dim`` wide and head-major (``CacheLayout("gqa", layers, (("key", kv_heads*head_dim),
+("value", kv_heads*head_dim)))``): the keys are stored rotated, so a cached entry is read as
+it is. Queries are grouped by the KV head they share (``heads // kv_heads`` per KV head) and
+attend through one broadcasting matmul, so K and V are never repeated per query head.
+
+The math is plain (matmul, mask, fp32 softmax, matmul), which ``torch.export`` and the ONNX
+exporter take as it is and OpenVINO runs; rope is numaov's ``rotary_embedding`` op in the
+half-split (NeoX) layout the Llama / Qwen families use.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from numaov.custom_ops import rotary_embedding
+from numaov.models.layers.norm import RMSNorm
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head attention with ``kv_heads`` key/value heads shared by ``heads`` query heads.
+
+    Parameter names are transformers' (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, and
+    ``q_norm`` / ``k_norm`` for the per-head RMSNorm of Qwen3 / OLMo-2 style models, applied
+    before rope when ``qk_norm_eps`` is given). ``qkv_bias`` adds biases to the q/k/v
+    projections, ``o_bias`` to the output projection.
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *,
+                 qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm_eps: float | None = None) -> None:
+        super().__init__()
+        assert heads % kv_heads == 0, "query heads must be a multiple of the KV heads"
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm: RMSNorm | None = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = head_dim ** -0.5
+
+    @property
+    def entry_width(self) -> int:
+        """One token's cache entry: its K heads then its V heads."""
+        return 2 * self.kv_heads * self.head_dim
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``x [B, T, H]``, ``cos/sin [B*T, D/2]``, ``mask [B, 1, T, P+T]`` (bool, True =
+        attend), ``past [B, P, 2*kv*D]`` -> ``(out [B, T, H], present [B, P+T, 2*kv*D])``."""
+        b, t, _ = x.shape
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        # 1. projections, per-head norm (when the model has one), rope on q and k;
+        #    rows of cos/sin are (batch, token) pairs: rope sees [B*T, heads, D]
+        q = self.q_proj(x).view(b, t, heads, d)
+        k = self.k_proj(x).view(b, t, kv, d)
+        v = self.v_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary_embedding(q.reshape(b * t, heads, d), cos, sin, False)
+        k = rotary_embedding(k.reshape(b * t, kv, d), cos, sin, False)
+
+        # 2. this step's cache entries (rotated keys, values), appended to the past
+        new = torch.cat((k.reshape(b, t, kv * d), v), dim=-1)  # [B, T, 2*kv*D]
+        present = torch.cat((past, new), dim=1)  # [B, S, 2*kv*D], S = P+T
+        s = present.shape[1]
+        keys, values = present.split([kv * d, kv * d], dim=-1)
+        keys = keys.view(b, s, kv, d).transpose(1, 2).unsqueeze(2)  # [B, kv, 1, S, D]
+        values = values.view(b, s, kv, d).transpose(1, 2).unsqueeze(2)  # [B, kv, 1, S, D]
+
+        # 3. attention, the query heads of one KV head as a group: [B, kv, heads/kv, T, D]
+        q = q.view(b, t, kv, heads // kv, d).permute(0, 2, 3, 1, 4)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, g, T, S]
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))  # mask [B, 1, 1, T, S]
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        context = torch.matmul(probs, values)  # [B, kv, g, T, D]
+
+        # 4. output projection (heads in kv-major order: head h = group * (heads/kv) + i)
+        out = context.permute(0, 3, 1, 2, 4).reshape(b, t, heads * d)
+        return self.o_proj(out), present
+

@@ -1,0 +1,69 @@
+"""How the MLP blocks' weights are split across DP ranks, for every family whose MLP tensors
+have Hugging Face's names (``mlp.gate_proj`` / ``up_proj`` / ``down_proj``; the shared experts
+``mlp.shared_experts.*`` of DeepSeek or the one ``mlp.shared_expert.*`` of Qwen2-MoE; the
+expert stacks ``mlp.experts.gate_up_proj`` / ``down_proj``).
+
+Weights are split along the intermediate dim of the dense MLPs, the shared experts and every
+routed expert, not by expert: every rank then does ``1/dp`` of every token's work whatever the
+router picks, and the shapes stay data-independent. The router, Qwen2-MoE's
+``mlp.shared_expert_gate`` and everything outside the MLP blocks are replicated. A family says
+which dims that splits (:func:`check_dims_divide`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from numaov.models.layers.data_parallel import ShardError
+
+#: (config key, size, what is split along it)
+ShardedDim = tuple[str, int, str]
+
+
+def check_dims_divide(dims: Sequence[ShardedDim], world_size: int) -> None:
+    """Raise ShardError unless ``world_size`` divides every one of ``dims``."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ShardError(f"dp is {world_size!r}; expected a positive integer",
+                         parameter="dp")
+    bad = [(key, size, role) for key, size, role in dims if size % world_size]
+    if bad:
+        common = math.gcd(*(size for _, size, _ in dims))
+        valid = [d for d in range(1, common + 1) if common % d == 0]
+        listed = ", ".join(f"{key}={size} ({role})" for key, size, role in bad)
+        raise ShardError(
+            f"dp={world_size} does not divide {listed}: the MLP and expert weights are split "
+            f"along these dims; expected a dp that divides all of them "
+            f"(possible: {', '.join(map(str, valid[:16]))}{' ...' if len(valid) > 16 else ''})",
+            parameter="dp",
+        )
+
+
+# Which tensors are split and along which dim (all others are replicated, the shared expert's
+# gate ``mlp.shared_expert_gate.weight`` too). ``shared_experts?``: DeepSeek's plural, Qwen's
+# singular. gate_up_proj stacks [gate; up] along dim 1, so each half is split separately (see
+# shard_tensor).
+_SHARD_RULES: tuple[tuple[re.Pattern[str], int], ...] = (
+    (re.compile(r"\.mlp\.(shared_experts?\.)?(gate_proj|up_proj)\.weight$"), 0),
+    (re.compile(r"\.mlp\.(shared_experts?\.)?down_proj\.weight$"), 1),
+    (re.compile(r"\.mlp\.experts\.down_proj$"), 2),
+)
+_GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")
+
+
+def shard_tensor(name: str, tensor: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank ``rank``'s slice of the model-layout tensor ``name`` (a copy, so the full one can
+    be freed), or ``tensor`` itself when it is replicated."""
+    if _GATE_UP.search(name):
+        e, two_i, h = tensor.shape
+        halves = tensor.view(e, 2, two_i // 2, h)
+        step = two_i // 2 // world_size
+        return halves[:, :, rank * step:(rank + 1) * step].reshape(e, 2 * step, h).clone()
+    for pattern, dim in _SHARD_RULES:
+        if pattern.search(name):
+            step = tensor.shape[dim] // world_size
+            return tensor.narrow(dim, rank * step, step).clone()
+    return tensor
