@@ -6,34 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 from numaov.models.checkpoint import SafetensorsCheckpoint
 from numaov.models.deepseek_v2.config import DeepseekV2Config
-from numaov.models.deepseek_v2.sharding import check_dp_divides
 from numaov.models.layers.expert_layout import WEIGHTS_INDEX_NAME as WEIGHTS_INDEX_NAME
 from numaov.models.layers.expert_layout import WEIGHTS_NAME as WEIGHTS_NAME
 from numaov.models.layers.expert_layout import (
-    checkpoint_shapes,
-    checkpoint_to_stacked,
     stacked_to_per_expert,
 )
-
-
-def _model_shapes(config: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
-    # The model is the one source of its tensor names; it is imported here because its
-    # from_pretrained / save_pretrained convert through this module.
-    from numaov.models.deepseek_v2.causal_lm import DeepseekV2
-
-    with torch.device("meta"):
-        model = DeepseekV2(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-
-
-def _checkpoint_shapes(config: DeepseekV2Config, per_expert: bool) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a full checkpoint, per-expert or stacked layout."""
-    return checkpoint_shapes(_model_shapes(config), per_expert, config.tie_word_embeddings)
 
 
 def checkpoint_to_model_state_dict(
@@ -46,15 +27,12 @@ def checkpoint_to_model_state_dict(
 
     Raises CheckpointError naming the missing, unexpected and mis-shaped tensors.
     """
-    world = shard[1] if shard is not None else 1
-    check_dp_divides(config, world)
-    return checkpoint_to_stacked(
-        checkpoint, _model_shapes(config),
-        moe_layers=[i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
-        num_experts=int(config.n_routed_experts or 0),
-        moe_intermediate_size=int(config.moe_intermediate_size),
-        tie_word_embeddings=config.tie_word_embeddings, what=what, shard=shard,
-    )
+    # The model is the one source of its tensor names; imported here because its
+    # from_pretrained / save_pretrained convert through this module.
+    from numaov.models.deepseek_v2.causal_lm import DeepseekV2
+
+    return DeepseekV2.stacked_state(checkpoint, config, what, shard,
+                                    num_experts=int(config.n_routed_experts or 0))
 
 
 def model_to_checkpoint_state_dict(

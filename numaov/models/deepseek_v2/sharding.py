@@ -13,21 +13,15 @@ from torch import Tensor
 
 from numaov.models.deepseek_v2.config import DeepseekV2Config
 from numaov.models.layers.data_parallel import ShardError
-from numaov.models.layers.sharding import check_dims_divide
+from numaov.models.layers.sharding import check_dims_divide, mlp_dims
 from numaov.models.layers.sharding import shard_tensor as shard_tensor
 
 
 def _sharded_dims(config: DeepseekV2Config) -> list[tuple[str, int, str]]:
     """(config key, size, what is split along it) for every dim DP shards."""
-    dims = []
-    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        dims.append(("intermediate_size", config.intermediate_size, "dense MLP layers"))
-    if config.n_routed_experts is not None:
-        dims.append(("moe_intermediate_size", config.moe_intermediate_size, "routed experts"))
-        if config.shared_intermediate_size:
-            dims.append(("n_shared_experts * moe_intermediate_size",
-                         config.shared_intermediate_size, "shared experts"))
-    return dims
+    moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]
+    return mlp_dims(config, moe_layers, ("n_shared_experts * moe_intermediate_size",
+                                         config.shared_intermediate_size, "shared experts"))
 
 
 def check_dp_divides(config: DeepseekV2Config, world_size: int) -> None:

@@ -17,22 +17,12 @@ from numaov.models.deepseek_v3.config import DeepseekV3Config
 from numaov.models.deepseek_v3.sharding import check_dp_divides
 from numaov.models.layers.expert_layout import (
     TensorSource,
-    checkpoint_to_stacked,
     stacked_to_per_expert,
 )
 
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def model_shapes(config: DeepseekV3Config) -> dict[str, tuple[int, ...]]:
-    """The unsharded model's tensor names and shapes (the model is their one source)."""
-    from numaov.models.deepseek_v3.causal_lm import DeepseekV3
-
-    with torch.device("meta"):
-        model = DeepseekV3(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def multi_token_prediction_names(names: list[str], config: DeepseekV3Config) -> list[str]:
@@ -74,13 +64,12 @@ def checkpoint_to_model_state_dict(
                 f"{what}: tensor {bias!r} is missing; DeepSeek-V3's noaux_tc routing chooses "
                 f"experts by the scores plus this per-expert bias (expected shape "
                 f"[{config.n_routed_experts}])")
-    return checkpoint_to_stacked(
-        source, model_shapes(config), moe_layers=moe_layers,
-        num_experts=config.n_routed_experts,
-        moe_intermediate_size=config.moe_intermediate_size,
-        tie_word_embeddings=config.tie_word_embeddings, what=what, shard=shard,
-        ignore=set(skipped),
-    )
+    # The model is the one source of its tensor names; imported here because its
+    # from_pretrained converts through this module.
+    from numaov.models.deepseek_v3.causal_lm import DeepseekV3
+
+    return DeepseekV3.stacked_state(source, config, what, shard,
+                                    num_experts=config.n_routed_experts, ignore=set(skipped))
 
 
 def model_to_checkpoint_state_dict(

@@ -4,18 +4,13 @@ intermediate dim of the dense MLPs, the shared experts and every routed expert."
 from __future__ import annotations
 
 from numaov.models.deepseek_v3.config import DeepseekV3Config
-from numaov.models.layers.sharding import ShardedDim, check_dims_divide
+from numaov.models.layers.sharding import ShardedDim, check_dims_divide, mlp_dims
 
 
 def sharded_dims(config: DeepseekV3Config) -> list[ShardedDim]:
-    dims: list[ShardedDim] = []
-    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
-        dims.append(("intermediate_size", config.intermediate_size, "dense MLP layers"))
-    dims.append(("moe_intermediate_size", config.moe_intermediate_size, "routed experts"))
-    if config.shared_intermediate_size:
-        dims.append(("n_shared_experts * moe_intermediate_size",
-                     config.shared_intermediate_size, "shared experts"))
-    return dims
+    moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]
+    return mlp_dims(config, moe_layers, ("n_shared_experts * moe_intermediate_size",
+                                         config.shared_intermediate_size, "shared experts"))
 
 
 def check_dp_divides(config: DeepseekV3Config, world_size: int) -> None:

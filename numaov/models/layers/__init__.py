@@ -16,6 +16,12 @@
   rank holds a slice of (``shard_tensor``);
 - ``expert_layout``: checkpoints with one tensor per routed expert to and from the model's
   expert stacks (read shard by shard), and the checkpoint file names;
+- ``moe``: DeepSeek's MoE block (router, routed experts, shared experts);
+- ``decoder``: the decoder layer and stack (norm, attention, residual, norm, MLP / MoE across
+  the DP ranks, residual) around a family's attention and MoE block;
+- ``causal_lm``: the causal LM and its exported step module: load, save, the cached and the
+  pooled step; a family subclasses it with its config, checkpoint layout and decoder;
+- ``config_keys``: config dataclasses from and to ``config.json`` keys, the shared checks;
 - ``lm_loading``: around loading and running a causal LM: dtype resolution, the fp32 router,
   freezing, positions from the mask, the past rows of a pooled step.
 

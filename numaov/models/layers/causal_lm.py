@@ -9,7 +9,7 @@ dict and back, and its decoder stack (:meth:`CausalLM.build_decoder`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,7 +25,12 @@ from numaov.models.checkpoint import (
     read_config,
 )
 from numaov.models.layers.data_parallel import DataParallelGroup, ShardError
-from numaov.models.layers.expert_layout import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from numaov.models.layers.expert_layout import (
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    TensorSource,
+    checkpoint_to_stacked,
+)
 from numaov.models.layers.lm_loading import (
     cast_keep_router,
     freeze,
@@ -89,6 +94,33 @@ class CausalLM(nn.Module):
         """The model's state dict in the checkpoint's layout (the inverse of
         :meth:`checkpoint_state`)."""
         raise NotImplementedError
+
+    @classmethod
+    def tensor_shapes(cls, config: Any) -> dict[str, tuple[int, ...]]:
+        """The unsharded model's tensor names and shapes (the model is their one source)."""
+        with torch.device("meta"):
+            model = cls(config)
+        return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+    @classmethod
+    def stacked_state(cls, source: TensorSource, config: Any, what: str,
+                      shard: tuple[int, int] | None, *, num_experts: int,
+                      ignore: Collection[str] = ()) -> dict[str, Tensor]:
+        """A full checkpoint's tensors (one per expert, or transformers' stacks) in the
+        model's layout, every name and shape checked against the model's; with ``shard=(rank,
+        world_size)`` only that rank's slices (``layers.expert_layout.checkpoint_to_stacked``).
+
+        Raises CheckpointError naming the missing, unexpected and mis-shaped tensors.
+        """
+        world = shard[1] if shard is not None else 1
+        cls.check_dp_divides(config, world)
+        return checkpoint_to_stacked(
+            source, cls.tensor_shapes(config),
+            moe_layers=[i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
+            num_experts=num_experts, moe_intermediate_size=config.moe_intermediate_size,
+            tie_word_embeddings=config.tie_word_embeddings, what=what, shard=shard,
+            ignore=ignore,
+        )
 
     def checkpoint_config(self) -> dict[str, Any]:
         """The ``config.json`` :meth:`save_pretrained` writes."""

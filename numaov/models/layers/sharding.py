@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -22,6 +23,21 @@ from numaov.models.layers.data_parallel import ShardError
 
 #: (config key, size, what is split along it)
 ShardedDim = tuple[str, int, str]
+
+
+def mlp_dims(config: Any, moe_layers: Sequence[bool],
+             shared: ShardedDim | None = None) -> list[ShardedDim]:
+    """The dims DP splits in a decoder of dense MLP layers (``intermediate_size``) and MoE
+    layers (``moe_intermediate_size``, and the shared experts' ``shared`` dim when they have
+    one), given which layers are MoE layers."""
+    dims: list[ShardedDim] = []
+    if not all(moe_layers):
+        dims.append(("intermediate_size", config.intermediate_size, "dense MLP layers"))
+    if any(moe_layers):
+        dims.append(("moe_intermediate_size", config.moe_intermediate_size, "routed experts"))
+        if shared is not None and shared[1]:
+            dims.append(shared)
+    return dims
 
 
 def check_dims_divide(dims: Sequence[ShardedDim], world_size: int) -> None:

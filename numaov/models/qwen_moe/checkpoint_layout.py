@@ -7,26 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 from numaov.models.checkpoint import SafetensorsCheckpoint
 from numaov.models.layers.expert_layout import WEIGHTS_INDEX_NAME as WEIGHTS_INDEX_NAME
 from numaov.models.layers.expert_layout import WEIGHTS_NAME as WEIGHTS_NAME
-from numaov.models.layers.expert_layout import checkpoint_to_stacked, stacked_to_per_expert
+from numaov.models.layers.expert_layout import stacked_to_per_expert
 from numaov.models.qwen_moe.config import QwenMoeConfig
-from numaov.models.qwen_moe.sharding import check_dp_divides
-
-
-def _model_shapes(config: QwenMoeConfig) -> dict[str, tuple[int, ...]]:
-    """The unsharded model's tensor names and shapes."""
-    # The model is the one source of its tensor names; imported here because its
-    # from_pretrained / save_pretrained convert through this module.
-    from numaov.models.qwen_moe.causal_lm import QwenMoe
-
-    with torch.device("meta"):
-        model = QwenMoe(config)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def checkpoint_to_model_state_dict(
@@ -39,14 +26,12 @@ def checkpoint_to_model_state_dict(
 
     Raises CheckpointError naming the missing, unexpected and mis-shaped tensors.
     """
-    world = shard[1] if shard is not None else 1
-    check_dp_divides(config, world)
-    return checkpoint_to_stacked(
-        checkpoint, _model_shapes(config),
-        moe_layers=[i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
-        num_experts=config.num_experts, moe_intermediate_size=config.moe_intermediate_size,
-        tie_word_embeddings=config.tie_word_embeddings, what=what, shard=shard,
-    )
+    # The model is the one source of its tensor names; imported here because its
+    # from_pretrained converts through this module.
+    from numaov.models.qwen_moe.causal_lm import QwenMoe
+
+    return QwenMoe.stacked_state(checkpoint, config, what, shard,
+                                 num_experts=config.num_experts)
 
 
 def model_to_checkpoint_state_dict(

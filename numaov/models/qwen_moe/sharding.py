@@ -9,22 +9,15 @@ router and the shared expert's gate are replicated.
 
 from __future__ import annotations
 
-from numaov.models.layers.sharding import ShardedDim, check_dims_divide
+from numaov.models.layers.sharding import ShardedDim, check_dims_divide, mlp_dims
 from numaov.models.qwen_moe.config import QwenMoeConfig
 
 
 def _sharded_dims(config: QwenMoeConfig) -> list[ShardedDim]:
     """(config key, size, what is split along it) for every dim DP shards."""
-    moe = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]
-    dims: list[ShardedDim] = []
-    if not all(moe):
-        dims.append(("intermediate_size", config.intermediate_size, "dense MLP layers"))
-    if any(moe):
-        dims.append(("moe_intermediate_size", config.moe_intermediate_size, "routed experts"))
-        if config.shared_expert_size:
-            dims.append(("shared_expert_intermediate_size", config.shared_expert_size,
-                         "shared expert"))
-    return dims
+    moe_layers = [config.is_moe_layer(i) for i in range(config.num_hidden_layers)]
+    return mlp_dims(config, moe_layers, ("shared_expert_intermediate_size",
+                                         config.shared_expert_size, "shared expert"))
 
 
 def check_dp_divides(config: QwenMoeConfig, world_size: int) -> None:
