@@ -92,7 +92,7 @@ def test_the_entry_count_is_its_own_message(tmp_path: Path) -> None:
     (["bench", "wan", "--model-dir", "m", "--frames", "5", "--height", "32", "--width", "32",
       "--rounds", "0"], "numaov: error: --rounds: rounds=0; expected a positive integer"),
     (["bench", "deepseek", "--model-dir", "m", "--backends", "torch,onnxruntime"],
-     "numaov: error: --backends: onnxruntime cannot run the DeepSeek rank graphs"),
+     "numaov: error: --backends: onnxruntime cannot run the LM rank graphs"),
     (["run", "deepseek", "--model-dir", "m", "--max-new-tokens", "2", "--prompt-ids", "1;;2"],
      "numaov: error: --prompt-ids: prompt ids '1;;2': prompt 1 is empty"),
     (["run", "deepseek", "--model-dir", "m", "--max-new-tokens", "2", "--tokenizer",

@@ -172,8 +172,8 @@ def bench_lm(model_dir: str | Path, backends: Sequence[str] = ("torch", "openvin
     from numaov.runtime.service.lm_service import LMService
 
     if "onnxruntime" in [b.strip() for b in backends]:
-        raise BenchInputError("onnxruntime cannot run the DeepSeek rank graphs (they hold "
-                              f"numaov.collective nodes); expected backends from "
+        raise BenchInputError("onnxruntime cannot run the LM rank graphs (they hold "
+                              f"numaov.moe and numaov.collective nodes); expected backends from "
                               f"{', '.join(BACKENDS)}", parameter="backends")
     chosen = _check_backends(backends, BACKENDS)
     _check_positive(rounds=rounds, batch=batch, prompt_length=prompt_length,
@@ -198,7 +198,7 @@ def bench_lm(model_dir: str | Path, backends: Sequence[str] = ("torch", "openvin
             row.figures["decode_ms_per_step"] = round(
                 float(np.median(fastest.decode_seconds)) * 1e3, 2)
         row.figures["tokens_per_s"] = round(batch * max_new_tokens / row.best, 1)
-    what = (f"DeepSeek-V2 generation, {batch} prompt(s) x {prompt_length} tokens + "
+    what = (f"{manifest.record.family} generation, {batch} prompt(s) x {prompt_length} tokens + "
             f"{max_new_tokens} new, dp={manifest.world_size}, {manifest.precision} export, "
             f"best of {rounds} round(s) after a warm-up (time = prefill + all decode steps, "
             "figures from the fastest round)")

@@ -1,7 +1,7 @@
 """The language model a server holds: the LM engine over long-lived rank workers.
 
 ``LMService(model_dir)`` starts the engine (:class:`numaov.runtime.lm.engine.LMEngine`) on one
-worker per rank of the binding plan, as ``numaov run deepseek`` does, but the workers stay:
+worker per rank of the binding plan, as ``numaov run lm`` does, but the workers stay:
 each pins itself, joins the model's collective group, loads and compiles its rank's graph and
 allocates its KV cache once, then serves steps until the service closes. Every request is
 submitted to the engine on its own, so requests that arrive while others run join the running
@@ -39,7 +39,7 @@ class ServiceError(NumaovError):
 
 
 class LMService:
-    """The engine over long-lived rank workers for one exported DeepSeek-V2 model."""
+    """The engine over long-lived rank workers for one exported language model."""
 
     def __init__(self, model_dir: str | Path, backend: str = "openvino", *,
                  plan: BindingPlan | None = None, cache_tokens: int = DEFAULT_CACHE_TOKENS,
