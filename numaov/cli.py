@@ -18,6 +18,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from numaov import NumaovError, __version__
 from numaov.console import ProgressLine, quiet_libraries
@@ -586,8 +587,18 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
 # -- parser and entry point ---------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with numaov's error shape: a bad argument, missing or unknown command is one
+    line on stderr and exit code 1, as every other error (argparse prints its usage and exits
+    2); ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"numaov: error: {self.prog.removeprefix('numaov ')}: {message}\n"
+                  if self.prog != "numaov" else f"numaov: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="numaov",
         description="Run diffusion transformers and MoE language models on CPU servers with "
         "OpenVINO, one worker per NUMA node.",

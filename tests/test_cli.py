@@ -120,8 +120,14 @@ def test_library_errors_are_shown_with_the_flag_of_their_parameter(
 ])
 def test_choices_are_the_library_tuples(args: list[str], names: tuple[str, ...]) -> None:
     proc = numaov(*args)
-    assert proc.returncode == 2
-    assert f"(choose from {', '.join(map(repr, names))})" in proc.stderr, proc.stderr
+    line = one_error_line(proc)  # one line and exit code 1, as every other error
+    assert f"(choose from {', '.join(map(repr, names))})" in line, proc.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["export"], ["run", "lm"], ["run", "mamba"]])
+def test_usage_errors_are_one_line_and_exit_1(args: list[str]) -> None:
+    line = one_error_line(numaov(*args))
+    assert line.startswith("numaov: error: ") and "usage:" not in line
 
 
 @pytest.mark.parametrize(("command", "backends"), [

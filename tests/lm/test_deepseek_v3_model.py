@@ -71,7 +71,10 @@ def _copy(directory: Path, target: Path) -> Path:
     return target
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# One case in the fast lane; the others (up to ~8 s each here) with the slow tests.
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=() if c == "groups_of_4_top4" else pytest.mark.slow)
+    for c in sorted(CASES)])
 def test_logits_and_greedy_tokens_match_transformers(case: str, tmp_path: Path) -> None:
     overrides, reference_overrides = CASES[case]
     hf, directory = save_hf_checkpoint(tmp_path / "ckpt", SEED, **overrides)

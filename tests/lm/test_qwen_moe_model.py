@@ -53,7 +53,10 @@ def _ours_greedy(model: QwenMoe, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+# The base variant runs in the fast lane; the others (each a transformers model and ours built
+# and compared, ~2 s each) with the slow tests.
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=() if v == "base" else pytest.mark.slow) for v in sorted(VARIANTS)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_transformers(tmp_path: Path, kind: str, variant: str) -> None:
     reference, checkpoint = save_checkpoint(tmp_path / "ckpt", kind, SEED, **VARIANTS[variant])
