@@ -100,6 +100,7 @@ from numaov.models.families import (
     STEP_INPUTS,
     STEP_OUTPUTS,
     CacheLayout,
+    ExpertShape,
     LMFamily,
     family_for_checkpoint,
 )
@@ -354,7 +355,7 @@ def export_lm(
                   if experts is not None else None)
     with staged_output(out_dir, force) as staging:  # published when the block returns
         return _export_into(checkpoint_dir, staging, family, config, dp, precision, report,
-                            weights, group_size)
+                            weights, experts, group_size)
 
 
 def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> list[str]:
@@ -378,6 +379,7 @@ def _export_into(
     precision: str,
     report: Callable[[str], None],
     weights: str,
+    experts: ExpertShape | None,
     group_size: int | None,
 ) -> ExportManifest:
     from numaov.models.layers.data_parallel import DataParallelGroup
@@ -389,7 +391,6 @@ def _export_into(
     # bf16 storage is a conversion step; int8 / int4 are quantized experts plus NNCF
     storage = "bf16" if weights == "bf16" else "f32"
 
-    experts = family.expert_shape(config, dp)
     spec = _StepSpec.of(family, config)
 
     def compress(model: Any) -> None:
