@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(BIN)/python -m ruff check numaov tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (exports, rank processes, notebooks): under 2 minutes.
+# Everything but the tests marked slow (exports, rank processes, notebooks): the target is 2 minutes.
 test-fast: $(STAMP)
 	$(BIN)/python -m ruff check numaov tests benchmarks
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
