@@ -16,7 +16,7 @@ Workload: 4 prompts of 32 tokens (prompts round-robin over the ranks), one prefi
 Printed: ms per prefill and per decode step, and ratios against torch eager dp=2 (gloo).
 
 The whole model is also exported at dp=1 in each other weight format of ``--formats`` (int8,
-int4, bf16: ``numaov export deepseek --weights``) and run on one worker.
+int4, fp8, bf16: ``numaov export deepseek --weights``) and run on one worker.
 
 Second part: one MoE layer (router + routed experts in numaov's MoeExperts op + shared
 experts) exported alone in each weight format and compiled as the runtime does, against torch
@@ -35,7 +35,7 @@ c = 1 .. 64 rows, on AMX tiles against AVX512-BF16, where AMX is usable: the row
 which the kernel's automatic choice puts an expert on the tiles.
 
     python benchmarks/moe.py [--decode-steps 8] [--rounds 15] [--part all|model|moe|amx-rows]
-        [--formats f32,bf16,int8,int4]
+        [--formats f32,bf16,int8,int4,fp8]
 
 Writes benchmarks/out/moe.json. A benchmark, not a test: it asserts nothing.
 """
@@ -219,10 +219,12 @@ def _moe_module(experts: int) -> DeepseekV2MoE:
 
 def _format_bytes(numel: int, weights: str, row_length: int, group: int | None) -> float:
     """Bytes a stack of ``numel`` weights (rows of ``row_length``) takes in ``weights``."""
-    per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[weights]
+    per = {"f32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "fp8": 1.0}[weights]
     scales = 0.0
     if weights in ("int8", "int4"):
         scales = 4.0 * numel / (group or row_length)
+    elif weights == "fp8":  # 128 x 128 block scales kept as per-row groups of up to 128 values
+        scales = 4.0 * numel / min(row_length, 128)
     return numel * per + scales
 
 
@@ -245,19 +247,21 @@ def decode_weight_bytes(moe: DeepseekV2MoE, x: torch.Tensor, weights: str,
 def compile_moe_layer(moe: DeepseekV2MoE, weights: str, tmp: Path) -> Any:
     """The layer exported alone in ``weights`` and compiled as the runtime compiles it."""
     from numaov.custom_ops import compile_ir
-    from numaov.exporter.weight_formats import (
-        compress_other_weights,
-        expert_group_size,
-        store_experts,
-    )
+    from numaov.custom_ops.expert_store import STORE_NAME, open_store, write_stacks
+    from numaov.exporter.weight_formats import compress_other_weights, expert_group_size
+    from numaov.models.layers.experts import StoredExperts
 
     layer = copy.deepcopy(moe)
     config = BENCH_CONFIG
     group = expert_group_size(weights, config.hidden_size, config.moe_intermediate_size)
-    store_experts(layer, weights, group)
+    where = tmp / f"moe{moe.gate.num_experts}-{weights}"
+    # the experts go to an expert store beside the IR, as an export writes them
+    store = where / STORE_NAME
+    write_stacks(store, {0: (layer.experts.gate_up_proj, layer.experts.down_proj)}, weights,
+                 group)
+    layer.experts = StoredExperts(open_store(store).store_id, 0)
     module = _MoEOnly(layer).eval()
     example = torch.randn(8, config.hidden_size)
-    where = tmp / f"moe{moe.gate.num_experts}-{weights}"
     graph = export_onnx(module, (example,), None, {"x": {0: torch.export.Dim.DYNAMIC}},
                         where / "moe.onnx")
     compress = None
@@ -486,7 +490,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15,
                         help="timed MoE-layer rounds (medians and ranges)")
-    parser.add_argument("--formats", default="f32,bf16,int8,int4",
+    parser.add_argument("--formats", default="f32,bf16,int8,int4,fp8",
                         help="weight formats of the MoE layer (comma-separated)")
     parser.add_argument("--part", choices=["all", "model", "moe", "amx-rows"], default="all",
                         help="the whole model, the MoE layer, the op's AMX rows sweep, or all "

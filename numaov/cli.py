@@ -61,7 +61,7 @@ def _backend_list(text: str) -> list[str]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from numaov.runtime.doctor import collect_report, format_report
 
-    report = collect_report()
+    report = collect_report(model_dir=args.model_dir)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -69,6 +69,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="report topology, ISA, binding plan, OpenVINO and /dev/shm")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="a language-model export: also report each rank's expert store (its "
+                        "bytes, and the NUMA nodes its pages are on) after checking its digests")
     p.set_defaults(func=cmd_doctor)
 
 

@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 3
 PRECISIONS = ("f32", "bf16")
-WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
+WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4", "fp8")
 # How the fallback ops are written into ONNX (numaov.custom_ops.fallback_onnx).
 LOWERINGS = ("decomposed", "opset23")
 TIMESTEP_KINDS = ("scalar", "per-frame")
@@ -128,6 +128,9 @@ class RankFiles:
     onnx: str
     ir_xml: str
     ir_bin: str
+    # The rank's expert store (``custom_ops.expert_store``), None for a graph without routed
+    # experts or one holding them as constants (exports from before the store).
+    experts: str | None = None
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,14 @@ def onnx_translation_table(lowering: str = "decomposed") -> dict[Any, Any]:
     lazily: onnxscript is only needed when exporting.
     """
     from numaov.custom_ops.collective_ops import collective_translation_table
+    from numaov.custom_ops.expert_store import stored_translation_table
     from numaov.custom_ops.fallback_onnx import fallback_translation_table
     from numaov.custom_ops.moe_ops import moe_translation_table
 
     table = fallback_translation_table(lowering)
     table.update(collective_translation_table())
     table.update(moe_translation_table())
+    table.update(stored_translation_table())
     return table
 
 

@@ -19,23 +19,27 @@ with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then 
   ONNX Runtime has no kernel for it: ``check_onnxruntime_can_run`` refuses such a graph.
 - **OpenVINO**: the extension op ``MoeExperts`` (``csrc/ops/moe_op.cpp``, kernel in
   ``csrc/kernels/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
-  products, int8 / int4 weights widened and scaled as they are read; cost proportional to the
-  routed rows.
+  products, int8 / int4 / fp8 weights widened and scaled as they are read; cost proportional to
+  the routed rows.
 
 Weight formats (``WEIGHT_FORMATS``; :func:`quantize_experts` writes them, the layout is drawn
 in ``csrc/kernels/moe_kernels.hpp``): ``f32`` and ``bf16`` stacks as they are; ``int8``: int8 stacks
 plus f32 scales ``[E, rows, groups]`` (symmetric, ``q = round(w / scale)``, one group per
 output channel by default); ``int4``: uint8 stacks holding two values per byte (the last dim
-halved) plus f32 scales per group of 32 / 64 / 128 values. The scales are two more inputs of
-the op (and of the ONNX node), so an IR carries them as constants.
+halved) plus f32 scales per group of 32 / 64 / 128 values; ``fp8``: ``torch.float8_e4m3fn``
+stacks plus f32 scales ``[E, rows, groups]`` as for int8, from DeepSeek-V3's 128 x 128 block
+scales (:func:`quantize_experts`, and :func:`fp8_row_scales` for a released FP8 checkpoint's
+blocks, sharded or not). The scales are two more inputs of the op (and of the ONNX node), so an
+IR carries them as constants.
 
 Numerics: sums over a row's slots are fp32 and the result is rounded once to ``x``'s dtype.
 With bf16 weights the activations are rounded to bf16 before each projection (what a bf16
-``F.linear`` does); int8 / int4 weights are weight-only (the activations stay f32).
+``F.linear`` does); int8 / int4 / fp8 weights are weight-only (the activations stay f32).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "MoeOpError",
     "dequantize_experts",
+    "fp8_row_scales",
     "quantize_experts",
     "bf16_kernel",
     "kernel_unavailable_reason",
@@ -64,7 +69,12 @@ MOE_DOMAIN = "numaov.moe"
 MOE_DOMAIN_VERSION = 1
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.float8_e4m3fn)
+#: Stacks that come with f32 scales: int8, packed int4, fp8.
+SCALED_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+#: DeepSeek-V3's FP8 block (rows x columns of a weight [N, K]) and E4M3's largest value.
+FP8_BLOCK = (128, 128)
+FP8_MAX = 448.0
 ID_DTYPES = (torch.int64, torch.int32)
 #: int4 group sizes tried largest first (a group must divide the row; the kernel reads 32
 #: values per step).
@@ -115,13 +125,13 @@ def _check_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
              "weights")
     if gate_up.dtype not in WEIGHT_DTYPES or down.dtype != gate_up.dtype:
         fail(f"gate_up / down dtypes are {gate_up.dtype} / {down.dtype}; expected both "
-             "torch.float32, torch.bfloat16, torch.int8 (int8) or torch.uint8 (packed int4)",
-             "gate_up")
-    quantized = gate_up.dtype in (torch.int8, torch.uint8)
+             "torch.float32, torch.bfloat16, torch.int8 (int8), torch.uint8 (packed int4) or "
+             "torch.float8_e4m3fn (fp8)", "gate_up")
+    quantized = gate_up.dtype in SCALED_DTYPES
     if quantized != (gate_up_scale is not None and down_scale is not None):
         fail(f"gate_up is {gate_up.dtype} and the scales are "
              f"{'given' if gate_up_scale is not None or down_scale is not None else 'None'}; "
-             "expected both scales exactly for int8 / int4 weights", "gate_up_scale")
+             "expected both scales exactly for int8 / int4 / fp8 weights", "gate_up_scale")
     packing = 2 if gate_up.dtype == torch.uint8 else 1  # packed int4: last dims halved
     n, h = (_known(d) for d in x.shape)
     e, i2, hg = (_known(d) for d in gate_up.shape)
@@ -147,7 +157,7 @@ def _check_args(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
 
 
 def _check_groups(name: str, k: int, groups: int, int4: bool) -> None:
-    """What the kernel reads: a group's scale per 16 (int8) or 32 (int4) values."""
+    """What the kernel reads: a group's scale per 16 (int8, fp8) or 32 (int4) values."""
     step = 32 if int4 else 16
     size = k // groups if groups and k % groups == 0 else 0
     if not size or (int4 and k % 32) or (size % step and not (groups == 1 and not int4)):
@@ -229,7 +239,7 @@ def _(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
 def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
                 gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
     """The routed experts' weighted sum per row: ``[N, H]`` in ``x``'s dtype (see the module
-    docstring). Any ``N`` from 0; an expert that gets no rows costs nothing. int8 / int4
+    docstring). Any ``N`` from 0; an expert that gets no rows costs nothing. int8 / int4 / fp8
     stacks (from :func:`quantize_experts`) come with their scales."""
     _check_args(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
     tensors = (x, ids, weights, gate_up, down)
@@ -276,7 +286,11 @@ def quantize_experts(stack: Tensor, weight_format: str, group_size: int | None =
     channel). ``int4``: symmetric, ``scale = max|w| / 7`` per group of ``group_size`` values
     (default: :func:`int4_group_size`), ``q`` in [-8, 7] stored as ``q + 8``, two per byte:
     each block of 32 values is 16 bytes, low nibbles the first 16 values, high nibbles the
-    next 16 (``csrc/kernels/moe_kernels.hpp``).
+    next 16 (``csrc/kernels/moe_kernels.hpp``). ``fp8``: DeepSeek-V3's released scheme, per
+    expert blocks of 128 rows x 128 columns (``group_size``, when given, is the block's
+    columns; partial last blocks allowed), ``scale_inv = max|w| / 448`` per block and ``q =
+    w / scale_inv`` as ``torch.float8_e4m3fn``; the scales returned are the block scales as
+    the kernel's per-row groups (:func:`fp8_row_scales`).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise MoeOpError(f"weight format {weight_format!r}; expected one of "
@@ -285,6 +299,8 @@ def quantize_experts(stack: Tensor, weight_format: str, group_size: int | None =
         return stack.float().contiguous(), None
     if weight_format == "bf16":
         return stack.bfloat16().contiguous(), None
+    if weight_format == "fp8":
+        return _quantize_fp8(stack, (FP8_BLOCK[0], group_size or FP8_BLOCK[1]))
     e, rows, k = stack.shape
     int4 = weight_format == "int4"
     size = group_size or (int4_group_size(k) if int4 else k)
@@ -307,9 +323,61 @@ def quantize_experts(stack: Tensor, weight_format: str, group_size: int | None =
     return packed.reshape(e, rows, k // 2).contiguous(), scales
 
 
+def _quantize_fp8(stack: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """``quantize_experts(stack, "fp8")``: block scales over ``block`` (rows, columns)."""
+    e, rows, k = stack.shape
+    br, bc = block
+    nr, nc = -(-rows // br), -(-k // bc)
+    w = stack.detach().float()
+    padded = F.pad(w, (0, nc * bc - k, 0, nr * br - rows))
+    amax = padded.abs().reshape(e, nr, br, nc, bc).amax(dim=(2, 4))
+    scale_inv = (amax / FP8_MAX).clamp_min(1e-12)  # [E, nr, nc]
+    per_value = scale_inv.repeat_interleave(br, dim=1).repeat_interleave(bc, dim=2)[:, :rows, :k]
+    q = (w / per_value).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
+    scales = torch.stack([fp8_row_scales(scale_inv[i], 0, rows, 0, k, block) for i in range(e)])
+    return q, scales.contiguous()
+
+
+def fp8_row_scales(block_scale_inv: Tensor, row_start: int, rows: int, col_start: int,
+                   cols: int, block: tuple[int, int] = FP8_BLOCK) -> Tensor:
+    """The kernel's scales ``f32 [rows, G]`` of rows ``row_start .. row_start + rows`` and
+    columns ``col_start .. col_start + cols`` of an FP8 weight ``[N, K]`` whose scales are
+    ``block_scale_inv [ceil(N / block[0]), ceil(K / block[1])]`` (DeepSeek-V3's
+    ``weight_scale_inv``): what keeps a released FP8 checkpoint's experts as they are, whole or
+    sharded (rows of gate / up, columns of down).
+
+    Each row is split into G equal groups of ``gcd(block[1], col_start, cols)`` values, so no
+    group crosses a block's columns; when the columns lie inside one block the row is one
+    group (G = 1). Raises MoeOpError when the groups would be smaller than 16 values (the
+    kernel reads a scale per 16 values) or the slice leaves the scales."""
+    br, bc = block
+    nr, nc = block_scale_inv.shape
+    if (rows < 1 or cols < 1 or row_start < 0 or col_start < 0
+            or (row_start + rows - 1) // br >= nr or (col_start + cols - 1) // bc >= nc):
+        raise MoeOpError(
+            f"fp8 rows {row_start} .. {row_start + rows} and columns {col_start} .. "
+            f"{col_start + cols} of a weight with block scales [{nr}, {nc}] of {br} x {bc} "
+            f"blocks; expected a slice inside the weight", parameter="weights")
+    if col_start % bc + cols <= bc:
+        size = cols
+    else:
+        size = math.gcd(bc, col_start, cols)
+        if size < 16:
+            raise MoeOpError(
+                f"fp8 columns {col_start} .. {col_start + cols} cut {bc}-column scale blocks "
+                f"into groups of {size} values; expected slices whose start and length are "
+                f"multiples of 16 (groups of 16 or more values) or use --weights bf16",
+                parameter="weights")
+    groups = cols // size
+    row_blocks = (torch.arange(rows) + row_start) // br
+    col_blocks = (torch.arange(groups) * size + col_start) // bc
+    return block_scale_inv.float()[row_blocks][:, col_blocks].contiguous()
+
+
 def dequantize_experts(stored: Tensor, scales: Tensor | None) -> Tensor:
     """The f32 stack ``[E, rows, K]`` a stored one stands for (the inverse of
-    :func:`quantize_experts` up to its rounding); f32 / bf16 stacks are only cast."""
+    :func:`quantize_experts` up to its rounding); f32 / bf16 stacks are only cast. int8 and
+    fp8 values are widened (``stored.float()``) and multiplied by their group's scale."""
     if scales is None:
         return stored.float()
     e, rows = stored.shape[:2]
@@ -325,7 +393,8 @@ def dequantize_experts(stored: Tensor, scales: Tensor | None) -> Tensor:
 
 def kernel_unavailable_reason(weight_format: str) -> str:
     """Why the OpenVINO op's kernel cannot run weights of ``weight_format`` on this CPU
-    (``""`` when it can): it needs AVX-512, and AVX512-BF16 for bf16 weights."""
+    (``""`` when it can): it needs AVX-512, and AVX512-BF16 for bf16 weights (``fp8``: as
+    int8)."""
     from numaov.native import native_module
 
     return native_module().moe_unavailable_reason(weight_format)
@@ -373,8 +442,9 @@ def moe_translation_table() -> dict[Any, Any]:
         type_constraints=[
             ("T", ["tensor(float)", "tensor(bfloat16)"], "activations"),
             ("I", ["tensor(int64)", "tensor(int32)"], "expert ids"),
-            ("W", ["tensor(float)", "tensor(bfloat16)", "tensor(int8)", "tensor(uint8)"],
-             "expert weights: f32, bf16, int8, packed int4"),
+            ("W", ["tensor(float)", "tensor(bfloat16)", "tensor(int8)", "tensor(uint8)",
+                   "tensor(float8e4m3fn)"],
+             "expert weights: f32, bf16, int8, packed int4, fp8"),
         ],
     )
     node = Op(Opset(MOE_DOMAIN, MOE_DOMAIN_VERSION), "MoeExperts", schema)
@@ -390,16 +460,22 @@ def moe_translation_table() -> dict[Any, Any]:
 def write_moe_onnx(path: Path, gate_up: Tensor, down: Tensor, top_k: int,
                    scales: tuple[Tensor, Tensor] | None = None) -> Path:
     """An ONNX model of one ``numaov.moe::MoeExperts`` node with the expert stacks (and int8 /
-    int4 scales) as initializers, as the exporter writes the node, and inputs x [N, H], ids
+    int4 / fp8 scales) as initializers, as the exporter writes the node, and inputs x [N, H], ids
     [N, top_k] int64 and weights [N, top_k] with N dynamic: the op alone, for tests and
     benchmarks of its OpenVINO face."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    def initializer(tensor: Tensor, name: str) -> Any:
+        if tensor.dtype == torch.float8_e4m3fn:  # no numpy dtype: the bytes as they are
+            return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(tensor.shape),
+                                      tensor.contiguous().view(torch.uint8).numpy().tobytes(),
+                                      raw=True)
+        return numpy_helper.from_array(tensor.numpy(), name)
+
     hidden = down.shape[1]
     names = ["x", "ids", "weights", "gate_up", "down"]
-    initializers = [numpy_helper.from_array(gate_up.numpy(), "gate_up"),
-                    numpy_helper.from_array(down.numpy(), "down")]
+    initializers = [initializer(gate_up, "gate_up"), initializer(down, "down")]
     if scales is not None:
         names += ["gate_up_scale", "down_scale"]
         initializers += [numpy_helper.from_array(scales[0].numpy(), "gate_up_scale"),

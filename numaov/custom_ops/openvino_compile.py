@@ -4,7 +4,8 @@ Every compile goes through `compile_ir`: the runtime's workers, both exporters' 
 checks and the benchmarks. So the graph an export's parity measures is the graph that runs,
 with the same three steps in the same order:
 
-1. read the IR with numaov's extension ops loaded (the collectives, FlashAttention);
+1. read the IR with numaov's extension ops loaded (the collectives, FlashAttention, the MoE
+   experts) and open the expert stores its ``MoeExperts`` nodes name (``expert_store``);
 2. at bf16, swap plain attention for numaov's flash-attention kernel when
    ``NUMAOV_ATTENTION`` allows it (`flash_attention.attention_kernel`);
 3. compile with ``INFERENCE_PRECISION_HINT`` set: an f32 model must say f32, or OpenVINO
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from numaov import NumaovError
+from numaov.custom_ops.expert_store import open_stores_of
 from numaov.custom_ops.flash_attention import attention_kernel, swap_attention
 from numaov.native import add_extension
 
@@ -138,6 +140,8 @@ def compile_ir(
             raise CompileError(
                 f"OpenVINO cannot read {name} (corrupt or truncated IR?): {_cause(exc)}"
             ) from exc
+        # the routed experts the graph names live in its directory's expert store
+        open_stores_of(model, Path(source).parent)
     else:
         name = f"model {source.get_friendly_name()!r}"
         # the caller's model is left as it is: swapping and pre/post-processing edit a copy

@@ -4,17 +4,21 @@ The family (``numaov.models.families``) comes from the checkpoint's ``config.jso
 module reads nothing of the family's config but through it. ``export_lm`` writes, into
 ``out_dir``:
 
+- ``rank_<r>/experts.nxs``: the rank's routed experts of every MoE layer (its shard of each
+  expert) in the weight format ``weights`` names, streamed from the checkpoint one expert at a
+  time (``expert_streaming``) into numaov's expert store (``custom_ops.expert_store``);
 - ``rank_<r>/model.onnx`` + ``model.onnx.data`` (always f32) and ``rank_<r>/model.xml`` +
-  ``model.bin`` (weights in the format ``weights`` names, see ``weight_formats``) for every rank
-  ``r < dp``: the family's pooled step (``LMFamily.step_module``) of the model that holds rank
-  r's MLP / expert shard, the routed experts of every MoE layer as one
-  ``numaov.moe::MoeExperts`` node (``custom_ops/moe_ops.py``) on the rank's expert shard, and
-  the ``numaov.collective`` nodes (group ``COLLECTIVE_GROUP``) around every MLP and MoE block
-  when ``dp > 1``;
+  ``model.bin`` (the other weights in ``weight_formats.other_weights_storage``'s format) for
+  every rank ``r < dp``: the family's pooled step (``LMFamily.step_module``) of the model that
+  holds rank r's MLP shard and no routed experts: each MoE layer's experts are one
+  ``numaov.moe::MoeExperts`` node (``custom_ops/moe_ops.py``) naming the rank's store and the
+  layer, and the ``numaov.collective`` nodes (group ``COLLECTIVE_GROUP``) sit around every MLP
+  and MoE block when ``dp > 1``;
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
 - the checkpoint's tokenizer files (``TOKENIZER_FILES``), copied when present, so the export
   alone takes text prompts;
-- ``manifest.json``, written last, with every other file's size and digest.
+- ``manifest.json``, written last, with every other file's size and digest (a store carries a
+  digest per layer in its own header instead, checked when a process opens it).
 
 The files are written into a staging directory that replaces ``out_dir`` only once parity
 passed (``output_dir.staged_output``): a failed export leaves nothing behind, a re-export
@@ -37,6 +41,11 @@ attention make torch.export ask whether the axis is 1 (the answer only decides w
 reshape is a view or a copy), which a named ``Dim`` turns into an error. The parity check runs
 both 1 and several new tokens, so a graph that only worked for one of them would fail it.
 
+The PyTorch reference is the unsharded model whose routed experts are read from the
+checkpoint as rows reach them (``layers.experts.CheckpointExperts``): it computes with the
+checkpoint's own weights (f32) and holds none of the experts, so no step of the export holds
+more than the non-expert weights and one expert.
+
 Parity at export:
 
 - ONNX Runtime has no kernels for the numaov.moe node (nor, for ``dp > 1``, the collective
@@ -53,6 +62,7 @@ Parity at export:
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -67,6 +77,8 @@ import numpy as np
 import torch
 
 from numaov import NumaovError
+from numaov.custom_ops.expert_store import STORE_NAME, open_store
+from numaov.exporter.expert_streaming import fp8_block, reference_experts, write_rank_store
 from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
 from numaov.exporter.output_dir import (
@@ -91,9 +103,10 @@ from numaov.exporter.weight_formats import (
     check_weights,
     compress_other_weights,
     expert_group_size,
+    other_weights_storage,
     parity_tolerance,
+    rounding_format,
     row_criterion_note,
-    store_experts,
 )
 from numaov.manifest import LM_KIND, ExportManifest, RankFiles, TensorSpec
 from numaov.models.families import (
@@ -383,13 +396,17 @@ def _export_into(
     group_size: int | None,
 ) -> ExportManifest:
     from numaov.models.layers.data_parallel import DataParallelGroup
+    from numaov.models.layers.experts import StoredExperts
 
     inference_precision = INFERENCE_PRECISION[precision]
-    tolerance = parity_tolerance(weights, inference_precision)
-    min_row_share = MIN_ROW_SHARE.get(weights)
-    min_token_share = MIN_TOKEN_SHARE.get(weights)
-    # bf16 storage is a conversion step; int8 / int4 are quantized experts plus NNCF
-    storage = "bf16" if weights == "bf16" else "f32"
+    # the rules of the format that rounds the weights: a released FP8 checkpoint's experts
+    # are stored as they are, so its parity is the precision's (the reference reads the same
+    # dequantized values)
+    rounded = rounding_format(weights, precision, released_fp8=fp8_block(config) is not None)
+    tolerance = parity_tolerance(rounded, inference_precision)
+    min_row_share = MIN_ROW_SHARE.get(rounded)
+    min_token_share = MIN_TOKEN_SHARE.get(rounded)
+    storage = other_weights_storage(weights, precision)
 
     spec = _StepSpec.of(family, config)
 
@@ -400,10 +417,24 @@ def _export_into(
     timings: dict[str, float] = {}
     rank_inputs = _rank_inputs(spec, dp, by_rows=min_row_share is not None)
 
-    # 1. the unsharded model: the parity reference for every rank's share
+    # 1. the routed experts: streamed from the checkpoint into each rank's expert store
+    store_files: list[str | None] = [None] * dp
+    if experts is not None:
+        timings["expert_store"] = 0.0
+        for rank in range(dp):
+            path = out_dir / f"rank_{rank}" / STORE_NAME
+            written = write_rank_store(path, checkpoint_dir, config, experts, weights,
+                                       group_size, rank, dp, report)
+            report(f"rank {rank}/{dp}: expert store {written.describe()}")
+            timings["expert_store"] += written.seconds
+            store_files[rank] = f"rank_{rank}/{STORE_NAME}"
+
+    # 2. the unsharded model, its experts read from the checkpoint as rows reach them: the
+    # parity reference for every rank's share
     start = time.perf_counter()
-    report(f"loading {family.title} checkpoint {checkpoint_dir}")
-    model = family.load(checkpoint_dir, torch.float32)
+    report(f"loading {family.title} checkpoint {checkpoint_dir} (experts read as used)")
+    model = family.load(checkpoint_dir, torch.float32,
+                        experts=reference_experts(checkpoint_dir, config))
     timings["load"] = time.perf_counter() - start
     start = time.perf_counter()
     report("running PyTorch (dp=1) on the parity inputs")
@@ -412,7 +443,7 @@ def _export_into(
     del model
     gc.collect()
 
-    # 2. per rank: the shard, its ONNX graph, its IR
+    # 3. per rank: the shard without its experts (the graph names the store), ONNX, IR
     example = {
         name: torch.from_numpy(array)
         for name, array in _step_inputs(spec, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
@@ -422,10 +453,12 @@ def _export_into(
         start = time.perf_counter()
         report(f"rank {rank}/{dp}: loading its shard")
         group = DataParallelGroup(COLLECTIVE_GROUP, rank, dp) if dp > 1 else None
-        shard = family.load(checkpoint_dir, torch.float32, group)
+        stored = None
+        if store_files[rank] is not None:
+            store_id = open_store(out_dir / store_files[rank]).store_id
+            stored = functools.partial(StoredExperts, store_id)
+        shard = family.load(checkpoint_dir, torch.float32, group, experts=stored)
         timings["load"] += time.perf_counter() - start
-        if store_experts(shard, weights, group_size):
-            report(f"rank {rank}/{dp}: routed experts stored as {weights}")
         start = time.perf_counter()
         rank_dir = out_dir / f"rank_{rank}"
         graph = export_onnx(
@@ -449,10 +482,11 @@ def _export_into(
                 onnx=f"rank_{rank}/{ONNX_NAME}",
                 ir_xml=f"rank_{rank}/{IR_NAME}",
                 ir_bin=f"rank_{rank}/{xml_path.with_suffix('.bin').name}",
+                experts=store_files[rank],
             )
         )
 
-    # 3. parity
+    # 4. parity
     start = time.perf_counter()
     notes: list[str] = []
     reference_sample = None
@@ -481,7 +515,7 @@ def _export_into(
         )
     timings["parity"] = time.perf_counter() - start
     if min_row_share is not None:
-        notes.append(row_criterion_note(weights, figures))
+        notes.append(row_criterion_note(rounded, figures))
 
     copied = _copy_tokenizer(checkpoint_dir, out_dir)
     if copied:
@@ -508,7 +542,7 @@ def _export_into(
         weights=weights,
         weights_group_size=group_size,
         parity_attention=parity_attention(figures),
-        files=digest_export(out_dir),
+        files=digest_export(out_dir, skip=[f for f in store_files if f is not None]),
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

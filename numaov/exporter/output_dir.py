@@ -20,7 +20,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,14 @@ def _publish(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def digest_export(staging: Path) -> dict[str, FileDigest]:
-    """The manifest's ``files``: every file the export wrote except the manifest itself."""
+def digest_export(staging: Path, skip: Iterable[str] = ()) -> dict[str, FileDigest]:
+    """The manifest's ``files``: every file the export wrote except the manifest itself and
+    ``skip`` (the expert stores, which carry a digest per layer in their own header)."""
+    skipped = set(skip)
     names = [
-        path.relative_to(staging).as_posix()
-        for path in staging.rglob("*")
+        name for path in staging.rglob("*")
         if path.is_file() and path.name != MANIFEST_NAME
+        and (name := path.relative_to(staging).as_posix()) not in skipped
     ]
     return digest_files(staging, names)
 

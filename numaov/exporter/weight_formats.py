@@ -45,6 +45,12 @@ WEIGHT_TOLERANCES: dict[str, float] = {
     # output sums few weights, so their errors average out little; the routed experts alone:
     # 0.14). 0.5 bounds that; a graph that reads the packed values wrongly is off by O(1).
     "int4": 0.5,
+    # fp8 (E4M3, 128 x 128 block scales), the routed experts only (the other weights keep the
+    # precision): half a step is 2^-4 of a weight's own magnitude (3 mantissa bits); the
+    # trained tiny-moe's outputs move by 0.003 .. 0.014 of their scale (every row within,
+    # every greedy token kept). 0.05 leaves 3.5x; a wrong scale or block is off by O(1). A
+    # released FP8 checkpoint stored as it is follows its precision's tolerance instead.
+    "fp8": 5e-2,
 }
 
 
@@ -67,8 +73,8 @@ WEIGHT_TOLERANCES: dict[str, float] = {
 #   requires half the greedy tokens. It does not catch an error confined to one layer or one
 #   expert on these tiny models (one layer's scales x2 keeps 19/38 tokens, and every row
 #   within 0.5): int4's own rounding moves them as much. Against f32 no share separates those.
-MIN_ROW_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.9}
-MIN_TOKEN_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.5}
+MIN_ROW_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.9, "fp8": 0.9}
+MIN_TOKEN_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.5, "fp8": 0.9}
 
 
 def row_criterion_note(weights: str, figures: Any) -> str:
@@ -126,17 +132,19 @@ def expert_group_size(weights: str, hidden: int, intermediate: int) -> int | Non
         raise WeightFormatError(f"{exc} (this rank's expert shard)", parameter="weights") from exc
 
 
-def store_experts(model: Any, weights: str, group_size: int | None) -> int:
-    """Put every routed-expert module of ``model`` in ``weights`` (int8 / int4 only: the float
-    formats are stored at conversion); returns how many."""
-    from numaov.models.layers.experts import RoutedExperts
+def other_weights_storage(weights: str, precision: str) -> str:
+    """The format the IR stores its weights other than the routed experts in (which go to the
+    expert store in ``weights``): bf16 for bf16 exports and for fp8 ones at bf16 precision,
+    else f32 (int8 / int4 exports then compress them with NNCF,
+    :func:`compress_other_weights`)."""
+    return "bf16" if weights == "bf16" or (weights == "fp8" and precision == "bf16") else "f32"
 
-    if weights not in ("int8", "int4"):
-        return 0
-    modules = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    for module in modules:
-        module.store_as(weights, group_size)
-    return len(modules)
+
+def rounding_format(weights: str, precision: str, released_fp8: bool) -> str:
+    """The format whose parity rules an export follows: ``weights``, except fp8 experts of a
+    released FP8 checkpoint, which are stored as released (no rounding beyond the
+    checkpoint's own, which the reference reads too): those follow ``precision``."""
+    return precision if weights == "fp8" and released_fp8 else weights
 
 
 def compress_other_weights(model: Any, weights: str, group_size: int | None,

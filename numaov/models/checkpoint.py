@@ -208,6 +208,9 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name)
 
+    def __contains__(self, name: object) -> bool:  # from the headers: nothing is read
+        return name in self._files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
@@ -313,6 +316,9 @@ class BlockFp8Checkpoint(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name)
+
+    def __contains__(self, name: object) -> bool:  # from the headers: nothing is read
+        return name in self._checkpoint and not str(name).endswith(SCALE_SUFFIX)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

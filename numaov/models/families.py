@@ -87,9 +87,12 @@ class LMFamily:
         """One rank's routed experts at ``dp`` ranks, or None for a model without them."""
         raise NotImplementedError
 
-    def load(self, checkpoint_dir: str | Path, dtype: Any, dp: Any = None) -> Any:
+    def load(self, checkpoint_dir: str | Path, dtype: Any, dp: Any = None,
+             experts: Any = None) -> Any:
         """The causal LM (a torch module) of ``checkpoint_dir`` at ``dtype``, holding rank
-        ``dp.rank``'s shard when ``dp`` (a ``layers.data_parallel.DataParallelGroup``) is given."""
+        ``dp.rank``'s shard when ``dp`` (a ``layers.data_parallel.DataParallelGroup``) is given;
+        with ``experts``, MoE layer ``l``'s routed experts are the module ``experts(l)`` and
+        the checkpoint's are not read (``layers.causal_lm.CausalLM.from_pretrained``)."""
         raise NotImplementedError
 
     def step_module(self, model: Any) -> Any:
@@ -124,8 +127,10 @@ class CausalLMFamily(LMFamily):
     def check_dp(self, config: Any, dp: int) -> None:
         self._model().check_dp_divides(config, dp)
 
-    def load(self, checkpoint_dir: str | Path, dtype: Any, dp: Any = None) -> Any:
-        return self._model().from_pretrained(checkpoint_dir, dtype=dtype, dp=dp)
+    def load(self, checkpoint_dir: str | Path, dtype: Any, dp: Any = None,
+             experts: Any = None) -> Any:
+        return self._model().from_pretrained(checkpoint_dir, dtype=dtype, dp=dp,
+                                             experts=experts)
 
     def step_module(self, model: Any) -> Any:
         return _imported(self.step_class)(model)

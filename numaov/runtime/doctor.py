@@ -8,6 +8,7 @@ prints.
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 from typing import Any
 
 import numaov
@@ -123,7 +124,30 @@ def _shm_needed(world_size: int) -> int | None:
     return shm_bytes_needed(world_size)
 
 
-def collect_report(topology: Topology | None = None, env: dict[str, str] | None = None) -> dict:
+def _expert_stores(model_dir: str | Path) -> list[dict[str, Any]]:
+    """Each rank's expert store of the export in ``model_dir``: its file, bytes, layers and
+    format, and on which NUMA nodes its pages are (a sample of pages, each read once: pages
+    not yet in the page cache are read onto this process's node)."""
+    from numaov.custom_ops.expert_store import open_store, store_nodes
+    from numaov.runtime.manifest_reader import read_manifest
+
+    manifest = read_manifest(model_dir, "lm")
+    stores = []
+    for rank in manifest.ranks:
+        if rank.experts is None:
+            continue
+        store = open_store(rank.experts)
+        formats = sorted({layer.plan.weight_format for layer in store.layers.values()})
+        stores.append({"rank": rank.rank, "path": str(rank.experts), "bytes": store.bytes,
+                       "layers": len(store.layers), "formats": formats,
+                       "page_nodes": {str(k): v for k, v in store_nodes(store).items()}})
+    return stores
+
+
+def collect_report(topology: Topology | None = None, env: dict[str, str] | None = None,
+                   model_dir: str | Path | None = None) -> dict:
+    """The report ``numaov doctor`` prints; with ``model_dir`` (a language-model export) also
+    each rank's expert store (``expert_stores``)."""
     topology = topology or read_topology()
     warnings: list[str] = list(topology.assumptions)
 
@@ -165,7 +189,7 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
     if "error" in openvino_info:
         warnings.append(openvino_info["error"])
 
-    return {
+    report = {
         "numaov_version": numaov.__version__,
         "python": platform.python_version(),
         "topology": {
@@ -188,6 +212,9 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
                 "needed_bytes": needed},
         "warnings": warnings,
     }
+    if model_dir is not None:
+        report["expert_stores"] = _expert_stores(model_dir)
+    return report
 
 
 def _mib(n: int | None) -> str:
@@ -248,6 +275,13 @@ def format_report(report: dict) -> str:
     lines += ["", f"Shared memory: {shm['path']} {_mib(shm['free_bytes'])} free of "
               f"{_mib(shm['total_bytes'])}"
               + (f" (a group needs {_mib(shm['needed_bytes'])})" if shm["needed_bytes"] else "")]
+    if "expert_stores" in report:
+        lines += ["", "Expert stores"]
+        lines += [f"  rank {s['rank']}: {s['path']}: {s['bytes'] / 2**30:.2f} GiB, {s['layers']} "
+                  f"MoE layers ({', '.join(s['formats'])}); sampled pages by NUMA node: "
+                  + ", ".join(f"node {n}: {c}" if n != "-1" else f"unreadable: {c}"
+                              for n, c in s["page_nodes"].items())
+                  for s in report["expert_stores"]] or ["  none (the export has no routed experts)"]
     lines += ["", "Warnings" if report["warnings"] else "No warnings."]
     lines += [f"  - {w}" for w in report["warnings"]]
     return "\n".join(lines)

@@ -32,6 +32,8 @@ class RankModel:
     rank: int
     onnx: Path
     ir_xml: Path
+    # The rank's expert store (None: no routed experts, or an export holding them in its IR).
+    experts: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,8 @@ def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> Mo
         inference_precision=record.inference_precision,
         lowering=record.lowering,
         world_size=record.world_size,
-        ranks=[RankModel(r.rank, directory / r.onnx, directory / r.ir_xml)
+        ranks=[RankModel(r.rank, directory / r.onnx, directory / r.ir_xml,
+                         directory / r.experts if r.experts else None)
                for r in sorted(record.ranks, key=lambda r: r.rank)],
         versions={str(k): str(v) for k, v in record.versions.items()},
         source_checkpoint=(Path(record.source_checkpoint)

@@ -122,12 +122,13 @@ def _reaches(start, kind: str, upstream: bool, limit: int = 64) -> bool:
 
 
 def test_compiled_rank_graph_runs_the_moe_op_between_gather_and_reduce_scatter(exported) -> None:
-    """Each MoE layer is one MoeExperts op on the rank's expert shard, fed by the all-gather
+    """Each MoE layer is one MoeExperts op on the rank's expert store, fed by the all-gather
     and feeding the reduce-scatter; the compiled runtime graph runs it (as a Reference layer)
     and holds no If and no Gather of an expert stack (the per-(row, expert) weight copy)."""
     import openvino as ov
 
     from numaov.custom_ops import add_extension, compile_ir
+    from numaov.custom_ops.expert_store import STORE_NAME, open_store
 
     model_dir = exported["model_dir"]
     config = json.loads((model_dir / "manifest.json").read_text())["config"]
@@ -139,9 +140,15 @@ def test_compiled_rank_graph_runs_the_moe_op_between_gather_and_reduce_scatter(e
     moe = [n for n in model.get_ordered_ops() if n.get_type_name() == "MoeExperts"]
     assert len(moe) == config["num_hidden_layers"] - config["first_k_dense_replace"]
     shard = config["moe_intermediate_size"] // 2
+    # the node names the rank's expert store and its layer; the store holds the rank's shard
+    store = open_store(model_dir / "rank_0" / STORE_NAME)
     for node in moe:
-        assert list(node.get_input_shape(3)) == [experts, 2 * shard, hidden]
-        assert list(node.get_input_shape(4)) == [experts, hidden, shard]
+        attributes = node.get_attributes()
+        assert node.get_input_size() == 3 and attributes["store"] == STORE_NAME
+        assert attributes["store_id"] == store.store_id
+        stacks = store.layers[attributes["layer"]]
+        assert list(stacks.gate_up.shape) == [experts, 2 * shard, hidden]
+        assert list(stacks.down.shape) == [experts, hidden, shard]
         assert _reaches(node, "AllGatherIntoTensor", upstream=True)
         assert _reaches(node, "ReduceScatterTensor", upstream=False)
     runtime = compile_ir(xml, "f32").model.get_runtime_model().get_ordered_ops()

@@ -1,5 +1,6 @@
-"""numaov export deepseek --weights int8 | int4: the IR holds the routed experts as integer
-stacks with their scales, feeding the MoeExperts op; the other matmuls are NNCF-compressed; the
+"""numaov export lm --weights int8 | int4: the rank's expert store holds the routed experts as
+integer stacks with their scales, which the MoeExperts op reads; the other matmuls are
+NNCF-compressed; the
 manifest records the format; the export's parity (against the f32 PyTorch model, within the
 format's tolerance) passed."""
 
@@ -10,13 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from numaov.custom_ops import add_extension, compile_ir
+from numaov.custom_ops.expert_store import STORE_NAME, open_store
 from numaov.exporter.lm_export import export_lm
 from numaov.exporter.weight_formats import WEIGHT_TOLERANCES, WeightFormatError, parity_tolerance
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 
 pytestmark = pytest.mark.slow  # exports the tiny DeepSeek
+
+
+STACK_DTYPES = {"i8": torch.int8, "u8": torch.uint8}
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +51,16 @@ def test_quantized_export_stores_the_experts_for_the_moe_op(
     model = core.read_model(str(out / "rank_0/model.xml"))
     moe = [n for n in model.get_ordered_ops() if n.get_type_name() == "MoeExperts"]
     assert len(moe) == 2
+    # the nodes name the rank's store, which holds the quantized stacks and their scales
+    store = open_store(out / "rank_0" / STORE_NAME)
     for node in moe:
-        assert node.get_input_size() == 7
-        assert [node.get_input_element_type(i).get_type_name() for i in (3, 4, 5, 6)] == [
-            stack_type, stack_type, "f32", "f32"]
+        assert node.get_input_size() == 3
+        layer = store.layers[node.get_attributes()["layer"]]
+        assert layer.plan.weight_format == weights
+        assert layer.gate_up.dtype == STACK_DTYPES[stack_type] == layer.down.dtype
+        assert layer.gate_up_scale.dtype == layer.down_scale.dtype == torch.float32
+        hidden = layer.plan.hidden
+        assert layer.gate_up_scale.shape[2] == (hidden // group if group else 1)
     # NNCF's weight-compressed matmuls: integer constants behind a Convert
     compressed = [n for n in model.get_ordered_ops() if n.get_type_name() == "Constant"
                   and n.get_element_type().get_type_name() in ("i8", "i4")]

@@ -28,14 +28,9 @@ MEMORY_CONFIG = dataclasses.replace(
     moe_intermediate_size=256, n_routed_experts=16, num_hidden_layers=4,
 )
 
-# The load measured in a fresh process: its anonymous memory (RssAnon, sampled every 2 ms)
-# before and at its peak, after a first load of a tiny checkpoint has paid torch's one-time
-# costs. Reading a tensor, converting it and letting it go keeps the growth near what the
-# model holds; the loader before this held the stacked experts beside the model's own copy
-# (about 1.8x).
-_MEASURE = textwrap.dedent("""
+# A fresh process's peak anonymous memory (RssAnon), sampled every 2 ms by a thread.
+_SAMPLER = textwrap.dedent("""
     import json, sys, threading, time
-    from numaov.models.deepseek_v2 import DataParallelGroup, DeepseekV2
 
     def anon():
         for line in open("/proc/self/status"):
@@ -47,6 +42,15 @@ _MEASURE = textwrap.dedent("""
         while True:
             peak[0] = max(peak[0], anon())
             time.sleep(0.002)
+""")
+
+# The load measured in a fresh process: its anonymous memory (RssAnon, sampled every 2 ms)
+# before and at its peak, after a first load of a tiny checkpoint has paid torch's one-time
+# costs. Reading a tensor, converting it and letting it go keeps the growth near what the
+# model holds; the loader before this held the stacked experts beside the model's own copy
+# (about 1.8x).
+_MEASURE = _SAMPLER + textwrap.dedent("""
+    from numaov.models.deepseek_v2 import DataParallelGroup, DeepseekV2
 
     dp = int(sys.argv[3])
     group = DataParallelGroup("memory", 0, dp) if dp > 1 else None
@@ -114,3 +118,47 @@ def test_onnx_export_lets_the_module_go(tmp_path: Path) -> None:
     del model
     gc.collect()
     assert weight() is None, "the exported module's weights are still referenced after export"
+
+
+# The whole export in a fresh process.
+_EXPORT_PEAK = _SAMPLER + textwrap.dedent("""
+    from numaov.exporter.lm_export import export_lm
+
+    threading.Thread(target=sample, daemon=True).start()
+    export_lm(sys.argv[1], sys.argv[2], precision="bf16")
+    time.sleep(0.05)
+    print(json.dumps({"peak": peak[0]}))
+""")
+
+
+@pytest.mark.slow
+def test_export_memory_does_not_grow_with_the_number_of_experts(tmp_path: Path) -> None:
+    """The same model at 8 and at 64 routed experts (bf16 checkpoints, bf16 exports): the
+    experts stream from the checkpoint into the store one at a time, so the export's peak
+    grows by far less than the 56 experts' bytes (before the store it held them in f32 at
+    least twice: the reference model and the rank's shard, about 4x their bf16 bytes)."""
+    import json
+
+    config = dataclasses.replace(MEMORY_CONFIG, num_hidden_layers=3, vocab_size=1024,
+                                 moe_intermediate_size=1024)
+    peaks, expert_bytes = {}, {}
+    for experts in (8, 64):
+        sized = dataclasses.replace(config, n_routed_experts=experts)
+        model = DeepseekV2.empty(sized, torch.bfloat16)
+        init_tiny_weights(model, torch.Generator().manual_seed(0))
+        model.save_pretrained(tmp_path / f"checkpoint{experts}")
+        expert_bytes[experts] = sum(t.numel() * t.element_size()
+                                    for n, t in model.state_dict().items() if ".experts." in n)
+        del model
+        run = subprocess.run(
+            [sys.executable, "-c", _EXPORT_PEAK, str(tmp_path / f"checkpoint{experts}"),
+             str(tmp_path / f"out{experts}")],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        peaks[experts] = json.loads(run.stdout.strip().splitlines()[-1])["peak"]
+    grown = peaks[64] - peaks[8]
+    added = expert_bytes[64] - expert_bytes[8]
+    print(f"export peak {peaks[8] / 2**20:.0f} MiB at 8 experts, {peaks[64] / 2**20:.0f} MiB "
+          f"at 64: +{grown / 2**20:.0f} MiB for +{added / 2**20:.0f} MiB of bf16 experts")
+    assert grown < 0.25 * added

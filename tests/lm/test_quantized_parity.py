@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+from numaov.exporter.expert_streaming import ExpertConverter
 from numaov.exporter.lm_export import export_lm
 from numaov.exporter.parity import ParityError, judge, measure, row_shares
 from numaov.exporter.weight_formats import MIN_ROW_SHARE, MIN_TOKEN_SHARE, WEIGHT_TOLERANCES
 from numaov.manifest import ExportManifest
 from numaov.models.builtin import TINY_MOE_DIR
-from numaov.models.layers.experts import RoutedExperts
 
 SHAPES = {"input_ids": [40, 1]}
 
@@ -126,19 +126,18 @@ def test_the_trained_tiny_moe_exports_quantized_and_says_how_it_was_checked(
 def test_an_int8_export_with_one_layers_scales_doubled_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The exporter's own path, with what it stores for the first MoE layer edited: its
-    gate/up scales doubled (a wrong-scale bug confined to one expert stack)."""
-    store_as = RoutedExperts.store_as
-    edited: list[RoutedExperts] = []
+    gate/up scales doubled (a wrong-scale bug confined to one layer's experts)."""
+    expert = ExpertConverter.expert
+    edited: list[int] = []
 
-    def store_doubled(self: RoutedExperts, weight_format: str,
-                      group_size: int | None = None) -> None:
-        store_as(self, weight_format, group_size)
-        if not edited:
-            with torch.no_grad():
-                self.gate_up_scale.mul_(2.0)
-            edited.append(self)
+    def store_doubled(self: ExpertConverter, layer: int, index: int) -> dict[str, torch.Tensor]:
+        regions = expert(self, layer, index)
+        if layer == min(edited, default=layer):
+            regions["gate_up_scale"] = regions["gate_up_scale"] * 2.0
+            edited.append(layer)
+        return regions
 
-    monkeypatch.setattr(RoutedExperts, "store_as", store_doubled)
+    monkeypatch.setattr(ExpertConverter, "expert", store_doubled)
     with pytest.raises(ParityError, match=r"exported model does not match PyTorch: .*"
                        r"openvino output 'logits': \d+ of 38 rows within 0.06 of the output's "
                        r"scale \(required: 90%\)") as info:

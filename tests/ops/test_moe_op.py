@@ -17,10 +17,14 @@ Tolerances (max |got - expected| / max |expected|):
   weights, not of the op: each value is within half a step (its group's scale / 2) of the
   original, checked exactly; on these random stacks the layer output moves by ~1e-2 (int8)
   and ~2e-1 (int4) of its scale, which the export's per-format tolerances bound.
+- fp8 (E4M3FN, weight-only like int8): the same two 1e-5 comparisons. Quantizing moves each
+  value by at most half an E4M3 step: 2^-4 of the value, or half the subnormal step (2^-10 of
+  the block's scale) near 0. The kernel's widening of every byte is checked exactly.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,7 @@ from numaov.custom_ops import (
 )
 from numaov.custom_ops.moe_ops import (
     dequantize_experts,
+    fp8_row_scales,
     kernel_unavailable_reason,
     quantize_experts,
     write_moe_onnx,
@@ -310,3 +315,148 @@ def test_onnxruntime_refuses_the_moe_domain(tmp_path: Path) -> None:
     with pytest.raises(OnnxRuntimeUnsupportedError,
                        match=r"ONNX Runtime cannot run numaov\.moe nodes \(MoeExperts\)"):
         check_onnxruntime_can_run(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (float8_e4m3fn with DeepSeek-V3's 128 x 128 block scales)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fp8_problem(rows: int, hidden: int, inter: int, seed: int = 0, experts: int = 8,
+                 top_k: int = 2):
+    x, ids, weights, gate_up, down = _problem(rows, experts=experts, top_k=top_k, hidden=hidden,
+                                              inter=inter, seed=seed)
+    (qg, sg), (qd, sd) = (quantize_experts(w, "fp8") for w in (gate_up, down))
+    return x, ids, weights, gate_up, down, qg, qd, sg, sd
+
+
+@pytest.mark.parametrize(("hidden", "inter", "groups"),
+                         [(48, 20, (1, 1)), (256, 160, (2, 5)), (384, 128, (3, 1))])
+def test_fp8_eager_matches_float64_on_the_weights_it_stands_for(hidden: int, inter: int,
+                                                                 groups: tuple[int, int]) -> None:
+    x, ids, weights, _, _, qg, qd, sg, sd = _fp8_problem(37, hidden, inter)
+    assert qg.dtype == qd.dtype == torch.float8_e4m3fn
+    assert (sg.shape[2], sd.shape[2]) == groups  # 128-column blocks as per-row groups
+    got = moe_experts(x, ids, weights, qg, qd, sg, sd)
+    exact = _reference(x, ids, weights, dequantize_experts(qg, sg), dequantize_experts(qd, sd))
+    assert _rel(got, exact) < F32_TOL
+    bf16_x = moe_experts(x.bfloat16(), ids, weights, qg, qd, sg, sd)
+    assert bf16_x.dtype == torch.bfloat16 and _rel(bf16_x, exact) < BF16_TOL
+
+
+@pytest.mark.parametrize(("rows", "k"), [(40, 48), (300, 200), (256, 384)])
+def test_fp8_quantize_round_trip_is_within_half_an_e4m3_step(rows: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    stack = torch.randn(3, rows, k, generator=g) * torch.logspace(-6, 1, k)  # subnormals too
+    if k % 128 and k > 128:
+        with pytest.raises(MoeOpError, match=r"groups of 8 values; expected .* or use --weights "
+                           "bf16"):
+            quantize_experts(stack, "fp8")
+        return
+    q, scales = quantize_experts(stack, "fp8")
+    assert scales.shape[:2] == (3, rows)
+    per_value = scales.repeat_interleave(k // scales.shape[2], dim=2)
+    error = (dequantize_experts(q, scales) - stack).abs()
+    bound = 2.0**-4 * stack.abs() + 2.0**-10 * per_value
+    assert bool((error <= bound * (1 + 1e-5)).all())
+    # the largest value of each block lands on 448 exactly
+    assert float(q.float().abs().max()) == 448.0
+    # the block scales, as DeepSeek-V3 writes them: max |w| of each 128 x 128 block / 448
+    block = stack[0, :128, :128] if k >= 128 else stack[0, :128, :]
+    assert float(scales[0, 0, 0]) == pytest.approx(float(block.abs().max()) / 448, rel=1e-6)
+
+
+def _block_lookup(block_scale_inv: torch.Tensor, row_start: int, rows: int, col_start: int,
+                  cols: int) -> torch.Tensor:
+    """The scale of every value of the slice, straight from its 128 x 128 block."""
+    r = (torch.arange(rows) + row_start) // 128
+    c = (torch.arange(cols) + col_start) // 128
+    return block_scale_inv[r][:, c]
+
+
+@pytest.mark.parametrize(("n", "k", "row_start", "rows", "col_start", "cols", "groups"), [
+    (7168, 2048, 0, 7168, 0, 2048, 16),          # whole down of a V3 expert (H x I)
+    (4096, 7168, 1024, 1024, 0, 7168, 56),       # gate_up rows of rank 1 of 4 (I = 1024)
+    (7168, 2048, 0, 7168, 512, 512, 4),          # down columns of rank 1 of 4
+    (7168, 2048, 0, 7168, 256, 256, 2),          # down columns of rank 1 of 8
+    (7168, 2048, 0, 7168, 1920, 128, 1),         # one whole block of columns
+    (7168, 2048, 0, 7168, 1056, 64, 1),          # inside one block
+    (4096, 1408, 0, 4096, 704, 704, 11),         # V2-Lite down, 2 ranks: groups of 64
+    (300, 200, 5, 280, 16, 160, 10),             # partial blocks, groups of 16
+    (300, 200, 0, 300, 100, 100, 1),             # crosses 128 in groups of 4: refused
+])
+def test_fp8_row_scales_of_sharded_slices_match_a_block_lookup(
+        n: int, k: int, row_start: int, rows: int, col_start: int, cols: int,
+        groups: int) -> None:
+    g = torch.Generator().manual_seed(n + k + col_start)
+    blocks = torch.rand(-(-n // 128), -(-k // 128), generator=g) + 0.1
+    if col_start % 128 + cols > 128 and math.gcd(128, col_start, cols) < 16:
+        with pytest.raises(MoeOpError, match="or use --weights bf16"):
+            fp8_row_scales(blocks, row_start, rows, col_start, cols)
+        return
+    scales = fp8_row_scales(blocks, row_start, rows, col_start, cols)
+    assert scales.dtype == torch.float32 and scales.shape == (rows, groups)
+    per_value = scales.repeat_interleave(cols // groups, dim=1)
+    assert torch.equal(per_value, _block_lookup(blocks, row_start, rows, col_start, cols))
+
+
+def test_fp8_row_scales_refuses_small_groups_and_slices_outside() -> None:
+    blocks = torch.ones(4, 4)
+    with pytest.raises(MoeOpError, match=r"columns 8 \.\. 248 cut 128-column scale blocks into "
+                       r"groups of 8 values; expected .* or use --weights bf16"):
+        fp8_row_scales(blocks, 0, 10, 8, 240)
+    with pytest.raises(MoeOpError, match="expected a slice inside the weight"):
+        fp8_row_scales(blocks, 500, 100, 0, 128)
+
+
+def test_fp8_stacks_need_scales() -> None:
+    x, ids, weights, _, _, qg, qd, sg, sd = _fp8_problem(3, 64, 32)
+    with pytest.raises(MoeOpError, match="expected both scales exactly for int8 / int4 / fp8"):
+        moe_experts(x, ids, weights, qg, qd)
+    with pytest.raises(MoeOpError, match="has 3 groups over rows of 64 values"):
+        moe_experts(x, ids, weights, qg, qd, sg.expand(-1, -1, 3).contiguous(), sd)
+
+
+@needs_avx512
+@pytest.mark.parametrize(("hidden", "inter"), [(48, 20), (256, 160)])
+def test_openvino_op_equals_eager_op_fp8(tmp_path: Path, hidden: int, inter: int) -> None:
+    _, _, _, _, _, qg, qd, sg, sd = _fp8_problem(1, hidden, inter, experts=8, top_k=6)
+    compiled = _compiled(tmp_path, qg, qd, 6, "f32", (sg, sd))
+    (op,) = [n for n in compiled.model.get_runtime_model().get_ordered_ops()
+             if n.get_rt_info()["layerType"].astype(str) == "Reference"]
+    # the stacks reach the kernel as fp8 bytes (no Convert to f32 in between)
+    assert [op.get_input_element_type(i).get_type_name() for i in (3, 4)] == ["f8e4m3"] * 2
+    run = compiled.runner()
+    for rows in (0, 1, 7, 64, 300):
+        x, ids, weights, *_ = _fp8_problem(rows, hidden, inter, seed=rows, experts=8, top_k=6)
+        (got,) = run(_feeds(x, ids, weights))
+        assert got.shape == (rows, hidden)
+        assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
+
+
+@needs_avx512
+def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path) -> None:
+    """Every E4M3FN byte but the NaNs, in every lane of a 16-value step: down row 16 + c holds
+    code c in lane c % 16 (zeros elsewhere), and rows 0 .. 15 hold 1.0 in lane i, so out[i] is
+    the activation a[i] and out[16 + c] must be a[c % 16] * value(c) rounded once, where
+    value(c) is torch's float8_e4m3fn -> float conversion: subnormals, -0, negatives and 448
+    included."""
+    codes = torch.arange(256)
+    nan = (codes & 0x7F) == 0x7F
+    hidden, inter = 16 + 256, 16
+    down = torch.zeros(1, hidden, inter, dtype=torch.uint8)
+    down[0, torch.arange(16), torch.arange(16)] = 0x38  # 1.0
+    down[0, 16 + codes, codes % 16] = torch.where(nan, 0, codes).to(torch.uint8)
+    down = down.view(torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(5)
+    gate_up, _ = quantize_experts(torch.randn(1, 2 * inter, hidden, generator=g), "fp8")
+    ones = (torch.ones(1, 2 * inter, 1), torch.ones(1, hidden, 1))
+    run = _compiled(tmp_path, gate_up, down, 1, "f32", ones).runner()
+    x = torch.randn(1, hidden, generator=g)
+    (got,) = run(_feeds(x, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)))
+    act = got[0, :16]
+    assert bool((act != 0).all())
+    values = torch.where(nan, 0, codes).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    expected = act[(codes % 16).numpy()] * values.numpy()  # float32 products, rounded once
+    assert np.array_equal(got[0, 16:], expected)
+    assert values.abs().max() == 448 and values[1] == 2.0**-9 and values[0x80 + 7] == -7 * 2.0**-9

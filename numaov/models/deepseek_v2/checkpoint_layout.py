@@ -19,7 +19,7 @@ from numaov.models.layers.expert_layout import (
 
 def checkpoint_to_model_state_dict(
     checkpoint: SafetensorsCheckpoint, config: DeepseekV2Config, what: str = "checkpoint",
-    shard: tuple[int, int] | None = None,
+    shard: tuple[int, int] | None = None, read_experts: bool = True,
 ) -> dict[str, Tensor]:
     """A full checkpoint's tensors (per-expert DeepSeek layout, or transformers' stacked one)
     in the model's layout, after checking every name and shape against ``config``; with
@@ -32,7 +32,8 @@ def checkpoint_to_model_state_dict(
     from numaov.models.deepseek_v2.causal_lm import DeepseekV2
 
     return DeepseekV2.stacked_state(checkpoint, config, what, shard,
-                                    num_experts=int(config.n_routed_experts or 0))
+                                    num_experts=int(config.n_routed_experts or 0),
+                                    read_experts=read_experts)
 
 
 def model_to_checkpoint_state_dict(

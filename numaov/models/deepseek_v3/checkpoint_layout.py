@@ -37,6 +37,7 @@ def multi_token_prediction_names(names: list[str], config: DeepseekV3Config) -> 
 def checkpoint_to_model_state_dict(
     checkpoint: SafetensorsCheckpoint, config: DeepseekV3Config, dtype: torch.dtype,
     what: str = "checkpoint", shard: tuple[int, int] | None = None,
+    read_experts: bool = True,
 ) -> dict[str, Tensor]:
     """The checkpoint's tensors in the model's layout (this rank's slices with ``shard``):
     FP8 weights dequantized to ``dtype`` as they are read (``config.fp8``), the
@@ -69,7 +70,8 @@ def checkpoint_to_model_state_dict(
     from numaov.models.deepseek_v3.causal_lm import DeepseekV3
 
     return DeepseekV3.stacked_state(source, config, what, shard,
-                                    num_experts=config.n_routed_experts, ignore=set(skipped))
+                                    num_experts=config.n_routed_experts, ignore=set(skipped),
+                                    read_experts=read_experts)
 
 
 def model_to_checkpoint_state_dict(

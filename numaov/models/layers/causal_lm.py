@@ -9,7 +9,7 @@ dict and back, and its decoder stack (:meth:`CausalLM.build_decoder`).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +31,7 @@ from numaov.models.layers.expert_layout import (
     TensorSource,
     checkpoint_to_stacked,
 )
+from numaov.models.layers.experts import replace_experts
 from numaov.models.layers.lm_loading import (
     cast_keep_router,
     freeze,
@@ -105,7 +106,8 @@ class CausalLM(nn.Module):
     @classmethod
     def stacked_state(cls, source: TensorSource, config: Any, what: str,
                       shard: tuple[int, int] | None, *, num_experts: int,
-                      ignore: Collection[str] = ()) -> dict[str, Tensor]:
+                      ignore: Collection[str] = (), read_experts: bool = True
+                      ) -> dict[str, Tensor]:
         """A full checkpoint's tensors (one per expert, or transformers' stacks) in the
         model's layout, every name and shape checked against the model's; with ``shard=(rank,
         world_size)`` only that rank's slices (``layers.expert_layout.checkpoint_to_stacked``).
@@ -119,7 +121,7 @@ class CausalLM(nn.Module):
             moe_layers=[i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)],
             num_experts=num_experts, moe_intermediate_size=config.moe_intermediate_size,
             tie_word_embeddings=config.tie_word_embeddings, what=what, shard=shard,
-            ignore=ignore,
+            ignore=ignore, read_experts=read_experts,
         )
 
     def checkpoint_config(self) -> dict[str, Any]:
@@ -132,13 +134,17 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | str = torch.float32,
-                        dp: DataParallelGroup | None = None) -> Any:
+                        dp: DataParallelGroup | None = None,
+                        experts: Callable[[int], nn.Module] | None = None) -> Any:
         """Load a Hugging Face checkpoint directory of the family (single or sharded
         safetensors).
 
         ``dtype`` is a torch dtype or ``"auto"`` (the checkpoint's, fp32 when it names none);
         the router stays fp32 either way. With ``dp`` only this rank's shard is kept: the
-        checkpoint is memory-mapped and only the rank's slices are copied out of it.
+        checkpoint is memory-mapped and only the rank's slices are copied out of it. With
+        ``experts``, the routed experts of MoE layer ``l`` are the module ``experts(l)`` (one
+        that reads an expert store, or the checkpoint as rows need them): the checkpoint's
+        expert tensors are checked but not read.
         """
         what = f"{cls.title} checkpoint {str(directory)!r}"
         values = read_config(directory, what=what)
@@ -149,11 +155,13 @@ class CausalLM(nn.Module):
         cls.check_dp_divides(config, world)
         checkpoint = open_safetensors_checkpoint(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
         shard = (dp.rank, world) if dp is not None else None
-        state = cls.checkpoint_state(checkpoint, config, dtype, what, shard)
+        state = cls.checkpoint_state(checkpoint, config, dtype, what, shard, experts is None)
         # Built on the meta device and given the loaded tensors themselves (cast where the
         # model's dtype differs): the weights are held once, not once read and once copied.
         with torch.device("meta"):
             model = cls(config, dp)
+        if experts is not None:
+            replace_experts(model, experts)
         cast_keep_router(model, dtype)
         dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
         load_into_module(model, state, what, assign=True, dtype_of=dtypes.__getitem__)

@@ -37,6 +37,8 @@ class TensorSource(Protocol):
 
     def __getitem__(self, name: str) -> Tensor: ...
 
+    def __contains__(self, name: object) -> bool: ...
+
 
 def checkpoint_shapes(model_shapes: Mapping[str, tuple[int, ...]], per_expert: bool,
                       tie_word_embeddings: bool) -> dict[str, tuple[int, ...]]:
@@ -65,13 +67,14 @@ def checkpoint_to_stacked(
     checkpoint: TensorSource, model_shapes: Mapping[str, tuple[int, ...]], *,
     moe_layers: Iterable[int], num_experts: int, moe_intermediate_size: int,
     tie_word_embeddings: bool, what: str, shard: tuple[int, int] | None = None,
-    ignore: Collection[str] = (),
+    ignore: Collection[str] = (), read_experts: bool = True,
 ) -> dict[str, Tensor]:
     """A full checkpoint's tensors (per-expert layout, or the stacked one) in the model's
     layout, after checking every name and shape against ``model_shapes``; with
     ``shard=(rank, world_size)``, only that rank's slices (as :func:`shard_tensor`; the caller
     has checked that ``world_size`` divides the sharded dims). Tensors named in ``ignore`` are
-    neither checked nor read.
+    neither checked nor read; with ``read_experts`` False the routed experts are checked but
+    not read (a model whose experts live in an expert store).
 
     Tensors are read one at a time and converted as they are read, so the result is the only
     copy of the weights: a per-expert tensor's rows are read straight into its place in the
@@ -88,12 +91,12 @@ def checkpoint_to_stacked(
                      what)
     rank, world = shard if shard is not None else (0, 1)
     state: dict[str, Tensor] = {}
-    if per_expert:
+    if per_expert and read_experts:
         for layer in moe_layers:
             state.update(read_expert_stacks(checkpoint, f"model.layers.{layer}.mlp.experts",
                                             num_experts, moe_intermediate_size, rank, world))
     for name in shapes:
-        if name in state or PER_EXPERT.match(name):
+        if name in state or PER_EXPERT.match(name) or (not read_experts and STACK.match(name)):
             continue
         tensor = checkpoint[name]
         state[name] = shard_tensor(name, tensor, rank, world) if world > 1 else tensor
@@ -109,22 +112,37 @@ def read_expert_stacks(
 ) -> dict[str, Tensor]:
     """One MoE layer's per-expert tensors (``prefix.{e}.*``) as this rank's ``gate_up_proj
     [E, 2I, H]`` and ``down_proj [E, H, I]`` stacks, each expert's rows read into place."""
-    step = intermediate // world
-    rows = slice(rank * step, (rank + 1) * step)
     gate_up = down = None
     for e in range(experts):
-        gate = checkpoint.read(f"{prefix}.{e}.gate_proj.weight", rows)
+        expert_gate_up, expert_down = read_expert(checkpoint, prefix, e, intermediate, rank,
+                                                  world)
         if gate_up is None:
-            gate_up = torch.empty(experts, 2 * step, gate.shape[1], dtype=gate.dtype)
-        gate_up[e, :step] = gate
-        gate_up[e, step:] = checkpoint.read(f"{prefix}.{e}.up_proj.weight", rows)
-        # down_proj [H, I] is split along its columns: read whole, one expert at a time
-        part = checkpoint[f"{prefix}.{e}.down_proj.weight"][:, rows]
-        if down is None:
-            down = torch.empty(experts, part.shape[0], step, dtype=part.dtype)
-        down[e] = part
+            gate_up = torch.empty(experts, *expert_gate_up.shape, dtype=expert_gate_up.dtype)
+            down = torch.empty(experts, *expert_down.shape, dtype=expert_down.dtype)
+        gate_up[e] = expert_gate_up
+        down[e] = expert_down
     assert gate_up is not None and down is not None  # an MoE layer has experts
     return {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}
+
+
+def read_expert(checkpoint: TensorSource, prefix: str, expert: int, intermediate: int,
+                rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """Expert ``expert`` of the MoE layer ``prefix`` (``model.layers.{l}.mlp.experts``) as
+    rank ``rank``'s ``gate_up [2I/world, H]`` (its gate rows, then its up rows) and ``down
+    [H, I/world]``, read from either checkpoint layout (one tensor per expert, or the stacks);
+    only the rank's rows of gate and up are read."""
+    step = intermediate // world
+    rows = slice(rank * step, (rank + 1) * step)
+    if f"{prefix}.gate_up_proj" in checkpoint:
+        stack = checkpoint.read(f"{prefix}.gate_up_proj", slice(expert, expert + 1))[0]
+        gate_up = torch.cat([stack[:intermediate][rows], stack[intermediate:][rows]])
+        down = checkpoint.read(f"{prefix}.down_proj", slice(expert, expert + 1))[0]
+        return gate_up, down[:, rows].contiguous()
+    gate = checkpoint.read(f"{prefix}.{expert}.gate_proj.weight", rows)
+    up = checkpoint.read(f"{prefix}.{expert}.up_proj.weight", rows)
+    # down_proj [H, I] is split along its columns: read whole, one expert at a time
+    down = checkpoint[f"{prefix}.{expert}.down_proj.weight"][:, rows].contiguous()
+    return torch.cat([gate, up]), down
 
 
 def stacked_to_per_expert(state_dict: Mapping[str, Tensor],

@@ -37,8 +37,9 @@ class QwenMoe(CausalLM):
 
     @staticmethod
     def checkpoint_state(checkpoint: SafetensorsCheckpoint, config: Any, dtype: torch.dtype,
-                         what: str, shard: tuple[int, int] | None) -> dict[str, Tensor]:
-        return checkpoint_to_model_state_dict(checkpoint, config, what, shard)
+                         what: str, shard: tuple[int, int] | None,
+                         read_experts: bool = True) -> dict[str, Tensor]:
+        return checkpoint_to_model_state_dict(checkpoint, config, what, shard, read_experts)
 
 
 class QwenMoeStep(CausalLMStep):

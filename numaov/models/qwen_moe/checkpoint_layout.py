@@ -18,7 +18,7 @@ from numaov.models.qwen_moe.config import QwenMoeConfig
 
 def checkpoint_to_model_state_dict(
     checkpoint: SafetensorsCheckpoint, config: QwenMoeConfig, what: str = "checkpoint",
-    shard: tuple[int, int] | None = None,
+    shard: tuple[int, int] | None = None, read_experts: bool = True,
 ) -> dict[str, Tensor]:
     """A full checkpoint's tensors (per-expert layout, or transformers' stacked one) in the
     model's layout, after checking every name and shape against ``config``; with
@@ -31,7 +31,7 @@ def checkpoint_to_model_state_dict(
     from numaov.models.qwen_moe.causal_lm import QwenMoe
 
     return QwenMoe.stacked_state(checkpoint, config, what, shard,
-                                 num_experts=config.num_experts)
+                                 num_experts=config.num_experts, read_experts=read_experts)
 
 
 def model_to_checkpoint_state_dict(

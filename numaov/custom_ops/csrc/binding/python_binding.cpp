@@ -18,6 +18,7 @@
 #include "kernels/flash_attention.hpp"
 #include "kernels/moe_kernels.hpp"
 #include "kernels/reduce_kernels.hpp"
+#include "store/expert_store.hpp"
 
 namespace py = pybind11;
 
@@ -246,7 +247,8 @@ PYBIND11_MODULE(_native, m) {
             if (format == "bf16") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::bf16);
             if (format == "int8") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int8);
             if (format == "int4") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int4);
-            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8 or int4");
+            if (format == "fp8") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::fp8);
+            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8, int4 or fp8");
         },
         py::arg("format"),
         "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
@@ -262,6 +264,58 @@ PYBIND11_MODULE(_native, m) {
         },
         "Which kernel the MoeExperts op runs bf16 experts on here under NUMAOV_MOE_AMX: kernel 'amx' (experts "
         "of at least amx_min_rows rows), 'avx512_bf16' or None, and the reason.");
+    m.def(
+        "open_expert_store",
+        [](const std::string& path) {
+            std::shared_ptr<const numaov::store::ExpertStore> store;
+            {
+                py::gil_scoped_release release;  // parsing and mapping touch the file
+                store = numaov::store::open_expert_store(path);
+            }
+            py::list layers;
+            for (const auto& l : store->layers()) {
+                py::dict d;
+                d["layer"] = l.layer;
+                d["format"] = numaov::moe::format_name(l.format);
+                d["experts"] = l.experts;
+                d["hidden"] = l.hidden;
+                d["inter"] = l.inter;
+                d["gate_up_groups"] = l.gate_up_groups;
+                d["down_groups"] = l.down_groups;
+                d["gate_up_offset"] = l.gate_up_offset;
+                d["down_offset"] = l.down_offset;
+                d["gate_up_scale_offset"] = l.gate_up_scale_offset;
+                d["down_scale_offset"] = l.down_scale_offset;
+                d["bytes"] = l.bytes;
+                d["digest"] = l.digest;
+                layers.append(d);
+            }
+            py::dict out;
+            out["id"] = store->id();
+            out["path"] = store->path();
+            out["bytes"] = store->bytes();
+            out["version"] = store->version();
+            out["layers"] = layers;
+            return out;
+        },
+        py::arg("path"),
+        "Open (parse, check and map read-only) the expert store at `path`, or find the open one with the same "
+        "id, for this process's life; the MoeExperts ops naming its id read it. Returns its header and layer "
+        "table as a dict (id, path, bytes, version, layers). Raises ValueError with a one-line message.");
+    m.def(
+        "expert_store_nodes",
+        [](const std::string& id, size_t sample_pages) {
+            const auto store = numaov::store::find_expert_store(id);
+            if (!store) {
+                throw std::invalid_argument("expert store id '" + id +
+                                            "' is not open; expected the id of a store opened with open_expert_store");
+            }
+            py::gil_scoped_release release;
+            return store->nodes(sample_pages);
+        },
+        py::arg("store_id"), py::arg("sample_pages") = 256,
+        "{NUMA node: pages} of up to sample_pages pages spread over the open store's mapping (each read once "
+        "first); key -1 counts pages whose node cannot be told.");
     m.def("amx_unavailable_reason", &numaov::amx::unavailable_reason,
           "Why AMX tiles cannot be used here (\"\" when they can): flash attention needs them, the MoE "
           "experts kernel uses them for bf16 experts with many rows.");

@@ -132,11 +132,39 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a, const uint16_t
     store_tile<M>(acc, c);
 }
 
-// int8 rows: 16 weights widened to f32 and scaled by their group's scale, then
-// one FMA per activation row. `group` is K (one scale per row) or a multiple of 16.
-template <int M>
-NUMAOV_TARGET_AVX512_BF16 void dot_tile_int8(const float* const* a, const int8_t* const* w,
-                                             const float* const* scale, size_t K, size_t group, float* c) {
+// 16 int8 bytes as 16 f32 values.
+NUMAOV_TARGET_AVX512_BF16 inline __m512 widen_int8(__m128i bytes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+// 16 E4M3FN bytes (float8_e4m3fn) as 16 exact f32 values, built from their bits
+// with integer operations only, so no denormal f32 arithmetic is involved (the
+// caller's thread may run with DAZ / FTZ set). A normal byte S.EEEE.MMM is
+// 2^(E-7) * 1.MMM: f32 exponent E + 120 and mantissa MMM at its top, i.e. the
+// bits ((b & 0x7f) << 20) + (120 << 23). A subnormal one (E == 0) is MMM * 2^-9:
+// converted from the integer and scaled by a power of two (exact, and normal in
+// f32). The sign bit moves to bit 31. The NaN codes (S.1111.111) are never
+// written by the quantizer and read as 480 here.
+NUMAOV_TARGET_AVX512_BF16 inline __m512 widen_fp8(__m128i bytes) {
+    const __m512i b = _mm512_cvtepu8_epi32(bytes);
+    const __m512i normal =
+        _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20),
+                         _mm512_set1_epi32(120 << 23));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))),
+                                           _mm512_set1_ps(1.0f / 512));
+    const __mmask16 is_subnormal = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
+    const __m512i magnitude =
+        _mm512_mask_blend_epi32(is_subnormal, normal, _mm512_castps_si512(subnormal));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(magnitude, sign));
+}
+
+// Rows of one byte per weight (int8, fp8): 16 weights widened to f32 by
+// `widen` (widen_int8 / widen_fp8) and scaled by their group's scale, then one
+// FMA per activation row. `group` is K (one scale per row) or a multiple of 16.
+template <int M, __m512 (*widen)(__m128i)>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_bytes(const float* const* a, const uint8_t* const* w,
+                                              const float* const* scale, size_t K, size_t group, float* c) {
     __m512 acc[M][kTileCols];
     zero_tile<M>(acc);
     for (size_t k = 0; k < K; k += 16) {
@@ -144,8 +172,7 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile_int8(const float* const* a, const int8_t
         const size_t g = k / group;
         __m512 wv[kTileCols];
         for (size_t n = 0; n < kTileCols; ++n) {
-            const __m512i q = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[n] + k));
-            wv[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale[n][g]));
+            wv[n] = _mm512_mul_ps(widen(_mm_maskz_loadu_epi8(mask, w[n] + k)), _mm512_set1_ps(scale[n][g]));
         }
         for (int m = 0; m < M; ++m) {
             const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k);
@@ -190,7 +217,7 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a, const uint8_
 // One weight stack (gate_up or down) in its format: `rows` rows of K values per expert.
 struct Stack {
     const void* data;
-    const float* scale;  // int8 / int4: [E, rows, groups]
+    const float* scale;  // int8 / int4 / fp8: [E, rows, groups]
     size_t rows, K, groups;
     WeightFormat format;
 
@@ -199,6 +226,7 @@ struct Stack {
             case WeightFormat::f32: return K * 4;
             case WeightFormat::bf16: return K * 2;
             case WeightFormat::int8: return K;
+            case WeightFormat::fp8: return K;
             default: return K / 2;
         }
     }
@@ -219,8 +247,9 @@ void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t*
         const float* scale[kTileCols];
         for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(expert, r[n]);
         if (s.format == WeightFormat::int8) {
-            return dot_tile_int8<M>(a, reinterpret_cast<const int8_t* const*>(w), scale, s.K, s.K / s.groups, c);
+            return dot_tile_bytes<M, widen_int8>(a, w, scale, s.K, s.K / s.groups, c);
         }
+        if (s.format == WeightFormat::fp8) return dot_tile_bytes<M, widen_fp8>(a, w, scale, s.K, s.K / s.groups, c);
         dot_tile_int4<M>(a, w, scale, s.K, s.K / s.groups, c);
     }
 }
@@ -612,7 +641,9 @@ void run(const Tensors& t, const Shape& s) {
     }
 }
 
-// The kernel reads a group's scale once per 16 (int8) or 32 (int4) weights.
+}  // namespace
+
+// The kernel reads a group's scale once per 16 (int8, fp8) or 32 (int4) weights.
 void check_groups(WeightFormat format, const char* name, size_t K, size_t groups) {
     const size_t step = format == WeightFormat::int4 ? 32 : 16;
     const bool fits = groups >= 1 && K % groups == 0 &&
@@ -621,12 +652,25 @@ void check_groups(WeightFormat format, const char* name, size_t K, size_t groups
     if (!fits) {
         std::ostringstream msg;
         msg << name << ": " << groups << " scale groups over rows of " << K << " values; expected groups dividing "
-            << K << " into multiples of " << step << (format == WeightFormat::int8 ? " (or one group)" : "");
+            << K << " into multiples of " << step << (format == WeightFormat::int4 ? "" : " (or one group)");
         throw std::invalid_argument(msg.str());
     }
 }
 
-}  // namespace
+bool has_scales(WeightFormat format) {
+    return format == WeightFormat::int8 || format == WeightFormat::int4 || format == WeightFormat::fp8;
+}
+
+const char* format_name(WeightFormat format) {
+    switch (format) {
+        case WeightFormat::f32: return "f32";
+        case WeightFormat::bf16: return "bf16";
+        case WeightFormat::int8: return "int8";
+        case WeightFormat::int4: return "int4";
+        case WeightFormat::fp8: return "fp8";
+    }
+    return "?";
+}
 
 std::string unavailable_reason(WeightFormat format) {
     const Features& f = features();
@@ -656,11 +700,11 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
     if (shape.top_k == 0 || shape.experts == 0 || shape.hidden == 0 || shape.inter == 0) {
         throw std::invalid_argument("top_k, experts, hidden and intermediate sizes must be >= 1");
     }
-    if (tensors.format == WeightFormat::int8 || tensors.format == WeightFormat::int4) {
+    if (has_scales(tensors.format)) {
         check_groups(tensors.format, "gate_up", shape.hidden, tensors.gate_up_groups);
         check_groups(tensors.format, "down", shape.inter, tensors.down_groups);
         if (!tensors.gate_up_scale || !tensors.down_scale) {
-            throw std::invalid_argument("int8 / int4 weights need their scales");
+            throw std::invalid_argument("int8 / int4 / fp8 weights need their scales");
         }
     }
     if (tensors.format == WeightFormat::bf16) {

@@ -24,10 +24,10 @@
 // inference do) and accumulate in f32: on AMX tiles (moe_amx.hpp) for experts
 // with 2 or more rows where AMX is usable, else with AVX512-BF16 dot products
 // (NUMAOV_MOE_AMX: auto, off, always; read at every call).
-// int8 and int4 weights are weight-only: each weight is widened to f32 and
-// multiplied by its group's scale as it is read, and the activations stay f32
-// (so decode, which is bound by reading the weights, reads 1/4 or 1/8 of the
-// f32 bytes). The sums over slots are f32; the output is rounded once to x's
+// int8, int4 and fp8 weights are weight-only: each weight is widened to f32
+// and multiplied by its group's scale as it is read, and the activations stay
+// f32 (so decode, which is bound by reading the weights, reads 1/4 or 1/8 of
+// the f32 bytes). The sums over slots are f32; the output is rounded once to x's
 // type.
 //
 // Weight formats (the layout moe_ops.py's quantizer writes):
@@ -39,6 +39,15 @@
 //              values is 16 bytes whose low nibbles hold values 32b .. 32b+15
 //              and high nibbles 32b+16 .. 32b+31, each stored as q + 8 with q
 //              in [-8, 7]; scales f32 [E, rows, G], K / G a multiple of 32.
+//   fp8:       the shapes of f32 in float8_e4m3fn bytes (1 sign, 4 exponent bits
+//              of bias 7, 3 mantissa bits; subnormals at exponent 0; no
+//              infinities; NaN only at S.1111.111; largest 448), w = value *
+//              scale, with scales f32 [E, rows, G] as for int8 (K / G a
+//              multiple of 16, or G = 1). Each byte is widened to its exact f32
+//              value by bit manipulation (no denormal f32 arithmetic, so DAZ /
+//              FTZ do not change it). DeepSeek-V3's released FP8 experts keep
+//              their 128 x 128 block scales as per-row groups of 128 columns
+//              (moe_ops.fp8_row_scales).
 #pragma once
 
 #include <cstddef>
@@ -47,11 +56,23 @@
 
 namespace numaov::moe {
 
-enum class WeightFormat { f32, bf16, int8, int4 };
+// The numbers are the expert store's format codes (store/expert_store.hpp).
+enum class WeightFormat { f32 = 0, bf16 = 1, int8 = 2, int4 = 3, fp8 = 4 };
 
 // Why the kernel cannot run `format` on this CPU, "" when it can: every format
 // needs AVX-512 F/DQ/BW/VL, bf16 also AVX512-BF16.
 std::string unavailable_reason(WeightFormat format);
+
+// "f32", "bf16", "int8", "int4", "fp8".
+const char* format_name(WeightFormat format);
+
+// Whether `format` comes with f32 scales (int8, int4, fp8).
+bool has_scales(WeightFormat format);
+
+// Throws std::invalid_argument (naming `name`) unless `groups` scale groups
+// over rows of K values fit the kernel: int8 / fp8: groups dividing K into
+// multiples of 16, or one group; int4: K and K / groups multiples of 32.
+void check_groups(WeightFormat format, const char* name, size_t K, size_t groups);
 
 // Which kernel bf16 experts run on here under NUMAOV_MOE_AMX: "amx" (experts
 // of at least amx_min_rows rows; fewer on AVX512-BF16), "avx512_bf16", or ""
@@ -83,7 +104,7 @@ struct Tensors {
     void* out;                // [N, H]
     bool x_bf16;
     WeightFormat format;
-    // int8 / int4 only: f32 scales [E, 2I, groups_gate_up] and [E, H, groups_down].
+    // int8 / int4 / fp8 only: f32 scales [E, 2I, groups_gate_up] and [E, H, groups_down].
     const float* gate_up_scale = nullptr;
     const float* down_scale = nullptr;
     size_t gate_up_groups = 1, down_groups = 1;

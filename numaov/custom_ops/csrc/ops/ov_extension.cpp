@@ -5,8 +5,12 @@
 // ONNX attributes map onto the ops' visit_attributes() by name: the exporter
 // writes `group` (string) and `world_size` (int) and the ops visit exactly
 // those names, so no attribute-name table is passed to the ONNX extensions.
+// MoeExperts is converted by a function instead: its store attributes (store,
+// store_id, layer) exist only on the 3-input store face, and a by-name
+// mapping refuses a node that lacks an attribute the op visits.
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
+#include <openvino/frontend/onnx/extension/conversion.hpp>
 #include <openvino/frontend/onnx/extension/op.hpp>
 
 #include "ops/attention_op.hpp"
@@ -18,6 +22,21 @@
 #define NUMAOV_COLLECTIVE_DOMAIN "numaov.collective"
 // The ONNX domain of the MoE experts node (numaov/custom_ops/moe_ops.py).
 #define NUMAOV_MOE_DOMAIN "numaov.moe"
+
+namespace {
+
+// numaov.moe::MoeExperts: its inputs as they are (3, 5 or 7) and, when present,
+// the store attributes (defaults: the constant face's empty ones).
+ov::OutputVector convert_moe_experts(const ov::frontend::NodeContext& context) {
+    ov::OutputVector inputs;
+    for (size_t i = 0; i < context.get_input_size(); ++i) inputs.push_back(context.get_input(int(i)));
+    const auto op = std::make_shared<numaov::MoeExperts>(
+        inputs, context.get_attribute<std::string>("store", ""), context.get_attribute<std::string>("store_id", ""),
+        context.get_attribute<int64_t>("layer", -1));
+    return op->outputs();
+}
+
+}  // namespace
 
 // clang-format off
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
@@ -42,8 +61,9 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
         "ReduceScatterTensor", NUMAOV_COLLECTIVE_DOMAIN),
     // IR: the routed experts of a MoE layer (grouped by expert, weights as inputs).
     std::make_shared<ov::OpExtension<numaov::MoeExperts>>(),
-    // ONNX: numaov.moe::MoeExperts nodes written by the exporter become MoeExperts.
-    std::make_shared<ov::frontend::onnx::OpExtension<numaov::MoeExperts>>(
-        "MoeExperts", NUMAOV_MOE_DOMAIN),
+    // ONNX: numaov.moe::MoeExperts nodes written by the exporter become MoeExperts
+    // (with their store attributes, when they have them).
+    std::make_shared<ov::frontend::onnx::ConversionExtension>(
+        "MoeExperts", NUMAOV_MOE_DOMAIN, convert_moe_experts),
 }));
 // clang-format on
