@@ -120,6 +120,26 @@ def test_bf16_ir_stores_half_size_weights(exported: dict) -> None:
     assert any("as bf16" in m for m in exported["messages"])
 
 
+def test_bf16_storage_rounds_as_torch_does() -> None:
+    """Each weight is stored as the bf16 value torch's ``.bfloat16()`` gives (round to nearest,
+    ties to even), including ties, the largest finite values, denormals and -0, across the
+    conversion's chunk boundary."""
+    import numpy as np
+    import torch
+
+    from numaov.exporter import openvino_convert
+
+    values = torch.randn(3, openvino_convert._BF16_CHUNK // 2 + 7, generator=torch.Generator()
+                         .manual_seed(0)).numpy()
+    values[0, :8] = [1.00390625, 1.01171875, -3.38e38, 1e-40, -0.0, 65504.0, 3.0000002, 2.0**-130]
+    constant = openvino_convert._bf16_constant(values)
+    assert constant.get_element_type().get_type_name() == "bf16"
+    stored = np.frombuffer(bytes(memoryview(constant.get_tensor_view().data.view(np.uint16))),
+                           dtype=np.uint16).reshape(values.shape)
+    expected = torch.from_numpy(values).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(stored, expected)
+
+
 def _f32_figures(exported: dict) -> list:
     """ONNX Runtime and OpenVINO (f32) against PyTorch on the shared input sets."""
     return check_parity(

@@ -397,6 +397,7 @@ def _export_into(
 ) -> ExportManifest:
     from numaov.models.layers.data_parallel import DataParallelGroup
     from numaov.models.layers.experts import StoredExperts
+    from numaov.models.layers.lm_loading import compute_in_f32
 
     inference_precision = INFERENCE_PRECISION[precision]
     # the rules of the format that rounds the weights: a released FP8 checkpoint's experts
@@ -416,6 +417,10 @@ def _export_into(
                                experts.num_experts if experts is not None else None)
     timings: dict[str, float] = {}
     rank_inputs = _rank_inputs(spec, dp, by_rows=min_row_share is not None)
+    # A bf16 IR of a bf16 (or f16) checkpoint: the models hold the weights as the checkpoint
+    # does and compute in f32 (compute_in_f32), so no f32 copy of them is made and the ONNX
+    # graph carries them at that width; otherwise f32, as the IR or the reference needs.
+    load_dtype = "auto" if storage == "bf16" else torch.float32
 
     # 1. the routed experts: streamed from the checkpoint into each rank's expert store
     store_files: list[str | None] = [None] * dp
@@ -433,8 +438,9 @@ def _export_into(
     # parity reference for every rank's share
     start = time.perf_counter()
     report(f"loading {family.title} checkpoint {checkpoint_dir} (experts read as used)")
-    model = family.load(checkpoint_dir, torch.float32,
+    model = family.load(checkpoint_dir, load_dtype,
                         experts=reference_experts(checkpoint_dir, config))
+    compute_in_f32(model)
     timings["load"] = time.perf_counter() - start
     start = time.perf_counter()
     report("running PyTorch (dp=1) on the parity inputs")
@@ -457,7 +463,8 @@ def _export_into(
         if store_files[rank] is not None:
             store_id = open_store(out_dir / store_files[rank]).store_id
             stored = functools.partial(StoredExperts, store_id)
-        shard = family.load(checkpoint_dir, torch.float32, group, experts=stored)
+        shard = family.load(checkpoint_dir, load_dtype, group, experts=stored)
+        narrow = compute_in_f32(shard) > 0  # the graph holds bf16 weights behind Casts
         timings["load"] += time.perf_counter() - start
         start = time.perf_counter()
         rank_dir = out_dir / f"rank_{rank}"
@@ -470,7 +477,8 @@ def _export_into(
         gc.collect()
         start = time.perf_counter()
         xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, storage, report,
-                                 compress if weights in ("int8", "int4") else None)
+                                 compress if weights in ("int8", "int4") else None,
+                                 keep_weight_casts=narrow)
         timings["openvino_convert"] = (
             timings.get("openvino_convert", 0.0) + time.perf_counter() - start
         )

@@ -73,6 +73,26 @@ def _reads_bf16_weights(target) -> bool:
     return node.get_type_name() == "MoeExperts" and target.get_index() in (3, 4)
 
 
+# Values rounded per step of _bf16_constant: bounds its temporaries (a few copies of one chunk).
+_BF16_CHUNK = 1 << 22
+
+
+def _bf16_constant(values: np.ndarray) -> Any:
+    """An ``openvino`` bf16 Constant of the f32 ``values``, rounded to nearest even as
+    ``torch.Tensor.bfloat16`` rounds (weights are finite: the loader checked them). Written
+    chunk by chunk into the constant's own buffer: ``opset.constant(values, dtype=bf16)``
+    took 8 GiB and 55 s for 2 GiB of f32 weights, this takes the bf16 bytes."""
+    import openvino as ov
+
+    tensor = ov.Tensor(ov.Type.bf16, list(values.shape))
+    out = tensor.data.view(np.uint16).reshape(-1)
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    for start in range(0, flat.size, _BF16_CHUNK):
+        bits = flat[start:start + _BF16_CHUNK].view(np.uint32)
+        out[start:start + _BF16_CHUNK] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return ov.op.Constant(tensor, shared_memory=False)
+
+
 def _store_weights_as_bf16(model) -> int:
     """Replace big f32 constants with bf16 constants plus a Convert to f32, in the graph and
     in every subgraph body; returns the count."""
@@ -88,7 +108,7 @@ def _store_weights_as_bf16(model) -> int:
         shape = node.get_output_partial_shape(0)
         if not shape.is_static or int(np.prod(list(node.get_output_shape(0)))) < BF16_MIN_ELEMENTS:
             continue
-        compressed = ops.constant(node.get_data(), dtype=ov.Type.bf16)
+        compressed = _bf16_constant(node.get_data())
         compressed.set_friendly_name(node.get_friendly_name())
         expanded = None
         for target in list(node.output(0).get_target_inputs()):
@@ -109,12 +129,18 @@ def convert_to_ir(
     precision: str = "f32",
     progress: Callable[[str], None] | None = None,
     compress: Callable[[Any], None] | None = None,
+    keep_weight_casts: bool = False,
 ) -> Path:
     """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path.
 
     ``compress``, when given, is applied to the converted ``openvino.Model`` before it is
     saved (the int8 / int4 weight compression of ``weight_formats``). ``precision`` is one of
-    ``PRECISIONS``, checked by the export entry point that calls this (``check_precision``)."""
+    ``PRECISIONS``, checked by the export entry point that calls this (``check_precision``).
+    ``keep_weight_casts``: the graph's weights are bf16 with a Cast to f32 where they are
+    used (a language-model export of a bf16 checkpoint, ``layers.lm_loading.compute_in_f32``):
+    convert with the ONNX frontend alone, without ``convert_model``'s graph transformations,
+    which fold every such Cast into an f32 copy of the weight (2x the weights in memory, the
+    CPU plugin folds it when it compiles anyway), so the IR stores the bf16 weights as read."""
     import openvino as ov
 
     from numaov.custom_ops import library_path
@@ -130,7 +156,14 @@ def convert_to_ir(
 
     report(f"converting {onnx_path.name} to OpenVINO IR ({precision})")
     try:
-        model = ov.convert_model(str(onnx_path), extension=str(library_path()))
+        if keep_weight_casts:
+            from openvino.frontend import FrontEndManager
+
+            frontend = FrontEndManager().load_by_framework("onnx")
+            frontend.add_extension(str(library_path()))
+            model = frontend.convert(frontend.load(str(onnx_path)))
+        else:
+            model = ov.convert_model(str(onnx_path), extension=str(library_path()))
     except NumaovError:
         raise
     except Exception as exc:  # OpenVINO raises its own RuntimeError subclasses with long text
