@@ -10,7 +10,14 @@ from seeded weights, exported by numaov (dp=1 and dp=2) and by optimum-intel
   (``NUMAOV_CPU_BIND="0|1"``) and optimum-intel (both cores), each kept running across
   ``--rounds`` alternating rounds (medians and ranges), in the ``--weights`` format on both
   sides (int8 / int4: numaov's ``--weights``, optimum-intel's NNCF weight compression at the
-  same symmetry and group size), and whether the greedy tokens are the same as optimum-intel's;
+  same symmetry and group size), and whether the greedy tokens are the same as optimum-intel's.
+  fp8 (numaov's E4M3 experts with 128 x 128 block scales, quantized from this checkpoint's f32
+  per block; weight-only, widened in the kernel): optimum-intel has no fp8 weight-only
+  format, so its side runs the closest: int8 weights (NNCF ``INT8_SYM``, one byte per weight
+  as fp8, computing in f32) at f32 precision, bf16 weights at bf16 (``OPTIMUM_WEIGHTS``).
+  ``--also PRECISION:WEIGHTS,...`` adds, to the same alternating rounds, a numaov dp=1 engine
+  per other format (and optimum-intel at that format, once per format it runs), so e.g. fp8
+  and bf16 decode are timed side by side (``ratios`` then gives dp=1's tokens/s against each);
 - ``context``: time per decode step of one request at 128, 1,024 and 4,096 cached tokens;
 - ``kv``: the KV-cache candidates on the MLA cache (dp=1, one step graph each): numaov's pool
   (``kv_cache`` in, new entries out), the same pool at 8x the capacity (a copy in would show),
@@ -23,7 +30,8 @@ records them.
 Run on a quiet machine: ``uptime`` is printed at the start and the end.
 
     .venv/bin/python benchmarks/lm_engine.py [--sections decode,context,kv] [--precision f32]
-        [--weights f32|bf16|int8|int4] [--rounds 3]
+        [--weights f32|bf16|int8|int4|fp8] [--rounds 3] [--also bf16:bf16,bf16:fp8]
+        [--batches 1,8,32]
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ SEED = 0
 PROMPT_LEN = 32
 NEW_TOKENS = 64
 BATCHES = (1, 8, 32)
+# what optimum-intel runs for a numaov format it has no equal of, per inference precision
+OPTIMUM_WEIGHTS = {("fp8", "f32"): "int8", ("fp8", "bf16"): "bf16"}
 CONTEXTS = (128, 1024, 4096)
 CONTEXT_STEPS = 16
 
@@ -120,6 +130,7 @@ class EngineDecoder:
         self.name = f"numaov dp={dp}"
         self._params = SamplingParams(NEW_TOKENS, ignore_eos=True)
         self._engine = LMEngine.start(model_dir, "openvino", cache_tokens=max(BATCHES) * 128)
+        self.name = f"numaov dp={dp} ({model_dir.name})"
         self._engine.generate(prompts(2), SamplingParams(4, ignore_eos=True))  # warm-up
 
     def decode(self, batch: int) -> dict[str, Any]:
@@ -437,6 +448,8 @@ class OptimumDecoder:
 
     def __init__(self, checkpoint: Path, precision: str, weights: str,
                  group_size: int | None) -> None:
+        weights = OPTIMUM_WEIGHTS.get((weights, precision), weights)
+        self.weights = weights
         if not OPTIMUM_PYTHON.is_file():
             raise SystemExit(f"no optimum-intel venv at {OPTIMUM_PYTHON}; run "
                              "benchmarks/optimum_venv.sh")
@@ -502,21 +515,33 @@ def decode_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    global BATCHES
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sections", default="decode,context,kv")
     parser.add_argument("--precision", default="f32", choices=("f32", "bf16"),
                         help="inference precision of both systems")
-    parser.add_argument("--weights", choices=("f32", "bf16", "int8", "int4"),
-                        help="weight format of both systems (default: the precision's)")
+    parser.add_argument("--weights", choices=("f32", "bf16", "int8", "int4", "fp8"),
+                        help="weight format of both systems (default: the precision's; fp8: "
+                             "optimum-intel at OPTIMUM_WEIGHTS)")
+    parser.add_argument("--also", default="",
+                        help="other PRECISION:WEIGHTS formats timed in the same decode rounds "
+                             "(numaov dp=1, and optimum-intel once per format), e.g. "
+                             "bf16:bf16,bf16:fp8")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                        help="decode batch sizes (default 1,8,32)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="decode rounds (every system at every batch once per round)")
     args = parser.parse_args()
     args.weights = args.weights or args.precision
+    BATCHES = tuple(int(b) for b in args.batches.split(","))
+    also = [tuple(item.split(":")) for item in filter(None, args.also.split(","))]
     sections = set(args.sections.split(","))
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
         "cpus": len(os.sched_getaffinity(0)), "load_start": uptime(),
         "precision": args.precision, "weights": args.weights, "rounds": args.rounds,
+        "batches": list(BATCHES), "also": [f"{p}:{w}" for p, w in also],
+        "command": " ".join(["python", "benchmarks/lm_engine.py", *sys.argv[1:]]),
     }
     log(f"load at start: {results['load_start']}")
     checkpoint = build_checkpoint()
@@ -527,13 +552,29 @@ def main() -> None:
             "weights_group_size")
         decoders = {"optimum": OptimumDecoder(checkpoint, inference, args.weights, group_size)}
         results["optimum_export_and_load_s"] = decoders["optimum"].started["export_and_load_s"]
+        results["optimum_weights"] = decoders["optimum"].weights
+        optimum_formats = {(inference, decoders["optimum"].weights): "optimum"}
+        for precision, weights in also:
+            extra_inference = "f32" if precision == "f32" else "bf16"
+            key = (extra_inference, OPTIMUM_WEIGHTS.get((weights, extra_inference), weights))
+            if key not in optimum_formats:
+                name = f"optimum_{key[0]}_{key[1]}"
+                optimum_formats[key] = name
+                decoders[name] = OptimumDecoder(checkpoint, extra_inference, weights, None)
+                results[f"{name}_export_and_load_s"] = decoders[name].started[
+                    "export_and_load_s"]
         decoders["numaov_dp1"] = EngineDecoder(dirs[1], 1)
         decoders["numaov_dp2"] = EngineDecoder(dirs[2], 2)
+        for precision, weights in also:
+            decoders[f"numaov_dp1_{precision}_{weights}"] = EngineDecoder(
+                numaov_export(checkpoint, 1, precision, weights), 1)
         try:
             results.update(decode_rounds(decoders, args.rounds))
         finally:
             for decoder in decoders.values():
                 decoder.close()
+        results["optimum_runs"] = {name: f"{w} weights, {p} inference"
+                                   for (p, w), name in optimum_formats.items()}
         ratios = {}
         for b in map(str, BATCHES):
             opt, one, two = (results[k][b] for k in ("optimum", "numaov_dp1", "numaov_dp2"))
@@ -544,6 +585,13 @@ def main() -> None:
                 "dp1_same_tokens_as_optimum": one["tokens"] == opt["tokens"],
                 "dp2_same_tokens_as_dp1": two["tokens"] == one["tokens"],
             }
+            for precision, weights in also:
+                other = results[f"numaov_dp1_{precision}_{weights}"][b]
+                ratios[b][f"dp1_vs_dp1_{precision}_{weights}"] = one[rate] / other[rate]
+                ratios[b][f"dp1_{precision}_{weights}_vs_optimum"] = other[rate] / results[
+                    optimum_formats[("f32" if precision == "f32" else "bf16",
+                                     OPTIMUM_WEIGHTS.get((weights, "f32" if precision == "f32"
+                                                          else "bf16"), weights))]][b][rate]
             log(f"batch {b}: {ratios[b]}")
         results["ratios"] = ratios
     if "context" in sections:
@@ -556,9 +604,11 @@ def main() -> None:
     log(f"load at end: {results['load_end']}")
     out = Path(str(OUT).format(precision=args.precision, weights=args.weights))
     out.parent.mkdir(parents=True, exist_ok=True)
-    for section in ("optimum", "numaov_dp1", "numaov_dp2"):
-        for row in results.get(section, {}).values():
-            row.pop("tokens", None)
+    for section in list(results):
+        if section.startswith(("optimum", "numaov_dp")) and isinstance(results[section], dict):
+            for row in results[section].values():
+                if isinstance(row, dict):
+                    row.pop("tokens", None)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 

@@ -118,6 +118,15 @@ def test_bf16_ir_stores_half_size_weights(exported: dict) -> None:
     # Weights are ~65 KB of the f32 file; bf16 halves them, the small constants stay f32.
     assert bf16_bin < 0.6 * f32_bin
     assert any("as bf16" in m for m in exported["messages"])
+    # each bf16 weight's Convert is marked as a decompression, so the CPU plugin keeps the
+    # weight bf16 when it compiles instead of an f32 copy
+    import openvino as ov
+
+    model = ov.Core().read_model(str(exported["xml_bf16"]))
+    converts = [n for n in model.get_ordered_ops() if n.get_type_name() == "Convert"
+                and n.input_value(0).get_node().get_type_name() == "Constant"
+                and n.get_input_element_type(0).get_type_name() == "bf16"]
+    assert converts and all("decompression_0" in n.get_rt_info() for n in converts)
 
 
 def test_bf16_storage_rounds_as_torch_does() -> None:

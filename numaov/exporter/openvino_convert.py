@@ -123,6 +123,43 @@ def _store_weights_as_bf16(model) -> int:
     return replaced
 
 
+def _mark_weight_decompression(xml_path: Path) -> int:
+    """Mark every Convert of a bf16 Constant in the saved IR as a weight decompression (the
+    ``decompression`` runtime attribute OpenVINO writes on the Converts of its own f16
+    compression), so the CPU plugin keeps the weights bf16 when it compiles instead of folding
+    each Convert into an f32 copy: measured on an [8192, 8192] weight, 135 MiB against 391 MiB
+    compiled at bf16, the same outputs. OpenVINO's Python API cannot set the attribute, so it
+    is written into the IR's XML, which the reader then turns into the attribute. Returns
+    how many Converts were marked."""
+    import xml.etree.ElementTree as ET
+
+    tree = ET.parse(xml_path)
+    marked = 0
+    # the graph and every body (If / Loop), each with its own layer ids
+    for graph in [tree.getroot(), *tree.getroot().iter("body")]:
+        layers, edges = graph.find("layers"), graph.find("edges")
+        if layers is None or edges is None:
+            continue
+        constants = {layer.get("id") for layer in layers.findall("layer")
+                     if layer.get("type") == "Const"
+                     and layer.find("data") is not None
+                     and layer.find("data").get("element_type") == "bf16"}
+        fed = {edge.get("to-layer") for edge in edges.findall("edge")
+               if edge.get("from-layer") in constants}
+        for layer in layers.findall("layer"):
+            if layer.get("type") != "Convert" or layer.get("id") not in fed:
+                continue
+            rt_info = layer.find("rt_info")
+            if rt_info is None:
+                rt_info = ET.Element("rt_info")
+                layer.insert(1, rt_info)
+            if all(a.get("name") != "decompression" for a in rt_info.findall("attribute")):
+                ET.SubElement(rt_info, "attribute", {"name": "decompression", "version": "0"})
+                marked += 1
+    tree.write(xml_path, encoding="utf-8", xml_declaration=True)
+    return marked
+
+
 def convert_to_ir(
     onnx_path: str | Path,
     xml_path: str | Path,
@@ -181,5 +218,8 @@ def convert_to_ir(
         ov.save_model(model, str(xml_path), compress_to_fp16=False)
     except Exception as exc:
         raise ConversionError(f"cannot write OpenVINO IR to {str(xml_path)!r} ({exc})") from exc
+    if precision == "bf16":
+        marked = _mark_weight_decompression(xml_path)
+        logger.info("marked %d bf16 weights as decompressed where used", marked)
     logger.info("wrote %s", xml_path)
     return xml_path
