@@ -10,11 +10,12 @@ Precision (what ``"bf16"`` does, precisely):
   ``INFERENCE_PRECISION_HINT=f32`` (``numaov.custom_ops.compile_ir``): without it OpenVINO
   picks bf16 on CPUs with AVX512-BF16 or AMX, and the f32 export would silently run in bf16.
 - ``"bf16"``: every f32 weight constant of ``BF16_MIN_ELEMENTS`` elements or more is stored
-  in the IR as bf16 followed by a Convert back to f32, which halves the ``.bin``. The CPU
-  plugin folds that Convert when it compiles, so memory after compilation is that of the
-  f32 model; the compute precision comes from ``INFERENCE_PRECISION_HINT=bf16``, under
-  which matmuls and attention run in bf16 (norms and softmax accumulate in f32). The graph
-  inputs and outputs stay f32 either way, so callers never handle bf16 arrays.
+  in the IR as bf16 followed by a Convert back to f32, which halves the ``.bin``. Each such
+  Convert is marked as a weight decompression (``_mark_weight_decompression``), so the CPU
+  plugin keeps the weight bf16 when it compiles rather than folding it into an f32 copy;
+  the compute precision comes from ``INFERENCE_PRECISION_HINT=bf16``, under which matmuls
+  and attention run in bf16 (norms and softmax accumulate in f32). The graph inputs and
+  outputs stay f32 either way, so callers never handle bf16 arrays.
 """
 
 from __future__ import annotations
