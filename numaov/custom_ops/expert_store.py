@@ -149,9 +149,12 @@ class StoreWriter:
             raise ValueError(f"layer {layer} {region}[{expert}] is {values.dtype} "
                              f"{list(values.shape)}; expected {dtype} {list(shape[1:])}")
         per_expert = size // shape[0]
-        data = values.contiguous().view(torch.uint8).numpy().tobytes()
-        assert len(data) == per_expert
-        os.pwrite(self._fd, data, self.offsets[layer][region] + expert * per_expert)
+        data = memoryview(values.contiguous().view(torch.uint8).numpy().reshape(-1))
+        assert data.nbytes == per_expert
+        at = self.offsets[layer][region] + expert * per_expert
+        while data.nbytes:  # pwrite may write less than asked
+            written = os.pwrite(self._fd, data, at)
+            data, at = data[written:], at + written
 
     def close(self) -> str:
         """Digest every layer, write the header and table; returns the store id (hex)."""
