@@ -43,6 +43,9 @@ Fields:
   against the export, and the PyTorch backend checks that the source checkpoint is unchanged.
 - ``collective_group``: for a model exported for several ranks, the group name written into its
   ``numaov.collective`` nodes; the runtime creates its communicators under that name.
+- ``kept_aside``: a language model's checkpoint tensors the model does not run but the export
+  keeps, as stored, by their use -> file (``multi_token_prediction`` ->
+  ``multi_token_prediction.safetensors`` for DeepSeek-V3's MTP layers); empty when none.
 - ``notes``: what the export did not check and why (e.g. ONNX Runtime cannot run collectives).
 - ``components``: for a pipeline export (kind ``"wan-pipeline"``), the subdirectories that hold
   one exported graph each, with its own ``manifest.json`` (inputs, ranks, parity, files):
@@ -269,6 +272,7 @@ class ExportManifest:
     weights_group_size: int | None = None
     family: str | None = None
     cache_layout: dict[str, Any] | None = None
+    kept_aside: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property

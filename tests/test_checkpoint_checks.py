@@ -149,3 +149,34 @@ def test_checkpoint_in_the_model_dtype_logs_no_cast(
 
 def _cast_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if " cast from " in r.getMessage()]
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_tensors_are_copied_as_stored_across_shards(tmp_path: Path, in_kernel: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from numaov.models.checkpoint import open_safetensors_checkpoint
+
+    if not in_kernel:  # a file system without copy_file_range: the buffered path
+        def refuse(*args: object) -> int:
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr("os.copy_file_range", refuse)
+    monkeypatch.setattr("numaov.models.checkpoint._COPY_CHUNK", 1000)  # several chunks each
+    generator = torch.Generator().manual_seed(SEED)
+    tensors = {"a": torch.randn(40, 30, generator=generator).to(torch.float8_e4m3fn),
+               "a_scale_inv": torch.rand(1, 1, generator=generator),
+               "b": torch.randn(7, 300, generator=generator).to(torch.bfloat16),
+               "c": torch.randn(3, generator=generator)}
+    save_file({k: tensors[k] for k in ("a", "c")}, str(tmp_path / "one.safetensors"))
+    save_file({k: tensors[k] for k in ("a_scale_inv", "b")}, str(tmp_path / "two.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "one.safetensors", "c": "one.safetensors", "a_scale_inv": "two.safetensors",
+        "b": "two.safetensors"}}))
+    checkpoint = open_safetensors_checkpoint(tmp_path, "model.safetensors",
+                                             "model.safetensors.index.json")
+    out = tmp_path / "kept.safetensors"
+    assert checkpoint.copy_to(["b", "a", "a_scale_inv"], out) == out.stat().st_size
+    kept = load_file(str(out))
+    assert sorted(kept) == ["a", "a_scale_inv", "b"]
+    for name, tensor in kept.items():
+        assert tensor.dtype == tensors[name].dtype
+        assert torch.equal(tensor.view(torch.uint8), tensors[name].view(torch.uint8))

@@ -17,6 +17,9 @@ module reads nothing of the family's config but through it. ``export_lm`` writes
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
 - the checkpoint's tokenizer files (``TOKENIZER_FILES``), copied when present, so the export
   alone takes text prompts;
+- ``<use>.safetensors`` per group of tensors the family keeps aside (``LMFamily.kept_aside``:
+  DeepSeek-V3's multi-token-prediction layers), copied byte for byte as the checkpoint stores
+  them, named in the manifest's ``kept_aside``;
 - ``manifest.json``, written last, with every other file's size and digest (a store carries a
   digest per layer in its own header instead, checked when a process opens it).
 
@@ -78,7 +81,12 @@ import torch
 
 from numaov import NumaovError
 from numaov.custom_ops.expert_store import STORE_NAME, open_store
-from numaov.exporter.expert_streaming import fp8_block, reference_experts, write_rank_store
+from numaov.exporter.expert_streaming import (
+    fp8_block,
+    open_checkpoint,
+    reference_experts,
+    write_rank_store,
+)
 from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
 from numaov.exporter.output_dir import (
@@ -383,6 +391,20 @@ def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> list[str]:
     return copied
 
 
+def _keep_aside(checkpoint_dir: Path, out_dir: Path, family: LMFamily, config: Any,
+                report: Callable[[str], None]) -> dict[str, str]:
+    """Copy each group of tensors the family keeps aside into ``<use>.safetensors`` as
+    stored; the manifest's ``kept_aside`` (use -> file)."""
+    checkpoint = open_checkpoint(checkpoint_dir, "checkpoint")
+    files = {}
+    for use, names in family.kept_aside(config, list(checkpoint)).items():
+        files[use] = f"{use}.safetensors"
+        size = checkpoint.copy_to(names, out_dir / files[use])
+        report(f"kept aside {len(names)} {use.replace('_', '-')} tensors as stored "
+               f"({size / 2**20:.1f} MiB, {files[use]}): numaov runs the main model only")
+    return files
+
+
 def _export_into(
     checkpoint_dir: Path,
     out_dir: Path,
@@ -528,6 +550,7 @@ def _export_into(
     copied = _copy_tokenizer(checkpoint_dir, out_dir)
     if copied:
         report(f"copied the checkpoint's tokenizer ({', '.join(copied)})")
+    kept_aside = _keep_aside(checkpoint_dir, out_dir, family, config, report)
     manifest = ExportManifest(
         kind=LM_KIND,
         family=family.name,
@@ -551,6 +574,7 @@ def _export_into(
         weights_group_size=group_size,
         parity_attention=parity_attention(figures),
         files=digest_export(out_dir, skip=[f for f in store_files if f is not None]),
+        kept_aside=kept_aside,
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -121,6 +122,22 @@ _DTYPE_CODES = {
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_DTYPE_NAMES = {dtype: code for code, dtype in _DTYPE_CODES.items()}
+_COPY_CHUNK = 1 << 26
+
+
+def _copy_range(source: int, start: int, target: int, at: int, size: int) -> None:
+    """Copy ``size`` bytes of file ``source`` from ``start`` to file ``target`` at ``at``:
+    in the kernel where the file systems allow it, else through one 64 MiB buffer."""
+    while size:
+        try:
+            copied = os.copy_file_range(source, target, min(size, _COPY_CHUNK), start, at)
+        except OSError:  # e.g. across file systems on older kernels
+            copied = os.pwrite(target, os.pread(source, min(size, _COPY_CHUNK), start), at)
+        if copied == 0:
+            raise CheckpointError(f"cannot copy {size} bytes from offset {start}: the "
+                                  "checkpoint file is cut short")
+        start, at, size = start + copied, at + copied, size - copied
 
 
 class _SafetensorsFile:
@@ -233,6 +250,32 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     def dtype(self, name: str) -> torch.dtype:
         return self._files[name].entries[name][0]
+
+    def copy_to(self, names: Iterable[str], path: Path) -> int:
+        """Write tensors ``names`` as stored (dtypes, shapes and bytes: float8 weights and
+        their scales alike) into a new safetensors file ``path``; returns its size. The bytes
+        go file to file in chunks, never through a tensor, so copying a layer of any size
+        costs no memory."""
+        names = list(names)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        sources, offset = [], 0
+        for name in names:
+            file = self._files[name]
+            dtype, shape, begin, stop = file.entries[name]
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + stop - begin]}
+            sources.append((file, file.data_start + begin, stop - begin))
+            offset += stop - begin
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes
+        with path.open("wb") as out:
+            out.write(struct.pack("<Q", len(text)) + text)
+            at = out.tell()
+            for file, start, size in sources:
+                with file.path.open("rb") as source:
+                    _copy_range(source.fileno(), start, out.fileno(), at, size)
+                at += size
+        return at
 
     def read_float8(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """A float8 tensor as it is stored (no check, no cast): only for a reader that applies

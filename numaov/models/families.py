@@ -87,6 +87,13 @@ class LMFamily:
         """One rank's routed experts at ``dp`` ranks, or None for a model without them."""
         raise NotImplementedError
 
+    def kept_aside(self, config: Any, names: list[str]) -> dict[str, list[str]]:
+        """Of the checkpoint's tensor ``names``, the ones the model does not run but an export
+        keeps for a later use, by that use's name (e.g. DeepSeek-V3's multi-token-prediction
+        layers, a draft model for speculative decoding); the exporter copies each group as
+        stored into ``<use>.safetensors``. None by default."""
+        return {}
+
     def load(self, checkpoint_dir: str | Path, dtype: Any, dp: Any = None,
              experts: Any = None) -> Any:
         """The causal LM (a torch module) of ``checkpoint_dir`` at ``dtype``, holding rank

@@ -16,6 +16,7 @@ from support.deepseek_harness import greedy_reference
 from support.deepseek_v3_harness import (
     PROMPTS,
     SEED,
+    add_multi_token_prediction_layer,
     hf_greedy,
     hf_model,
     read_tensors,
@@ -193,16 +194,7 @@ def test_fp8_scales_that_do_not_fit_are_named(tmp_path: Path) -> None:
 def test_multi_token_prediction_tensors_are_skipped(tiny, tmp_path: Path, caplog) -> None:
     hf, directory = tiny
     directory = _copy(directory, tmp_path / "mtp")
-    tensors = read_tensors(directory)
-    # DeepSeek's MTP layer: a decoder layer plus its own projection and norms
-    mtp = {n.replace("model.layers.2.", "model.layers.3."): t.clone() for n, t in tensors.items()
-           if n.startswith("model.layers.2.")}
-    mtp.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
-                "model.layers.3.enorm.weight": torch.ones(64),
-                "model.layers.3.hnorm.weight": torch.ones(64),
-                "model.layers.3.shared_head.norm.weight": torch.ones(64),
-                "model.layers.3.shared_head.head.weight": torch.zeros(256, 64)})
-    write_tensors(directory, {**tensors, **mtp}, {"num_nextn_predict_layers": 1})
+    add_multi_token_prediction_layer(directory)
     with caplog.at_level(logging.INFO):
         model = DeepseekV3.from_pretrained(directory)
     assert any("multi-token-prediction tensors (layers 3..3) skipped" in r.getMessage()

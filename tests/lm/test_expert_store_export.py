@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file as read_tensors_file
 from support.deepseek_v3_harness import (
     PROMPTS,
+    add_multi_token_prediction_layer,
     hf_greedy,
     read_tensors,
     save_hf_checkpoint,
+    shard_checkpoint,
     to_fp8_checkpoint,
     write_tensors,
 )
@@ -39,11 +42,14 @@ NEW_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(released-layout FP8 checkpoint, the same model's dequantized f32 checkpoint)."""
+    """(released-layout FP8 checkpoint: sharded, with its multi-token-prediction layer; the
+    same model's dequantized f32 checkpoint)."""
     root = tmp_path_factory.mktemp("fp8")
     _, directory = save_hf_checkpoint(root / "fp8", **WIDE)
     _, plain = save_hf_checkpoint(root / "dequantized", **WIDE)
     write_tensors(plain, to_fp8_checkpoint(directory))
+    add_multi_token_prediction_layer(directory)
+    shard_checkpoint(directory, 3)
     return directory, plain
 
 
@@ -86,6 +92,15 @@ def test_released_fp8_experts_are_stored_as_released_and_match_pytorch(
             columns = torch.arange(80 * rank, 80 * (rank + 1)) // 128
             expected = scale[torch.arange(256)[:, None] // 128, columns[None, :]]
             assert torch.equal(per_column, expected)
+    # the multi-token-prediction layer is kept aside as released (float8 bytes and scales)
+    assert written["kept_aside"] == {"multi_token_prediction": "multi_token_prediction.safetensors"}
+    kept = read_tensors_file(fp8_export / "multi_token_prediction.safetensors")
+    mtp = {n: t for n, t in released.items() if n.startswith("model.layers.3.")}
+    assert sorted(kept) == sorted(mtp) and len(mtp) > 10
+    assert all(kept[n].dtype == t.dtype and torch.equal(kept[n].view(torch.uint8),
+                                                        t.view(torch.uint8))
+               for n, t in mtp.items())
+    assert kept["model.layers.3.mlp.experts.0.down_proj.weight"].dtype == torch.float8_e4m3fn
     # the IR holds no expert: its weights are the non-expert ones, far below the stores
     xml = (fp8_export / "rank_0" / "model.xml").read_text()
     assert xml.count('type="MoeExperts"') == 2 and xml.count(f'store="{STORE_NAME}"') == 2

@@ -79,6 +79,51 @@ def write_tensors(directory: Path, tensors: dict[str, torch.Tensor],
     return directory
 
 
+def shard_checkpoint(directory: Path, count: int) -> None:
+    """Rewrite the checkpoint (in place) as ``count`` shards
+    ``model-0000i-of-0000n.safetensors`` with its ``model.safetensors.index.json``, tensors
+    in name order, as the releases are sharded."""
+    from safetensors.torch import save_file
+
+    tensors = read_tensors(directory)
+    names = sorted(tensors)
+    per = -(-len(names) // count)
+    weight_map = {}
+    for path in directory.glob("model*.safetensors*"):
+        path.unlink()
+    for i in range(count):
+        shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[i * per:(i + 1) * per]}
+        save_file(part, str(directory / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+         "weight_map": weight_map}, indent=2))
+
+
+def add_multi_token_prediction_layer(directory: Path) -> dict[str, torch.Tensor]:
+    """Append DeepSeek's multi-token-prediction layer to the checkpoint (in place, as released:
+    layer ``num_hidden_layers``, a copy of the last decoder layer's tensors, float8 ones with
+    their scales, plus its own projection, norms and head) and set
+    ``num_nextn_predict_layers`` 1; returns the tensors added."""
+    tensors = read_tensors(directory)
+    layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+    last, mtp_prefix = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    mtp = {n.replace(last, mtp_prefix): t.clone() for n, t in tensors.items()
+           if n.startswith(last)}
+    hidden, vocab = tensors["model.norm.weight"].shape[0], tensors["lm_head.weight"].shape[0]
+    generator = torch.Generator().manual_seed(SEED)
+    mtp.update({f"{mtp_prefix}eh_proj.weight": torch.randn(hidden, 2 * hidden,
+                                                           generator=generator),
+                f"{mtp_prefix}enorm.weight": torch.ones(hidden),
+                f"{mtp_prefix}hnorm.weight": torch.ones(hidden),
+                f"{mtp_prefix}shared_head.norm.weight": torch.ones(hidden),
+                f"{mtp_prefix}shared_head.head.weight": torch.randn(vocab, hidden,
+                                                                    generator=generator)})
+    write_tensors(directory, {**tensors, **mtp}, {"num_nextn_predict_layers": 1})
+    return mtp
+
+
 def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
     """What DeepSeek's FP8 release quantizes: the 2-D linear weights of the decoder layers
     (attention projections, MLPs, experts), not the embeddings, head, norms or router."""

@@ -24,5 +24,11 @@ class DeepseekV3Family(CausalLMFamily):
         return ExpertShape(config.n_routed_experts, config.hidden_size,
                            config.moe_intermediate_size // dp)
 
+    def kept_aside(self, config: Any, names: list[str]) -> dict[str, list[str]]:
+        from numaov.models.deepseek_v3.checkpoint_layout import multi_token_prediction_names
+
+        mtp = multi_token_prediction_names(names, config)
+        return {"multi_token_prediction": mtp} if mtp else {}
+
 
 FAMILY = DeepseekV3Family()
