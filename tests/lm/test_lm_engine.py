@@ -1,6 +1,7 @@
 """The LM engine on the tiny DeepSeek-V2 in this process (PyTorch, dp=1): continuous batching,
 sampling, stop rules, streaming, cancel, cache capacity; and its parts on their own
-(scheduler, cache manager, sampler, text stream, settings).
+(scheduler, cache manager, sampler, text stream, settings). The batching, cancel, capacity and
+arrival tests also run on a tiny Qwen3-MoE (the GQA cache layout in the same pool).
 
 "Alone" below means the same request in a fresh engine with nothing else in it; a request run
 among others must give exactly the same tokens. Greedy outputs are also checked against
@@ -20,7 +21,7 @@ from support.deepseek_harness import greedy_reference, tiny_tokenizer
 
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 from numaov.models.deepseek_v2 import DeepseekV2
-from numaov.models.deepseek_v2.family import FAMILY
+from numaov.models.families import family_for_model_type
 from numaov.runtime.lm.cache import CacheCapacityError, CacheManager
 from numaov.runtime.lm.engine import (
     GenerationInputError,
@@ -44,17 +45,39 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> DeepseekV2:
     return DeepseekV2.from_pretrained(build_tiny_deepseek(tmp_path_factory.mktemp("ds"), SEED))
 
 
+@pytest.fixture(scope="module", params=[
+    "deepseek_v2", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def any_model(request: pytest.FixtureRequest, model: DeepseekV2,
+              tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny DeepSeek-V2 (MLA cache), or a tiny Qwen3-MoE of the same vocabulary (GQA)."""
+    if request.param == "deepseek_v2":
+        return model
+    from support.qwen_moe_harness import save_checkpoint
+
+    from numaov.models.qwen_moe import QwenMoe
+
+    _, directory = save_checkpoint(tmp_path_factory.mktemp("qwen") / "tiny", "qwen3_moe", SEED,
+                                   vocab_size=512)
+    return QwenMoe.from_pretrained(directory)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def _engine(model: DeepseekV2, step: StepModel | None = None, **options: Any) -> LMEngine:
-    return LMEngine.in_process(step or TorchStep.from_model(model, FAMILY), model.config.to_dict(),
-                               FAMILY.cache_layout(model.config), **options)
+def _family(model: Any) -> Any:
+    return family_for_model_type(model.config.to_dict()["model_type"], "the test's model")
 
 
-def _alone(model: DeepseekV2, prompt: list[int], params: SamplingParams,
+def _engine(model: Any, step: StepModel | None = None, **options: Any) -> LMEngine:
+    family = _family(model)
+    return LMEngine.in_process(step or TorchStep.from_model(model, family),
+                               model.config.to_dict(), family.cache_layout(model.config),
+                               **options)
+
+
+def _alone(model: Any, prompt: list[int], params: SamplingParams,
            tokenizer: Any = None) -> Any:
     with _engine(model, cache_tokens=1024, tokenizer=tokenizer) as engine:
         return engine.result(engine.submit(prompt, params))
@@ -66,8 +89,8 @@ class PacedStep(StepModel):
 
     name = "torch"
 
-    def __init__(self, model: DeepseekV2) -> None:
-        self._inner = TorchStep.from_model(model, FAMILY)
+    def __init__(self, model: Any) -> None:
+        self._inner = TorchStep.from_model(model, _family(model))
         self.allowed = threading.Semaphore(0)
 
     def bind_pool(self, pool: np.ndarray) -> None:
@@ -96,21 +119,21 @@ REQUESTS: list[tuple[list[int], SamplingParams]] = [
 ]
 
 
-def test_concurrent_requests_each_equal_the_request_alone(model, tokenizer) -> None:
-    with _engine(model, cache_tokens=512, prefill_chunk=5, tokenizer=tokenizer) as engine:
+def test_concurrent_requests_each_equal_the_request_alone(any_model, tokenizer) -> None:
+    with _engine(any_model, cache_tokens=512, prefill_chunk=5, tokenizer=tokenizer) as engine:
         ids = [engine.submit(p, s) for p, s in REQUESTS]
         together = [engine.result(i) for i in ids]
         assert engine.stats().cache_used_tokens == [0]
     for (prompt, params), got in zip(REQUESTS, together, strict=True):
-        alone = _alone(model, prompt, params, tokenizer)
+        alone = _alone(any_model, prompt, params, tokenizer)
         assert (got.tokens, got.finish_reason, got.text) == (
             alone.tokens, alone.finish_reason, alone.text), (prompt, params)
         assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-5) if params.logprobs else (
             got.logprobs is None)
-    greedy, _ = greedy_reference(model, [REQUESTS[0][0]], 8)
+    greedy, _ = greedy_reference(any_model, [REQUESTS[0][0]], 8)
     assert together[0].tokens == greedy[0] and together[0].finish_reason == "length"
     # stop ids: the stopping token is left out; the rules end each request on its own
-    reference, _ = greedy_reference(model, [REQUESTS[4][0]], 6)
+    reference, _ = greedy_reference(any_model, [REQUESTS[4][0]], 6)
     cut = next((i for i, t in enumerate(reference[0]) if t in (24, 161, 389, EOS)), None)
     assert together[4].tokens == reference[0][:cut]
     assert together[4].finish_reason == ("stop" if cut is not None else "length")
@@ -153,9 +176,9 @@ def test_streaming_yields_tokens_and_exactly_the_final_text(model, tokenizer) ->
 # -- cancel, cache capacity, arrivals while others run ----------------------------------------
 
 
-def test_cancel_mid_generation_frees_the_cache_at_once(model) -> None:
-    paced = PacedStep(model)
-    with _engine(model, paced, cache_tokens=300) as engine:
+def test_cancel_mid_generation_frees_the_cache_at_once(any_model) -> None:
+    paced = PacedStep(any_model)
+    with _engine(any_model, paced, cache_tokens=300) as engine:
         request = engine.submit([5, 6, 7, 8], SamplingParams(200, ignore_eos=True))
         stream = engine.stream(request)
         paced.allowed.release(3)
@@ -170,15 +193,15 @@ def test_cancel_mid_generation_frees_the_cache_at_once(model) -> None:
         # the freed slots serve the next request, which is unaffected by the one before
         paced.run_freely()
         again = engine.result(engine.submit([5, 6], SamplingParams(6, ignore_eos=True)))
-    assert again.tokens == greedy_reference(model, [[5, 6]], 6)[0][0]
+    assert again.tokens == greedy_reference(any_model, [[5, 6]], 6)[0][0]
 
 
 def test_a_request_that_does_not_fit_now_waits_and_one_that_never_fits_is_refused(
-        model) -> None:
-    paced = PacedStep(model)
+        any_model) -> None:
+    paced = PacedStep(any_model)
     first, second = ([1 + i for i in range(10)], SamplingParams(20, ignore_eos=True)), (
         [50 + i for i in range(8)], SamplingParams(20, temperature=0.8, seed=9))
-    with _engine(model, paced, cache_tokens=40) as engine:
+    with _engine(any_model, paced, cache_tokens=40) as engine:
         with pytest.raises(CacheCapacityError, match=r"needs 45 cache slots, more than a "
                            r"rank's whole cache \(40 tokens\)"):
             engine.submit([1] * 25, SamplingParams(20))
@@ -190,15 +213,16 @@ def test_a_request_that_does_not_fit_now_waits_and_one_that_never_fits_is_refuse
         assert (stats.running, stats.queue_depth, stats.cache_used_tokens) == ([1], 1, [30])
         paced.run_freely()
         got = [engine.result(a), engine.result(b)]
-    assert [g.tokens for g in got] == [_alone(model, *first).tokens, _alone(model, *second).tokens]
+    assert [g.tokens for g in got] == [_alone(any_model, *first).tokens,
+                                       _alone(any_model, *second).tokens]
 
 
-def test_a_long_prompt_arriving_while_others_decode_changes_nothing(model) -> None:
-    paced = PacedStep(model)
+def test_a_long_prompt_arriving_while_others_decode_changes_nothing(any_model) -> None:
+    paced = PacedStep(any_model)
     short = [([21, 22, 23], SamplingParams(14, ignore_eos=True)),
              ([31, 32], SamplingParams(14, temperature=0.9, seed=6, ignore_eos=True))]
     long = ([(7 * i) % 500 for i in range(45)], SamplingParams(5, ignore_eos=True))
-    with _engine(model, paced, cache_tokens=512, prefill_chunk=4) as engine:
+    with _engine(any_model, paced, cache_tokens=512, prefill_chunk=4) as engine:
         ids = [engine.submit(*r) for r in short]
         streams = [engine.stream(i) for i in ids]
         paced.allowed.release(4)
@@ -208,7 +232,7 @@ def test_a_long_prompt_arriving_while_others_decode_changes_nothing(model) -> No
         paced.run_freely()
         got = [engine.result(i) for i in [*ids, late]]
     for (prompt, params), g in zip([*short, long], got, strict=True):
-        assert g.tokens == _alone(model, prompt, params).tokens
+        assert g.tokens == _alone(any_model, prompt, params).tokens
 
 
 def test_an_idle_engine_does_not_step(model) -> None:

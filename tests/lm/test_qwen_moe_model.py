@@ -32,6 +32,10 @@ VARIANTS = {
     "top_k_1": {"num_experts_per_tok": 1},
     "top_k_1_unnormalised": {"num_experts_per_tok": 1, "norm_topk_prob": False},
     "sparse_step_2": {"decoder_sparse_step": 2, "mlp_only_layers": []},
+    # as Qwen3's model cards extend the context (rope_scaling yarn, factor 4); positions past
+    # the original length are reached by the 9 + 8 tokens with original 8
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 8}},
 }
 
 
