@@ -22,7 +22,7 @@ from support.deepseek_harness import greedy_reference, tiny_tokenizer
 from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 from numaov.models.deepseek_v2 import DeepseekV2
 from numaov.models.families import family_for_model_type
-from numaov.runtime.lm.cache import CacheCapacityError, CacheManager
+from numaov.runtime.lm.cache import PREFIX_BLOCK, CacheCapacityError, CacheManager
 from numaov.runtime.lm.engine import (
     GenerationInputError,
     LMEngine,
@@ -31,7 +31,7 @@ from numaov.runtime.lm.engine import (
     TorchStep,
 )
 from numaov.runtime.lm.sampler import new_generator, sample_token
-from numaov.runtime.lm.scheduler import Scheduler
+from numaov.runtime.lm.scheduler import PREFIX_ROUTING_SLACK, Scheduler
 from numaov.runtime.lm.sequence import Sequence
 from numaov.runtime.lm.text import TextStream
 
@@ -245,6 +245,74 @@ def test_an_idle_engine_does_not_step(model) -> None:
         assert engine.stats().tokens_per_second[0] > 0
 
 
+# -- prefix cache -----------------------------------------------------------------------------
+
+SYSTEM = [(11 * i + 3) % 500 for i in range(2 * PREFIX_BLOCK + 5)]  # a shared "system prompt"
+TURNS: list[tuple[list[int], SamplingParams]] = [
+    (SYSTEM + [21, 22, 23], SamplingParams(6, ignore_eos=True)),
+    (SYSTEM + [31], SamplingParams(5, temperature=0.9, seed=4, ignore_eos=True, logprobs=True)),
+    (SYSTEM[:PREFIX_BLOCK + 3] + [40, 41], SamplingParams(6, temperature=1.1, top_k=8, seed=5)),
+    (SYSTEM + [21, 22, 23, 24], SamplingParams(4, ignore_eos=True)),
+]
+
+
+def _turns(model: Any, prefix_cache: bool, together: bool, **options: Any) -> list[Any]:
+    with _engine(model, cache_tokens=400, prefix_cache=prefix_cache, **options) as engine:
+        if together:
+            ids = [engine.submit(*turn) for turn in TURNS]
+            return [engine.result(i) for i in ids]
+        return [engine.result(engine.submit(*turn)) for turn in TURNS]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one_after_another", "together"])
+def test_prefix_cache_reads_shared_prompt_starts_and_changes_no_output(any_model,
+                                                                       together: bool) -> None:
+    plain = _turns(any_model, False, together, prefill_chunk=7)
+    cached = _turns(any_model, True, together, prefill_chunk=7)
+    for a, b in zip(plain, cached, strict=True):
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+        if a.logprobs is not None:
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert [c.cached_tokens for c in plain] == [0, 0, 0, 0]
+    if together:  # the first prompt's blocks are offered once it is read: the others, admitted
+        # in the same step, computed theirs
+        assert cached[0].cached_tokens == 0
+    else:  # each later turn reads the whole blocks of what came before it
+        assert [c.cached_tokens for c in cached] == [0, 2 * PREFIX_BLOCK, PREFIX_BLOCK,
+                                                     2 * PREFIX_BLOCK]
+
+
+def test_cancelling_one_sharer_leaves_the_blocks_the_other_reads(any_model) -> None:
+    paced = PacedStep(any_model)
+    first = (SYSTEM + [21], SamplingParams(40, ignore_eos=True))
+    second = (SYSTEM + [77, 78], SamplingParams(8, temperature=0.8, seed=2, ignore_eos=True))
+    with _engine(any_model, paced, cache_tokens=2 * len(SYSTEM) + 60) as engine:
+        a = engine.submit(*first)
+        stream = engine.stream(a)
+        paced.allowed.release(2)
+        next(stream)  # a's prompt is read and its blocks offered
+        b = engine.submit(*second)
+        paced.allowed.release(2)
+        assert engine.cancel(a)
+        paced.run_freely()
+        got = engine.result(b)
+        stats = engine.stats()
+        assert got.cached_tokens == 2 * PREFIX_BLOCK
+        assert stats.cached_prompt_tokens == [2 * PREFIX_BLOCK]
+        assert stats.prompt_tokens == [len(first[0]) + len(second[0])]
+        # the pool is full of cached blocks now: a request needing every slot evicts them
+        full = engine.result(engine.submit([3], SamplingParams(2 * len(SYSTEM) + 59,
+                                                                ignore_eos=True)))
+        # the system prompt's blocks were evicted for it; its own blocks are cached now
+        assert engine.stats().prefix_cache_tokens == [(2 * len(SYSTEM) + 59) // PREFIX_BLOCK
+                                                      * PREFIX_BLOCK]
+        again = engine.result(engine.submit(SYSTEM + [5], SamplingParams(1)))
+        assert again.cached_tokens == 0
+    assert got.tokens == _alone(any_model, *second).tokens
+    assert full.tokens == _alone(any_model, [3], SamplingParams(2 * len(SYSTEM) + 59,
+                                                                 ignore_eos=True)).tokens
+
+
 # -- input checks -----------------------------------------------------------------------------
 
 
@@ -336,13 +404,77 @@ def test_a_prompt_longer_than_the_chunk_is_read_over_steps_while_others_decode()
 
 def test_cache_manager_slots_and_release() -> None:
     cache = CacheManager(10)
-    a = cache.allocate(1, 4)
-    b = cache.allocate(2, 6)
+    a, _ = cache.allocate(1, 4)
+    b, _ = cache.allocate(2, 6)
     assert sorted([*a, *b]) == list(range(10)) and not cache.can_hold(1)
     with pytest.raises(CacheCapacityError):
         cache.allocate(3, 1)
     assert cache.release(1) == 4 and cache.free == 4 and cache.release(1) == 0
-    assert sorted(cache.allocate(3, 4)) == sorted(a)
+    assert sorted(cache.allocate(3, 4)[0]) == sorted(a)
+
+
+def test_prefix_blocks_are_shared_read_only_and_evicted_least_recently_used() -> None:
+    block = PREFIX_BLOCK
+    cache = CacheManager(6 * block)
+    prompt = list(range(100, 100 + 2 * block + 3))  # two whole blocks and 3 tokens
+    first, cached = cache.allocate(1, len(prompt) + 4, prompt)
+    assert cached == 0 and cache.cached_prefix(prompt) == 0
+    cache.publish(1, prompt)  # its prompt was read: two blocks offered
+    assert cache.cached_tokens == 2 * block
+    # a prompt with the same start reads both blocks in place; one that differs in the
+    # second block reads only the first; the whole of a prompt is never read (its last
+    # token is fed for the logits)
+    second, cached = cache.allocate(2, 2 * block + 8, prompt[:2 * block] + [7, 7])
+    assert cached == 2 * block and list(second[:2 * block]) == list(first[:2 * block])
+    assert cache.cached_prefix(prompt[:block] + [1] * block + [2]) == block
+    assert cache.cached_prefix(prompt[:2 * block]) == block
+    # the first sequence leaves: the blocks the second reads stay, its own slots go back
+    assert cache.release(1) == len(prompt) + 4 - 2 * block
+    assert cache.used == 2 * block + 8 and cache.reusable == 0
+    assert cache.release(2) == 8
+    assert cache.used == 0 and cache.reusable == 2 * block
+    # needing the slots evicts unread blocks, the least recently used first (a chain from
+    # its end), and only as many as needed
+    other = list(range(500, 500 + block + 1))
+    cache.allocate(3, block + 1, other)
+    cache.publish(3, other)
+    cache.release(3)
+    assert cache.can_hold(6 * block) and not cache.can_hold(6 * block + 1)
+    cache.allocate(4, 4 * block, [1])  # 16 slots short: one block goes, the oldest chain's end
+    assert (cache.cached_prefix(prompt), cache.cached_prefix(other)) == (block, block)
+    cache.release(4)
+    cache.allocate(5, 5 * block, [1])  # 16 more: the oldest block left, the chain's start
+    assert (cache.cached_prefix(prompt), cache.cached_prefix(other)) == (0, block)
+    cache.release(5)
+    # without the prefix cache nothing is offered or found
+    plain = CacheManager(4 * block, prefix_cache=False)
+    plain.allocate(1, len(prompt), prompt)
+    plain.publish(1, prompt)
+    plain.release(1)
+    assert plain.cached_tokens == 0 and plain.allocate(2, len(prompt), prompt)[1] == 0
+
+
+def test_the_scheduler_sends_a_prompt_to_the_rank_holding_its_prefix_within_the_slack() -> None:
+    block = PREFIX_BLOCK
+    shared = list(range(1, 2 * block + 1))
+    scheduler = Scheduler([CacheManager(1000), CacheManager(1000)], prefill_chunk=64)
+    scheduler.caches[1].allocate(99, 2 * block + 1, shared + [5])
+    scheduler.caches[1].publish(99, shared + [5])
+    scheduler.caches[1].release(99)
+    scheduler.add(Sequence(0, shared + [9, 9], SamplingParams(4), 0))
+    steps = scheduler.schedule()
+    assert [[j.request_id for j in s.joins] for s in steps] == [[], [0]]
+    assert steps[1].joins[0].cached == 2 * block
+    # it reads only the rest of its prompt
+    assert [(r.request_id, r.tokens) for r in steps[1].phases[0]] == [(0, (9, 9))]
+    scheduler.running[1][0].tokens.append(5)  # its first token
+    # more prompts with that prefix go to rank 1 while it runs at most PREFIX_ROUTING_SLACK
+    # more sequences than rank 0; then balance wins
+    for i in range(1, PREFIX_ROUTING_SLACK + 2):
+        scheduler.add(Sequence(i, shared + [i], SamplingParams(4), i))
+    scheduler.schedule()
+    assert sorted(scheduler.running[1]) == list(range(PREFIX_ROUTING_SLACK + 1))
+    assert sorted(scheduler.running[0]) == [PREFIX_ROUTING_SLACK + 1]
 
 
 def test_sampler_cuts_and_seeds() -> None:

@@ -105,3 +105,24 @@ def test_requests_wait_for_cache_and_one_larger_than_the_cache_is_refused(engine
     # the third cannot start before one of the first two has made its 60 tokens
     assert stats.queue_depth >= 1 and max(stats.running) <= 1
     assert got == [_alone(engine, *r) for r in requests]
+
+
+def test_prompts_sharing_a_prefix_go_to_the_rank_that_holds_it(engine, torch_model) -> None:
+    from numaov.runtime.lm.cache import PREFIX_BLOCK
+
+    system = [(13 * i + 7) % 500 for i in range(2 * PREFIX_BLOCK + 8)]
+    first = engine.result(engine.submit(system + [1, 2], SamplingParams(5, ignore_eos=True)))
+    assert first.cached_tokens == 0
+    before = engine.stats()
+    holder = next(r for r in range(2) if before.prefix_cache_tokens[r] >= 2 * PREFIX_BLOCK)
+    prompts = [system + [k] for k in (3, 4, 5)]
+    ids = [engine.submit(p, SamplingParams(5, ignore_eos=True)) for p in prompts]
+    got = [engine.result(i) for i in ids]
+    after = engine.stats()
+    # all three read the system prompt's blocks on the rank that holds them
+    assert [g.cached_tokens for g in got] == [2 * PREFIX_BLOCK] * 3
+    assert after.cached_prompt_tokens[holder] - before.cached_prompt_tokens[holder] == (
+        3 * 2 * PREFIX_BLOCK)
+    assert after.prompt_tokens[1 - holder] == before.prompt_tokens[1 - holder]
+    # the same tokens as the PyTorch model with no cache at all
+    assert [g.tokens for g in got] == greedy_reference(torch_model, prompts, 5)[0]

@@ -274,6 +274,8 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str
     logits: np.ndarray | None = field(default=None, repr=False)
+    # Prompt tokens whose entries were read from the prefix cache instead of computed.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,11 @@ class EngineStats:
     restarts: int = 0
     # Tokens generated since the engine started.
     generated_tokens: int = 0
+    # Per rank, since the engine started: prompt tokens admitted, and of them the ones read
+    # from the prefix cache; tokens in the prefix cache now.
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_prompt_tokens: list[int] = field(default_factory=list)
+    prefix_cache_tokens: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -330,14 +337,15 @@ class LMEngine:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_running: int = DEFAULT_MAX_RUNNING, backend: str = "openvino",
                  placement: str = "", load_seconds: float = 0.0,
-                 restart: Callable[[int], Any] | None = None) -> None:
+                 restart: Callable[[int], Any] | None = None,
+                 prefix_cache: bool = True) -> None:
         self.config = config
         self.backend, self.placement, self.load_seconds = backend, placement, load_seconds
         self.world_size = ranks.world_size
         self.tokenizer = tokenizer
         self._ranks = ranks
         self.cache_bytes = pool_bytes(cache.layers, cache.width, cache_tokens)
-        self._caches = [CacheManager(cache_tokens) for _ in range(self.world_size)]
+        self._caches = [CacheManager(cache_tokens, prefix_cache) for _ in range(self.world_size)]
         self._scheduler = Scheduler(self._caches, prefill_chunk, max_running)
         self._eos = end_of_sequence_ids(config)
         self._cond = threading.Condition()
@@ -371,7 +379,7 @@ class LMEngine:
               plan: BindingPlan | None = None, cache_tokens: int = DEFAULT_CACHE_TOKENS,
               tokenizer: Any = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
               max_running: int = DEFAULT_MAX_RUNNING, progress: Progress = None,
-              restart: bool = False) -> LMEngine:
+              restart: bool = False, prefix_cache: bool = True) -> LMEngine:
         """An engine over one pinned worker per rank of ``model_dir``'s export; with
         ``restart``, failed workers are replaced by fresh ones (a new rank group on fresh
         shared memory) instead of stopping the engine."""
@@ -394,7 +402,7 @@ class LMEngine:
         engine = cls(ranks, manifest.config, cache, cache_tokens=cache_tokens, tokenizer=tokenizer,
                      prefill_chunk=prefill_chunk, max_running=max_running, backend=backend,
                      placement=placement, load_seconds=ranks.load_seconds,
-                     restart=fresh_ranks if restart else None)
+                     restart=fresh_ranks if restart else None, prefix_cache=prefix_cache)
         report(f"workers ready (model loaded and compiled in {ranks.load_seconds:.1f} s)")
         return engine
 
@@ -520,7 +528,10 @@ class LMEngine:
                 cache_bytes=self.cache_bytes,
                 tokens_per_second=[n / seconds if seconds else 0.0 for n in per_rank],
                 steps=len(self.step_seconds), idle_phases=list(self._idle_phases),
-                busy_seconds=busy, restarts=restarts, generated_tokens=generated)
+                busy_seconds=busy, restarts=restarts, generated_tokens=generated,
+                prompt_tokens=[c.prompt_tokens for c in self._caches],
+                cached_prompt_tokens=[c.cached_prompt_tokens for c in self._caches],
+                prefix_cache_tokens=[c.cached_tokens for c in self._caches])
 
     def failure(self) -> str | None:
         """Why the engine does not serve now (failed, or restarting its workers), or None."""
@@ -626,6 +637,8 @@ class LMEngine:
             for seq in list(self._sequences.values()):
                 self._finish(seq, "error")
             self._scheduler.forget_releases()  # fresh ranks know none of those sequences
+            for cache in self._caches:  # nor their pools any cached prefix
+                cache.clear_prefixes()
             if self._restart is None or self._closed:
                 logger.error("the engine stopped: %s", reason)
                 self._closed = True
@@ -711,7 +724,7 @@ class LMEngine:
         logits = np.stack(seq.logits) if seq.logits else None
         self._completions[seq.request_id] = Completion(
             seq.request_id, seq.prompt, seq.tokens, text.text,
-            seq.logprobs if seq.params.logprobs else None, reason, logits)
+            seq.logprobs if seq.params.logprobs else None, reason, logits, seq.cached_prompt)
         self._events[seq.request_id].put(StreamEvent(seq.request_id, [], delta, [], reason))
         self._wake(seq.request_id)
         self._cond.notify_all()
@@ -821,6 +834,7 @@ def run_lm(
     keep_logits: bool = False,
     tokenizer: Any = None,
     progress: Progress = None,
+    prefix_cache: bool = True,
 ) -> GenerationResult:
     """Generate for every prompt on one worker per rank (the engine, started for this run).
 
@@ -842,7 +856,7 @@ def run_lm(
            f"{backend} with {manifest.world_size} rank(s)")
     with LMEngine.start(model_dir, backend, plan=plan, cache_tokens=cache_tokens,
                         tokenizer=tokenizer, prefill_chunk=prefill_chunk,
-                        progress=progress) as engine:
+                        progress=progress, prefix_cache=prefix_cache) as engine:
         completions = engine.generate(checked, params, keep_logits=keep_logits)
         return GenerationResult.from_engine(engine, completions)
 

@@ -40,13 +40,16 @@ PAD_TOKEN_ID = 0
 
 @dataclass(frozen=True)
 class Join:
-    """A sequence arriving on the rank: its cache slots (in token order) and its sampler."""
+    """A sequence arriving on the rank: its cache slots (in token order), how many of its
+    first tokens' entries are already in them (a prefix another sequence fed) and its
+    sampler."""
 
     request_id: int
     slots: np.ndarray
     params: SamplingParams
     seed: int
     keep_logits: bool = False
+    cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,7 @@ class RankRunner:
             self._sequences.pop(request_id, None)
         for join in plan.joins:
             self._sequences[join.request_id] = _RankSequence(
-                join.slots, join.params, new_generator(join.seed), join.keep_logits)
+                join.slots, join.params, new_generator(join.seed), join.keep_logits, join.cached)
         sampled: list[Sampled] = []
         forward = 0.0
         for rows in plan.phases:

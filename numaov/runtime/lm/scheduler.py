@@ -2,10 +2,14 @@
 
 Per engine step, :meth:`Scheduler.schedule`:
 
-1. **Admits** waiting requests in arrival order, each to the least-loaded rank that can hold
-   it (fewest running sequences, then fewest used cache slots, then the lowest rank) and has
-   room for another sequence; its cache slots (prompt + every token it may generate) are
-   taken at once, so it never runs out later. The first request that fits nowhere waits, and
+1. **Admits** waiting requests in arrival order, each to a rank that can hold it and has room
+   for another sequence: the rank whose prefix cache holds the longest start of its prompt,
+   unless that rank runs more than ``PREFIX_ROUTING_SLACK`` sequences above the least-loaded
+   one (then, as without a match, the least-loaded: fewest running sequences, then fewest used
+   cache slots, then the lowest rank), as SGLang's cache-aware DP routing trades reuse
+   against balance. Its cache slots (prompt + every token it may generate, less the cached
+   prefix it reads) are taken at once, so it never runs out later, and its prompt is read
+   from the end of that prefix. The first request that fits nowhere waits, and
    so do the ones behind it (no overtaking: a large request is not starved by small ones).
    A request larger than a whole rank's cache is refused at :meth:`add`, with the reason.
 2. **Plans phases.** A *decode* phase feeds every running sequence whose prompt is in the
@@ -19,7 +23,9 @@ Per engine step, :meth:`Scheduler.schedule`:
 
 Releases (sequences that finished or were cancelled) ride along with the next step, so the
 rank drops its state for them before it reads the new joins; their cache slots were already
-back in the free list (:class:`numaov.runtime.lm.cache.CacheManager`).
+back in the free list (:class:`numaov.runtime.lm.cache.CacheManager`), their whole blocks of
+fed tokens in the prefix cache. A sequence also offers its prompt's blocks as soon as its
+last prompt chunk is planned: the step that writes them runs before the next admission.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ from numaov.runtime.lm.sequence import GenerationInputError, Sequence
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_RUNNING = 256
+# A rank holding a request's prefix gets it unless it runs more than this many sequences above
+# the least-loaded rank that could take it: reuse saves the prefix's prefill once, while an
+# unbalanced rank slows every step of every sequence on the others (the ranks step together).
+PREFIX_ROUTING_SLACK = 4
 
 
 def _check_positive(name: str, value: int) -> int:
@@ -79,7 +89,9 @@ class Scheduler:
         if seq.rank is None:
             return
         self.running[seq.rank].pop(seq.request_id, None)
-        self.caches[seq.rank].release(seq.request_id)
+        cache = self.caches[seq.rank]
+        cache.publish(seq.request_id, (seq.prompt + seq.tokens)[:seq.cached])
+        cache.release(seq.request_id)
         if seq.joined:
             self._releases[seq.rank].append(seq.request_id)
             seq.joined = False
@@ -98,12 +110,19 @@ class Scheduler:
         """The rank the first waiting sequence would go to now, or None."""
         if not self.waiting:
             return None
-        need = self.waiting[0].reserved_tokens
+        seq = self.waiting[0]
         ranks = [r for r in range(self.world_size)
-                 if self.caches[r].can_hold(need) and len(self.running[r]) < self.max_running]
+                 if len(self.running[r]) < self.max_running
+                 and self.caches[r].can_hold(seq.reserved_tokens, seq.prompt)]
         if not ranks:
             return None
-        return min(ranks, key=lambda r: (len(self.running[r]), self.caches[r].used, r))
+        least = min(ranks, key=lambda r: (len(self.running[r]), self.caches[r].used, r))
+        cached = {r: self.caches[r].cached_prefix(seq.prompt) for r in ranks}
+        best = max(ranks, key=lambda r: (cached[r], -len(self.running[r]), -r))
+        if cached[best] and (len(self.running[best]) - len(self.running[least])
+                             <= PREFIX_ROUTING_SLACK):
+            return best
+        return least
 
     def schedule(self) -> list[RankStep] | None:
         """Every rank's part of the next step, or None when there is nothing to run."""
@@ -112,13 +131,16 @@ class Scheduler:
         while (rank := self._admissible()) is not None:
             seq = self.waiting.popleft()
             seq.rank = rank
-            slots = self.caches[rank].allocate(seq.request_id, seq.reserved_tokens)
+            slots, seq.cached = self.caches[rank].allocate(seq.request_id, seq.reserved_tokens,
+                                                           seq.prompt)
+            seq.cached_prompt = seq.cached
             self.running[rank][seq.request_id] = seq
             steps[rank].joins.append(Join(seq.request_id, slots, seq.params, seq.seed,
-                                          seq.request_id in self._keep_logits))
+                                          seq.request_id in self._keep_logits, seq.cached))
             seq.joined = True
         decode = [self._decode_rows(running.values()) for running in self.running]
-        prefill = [self._prefill_rows(running.values()) for running in self.running]
+        prefill = [self._prefill_rows(running.values(), cache)
+                   for running, cache in zip(self.running, self.caches, strict=True)]
         for phase in (decode, prefill):
             if any(phase):
                 for rank, rows in enumerate(phase):
@@ -138,7 +160,7 @@ class Scheduler:
                 seq.cached += 1
         return rows
 
-    def _prefill_rows(self, sequences) -> list[Row]:
+    def _prefill_rows(self, sequences, cache: CacheManager) -> list[Row]:
         rows, budget = [], self.prefill_chunk
         for seq in sequences:
             if budget == 0:
@@ -149,6 +171,8 @@ class Scheduler:
             seq.cached += len(chunk)
             budget -= len(chunk)
             rows.append(Row(seq.request_id, tuple(chunk), not seq.in_prefill))
+            if not seq.in_prefill:  # this step writes the prompt's last entries
+                cache.publish(seq.request_id, seq.prompt)
         return rows
 
     def counts(self) -> tuple[int, list[int]]:

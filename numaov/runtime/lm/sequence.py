@@ -164,6 +164,8 @@ class Sequence:
     rank: int | None = None
     # Tokens of prompt + output whose cache entries the rank has written.
     cached: int = 0
+    # Of the prompt, the tokens whose entries were found in the rank's prefix cache.
+    cached_prompt: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     # [V] f32 per token, only for run_lm(keep_logits=True) (backend comparisons).
