@@ -43,6 +43,7 @@ from numaov.models.layers.expert_layout import (
     WEIGHTS_NAME,
     TensorSource,
     read_expert,
+    split_expert,
 )
 
 #: The block DeepSeek's quantizer uses when numaov writes fp8 experts itself.
@@ -50,18 +51,19 @@ FP8_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
-class StoreWritten:
-    """What writing one rank's store took."""
+class StoresWritten:
+    """What writing every rank's store took."""
 
-    store_id: str
-    bytes: int
+    store_ids: list[str]
+    bytes: int  # all stores together
     read_bytes: int
     seconds: float
 
     def describe(self) -> str:
         rate = self.read_bytes / max(self.seconds, 1e-9) / 1e6
-        return (f"{self.bytes / 1e9:.2f} GB written, {self.read_bytes / 1e9:.2f} GB read from "
-                f"the checkpoint in {self.seconds:.1f} s ({rate:.0f} MB/s)")
+        return (f"{len(self.store_ids)} store(s), {self.bytes / 1e9:.2f} GB written, "
+                f"{self.read_bytes / 1e9:.2f} GB read from the checkpoint in "
+                f"{self.seconds:.1f} s ({rate:.0f} MB/s)")
 
 
 def moe_layers(config: Any) -> list[int]:
@@ -109,37 +111,45 @@ def _num_experts(config: Any) -> int:
 
 
 class ExpertConverter:
-    """One rank's experts in one format: the plan of a layer and each expert's regions."""
+    """Every rank's share of the experts in one format: the plan of a layer (the same for
+    every rank) and each expert's regions per rank, from one read of the expert."""
 
     def __init__(self, checkpoint: SafetensorsCheckpoint, source: TensorSource, config: Any,
-                 shape: ExpertShape, weights: str, group_size: int | None, rank: int,
-                 world: int) -> None:
+                 shape: ExpertShape, weights: str, group_size: int | None, world: int) -> None:
         self.checkpoint, self.source = checkpoint, source
         self.shape, self.weights, self.group_size = shape, weights, group_size
         self.intermediate = config.moe_intermediate_size
-        self.rank, self.world = rank, world
+        self.world = world
         self.block = fp8_block(config)
 
     def _released_fp8(self, name: str) -> bool:
         return (self.weights == "fp8" and self.block is not None
                 and self.checkpoint.dtype(name) in FLOAT8_DTYPES)
 
-    def plan(self, layer: int) -> LayerPlan:
+    def plans(self, layer: int) -> list[LayerPlan]:
+        """Each rank's plan of ``layer``: the scale groups may differ between ranks (an fp8
+        rank whose columns of down cross a block edge has more groups per row)."""
         e, h, i = self.shape.num_experts, self.shape.hidden, self.shape.intermediate
         if self.weights in ("f32", "bf16"):
-            return LayerPlan(layer, self.weights, e, h, i)
+            return [LayerPlan(layer, self.weights, e, h, i)] * self.world
         # the groups of one expert's regions, from expert 0 (every expert has the same)
-        regions = self.expert(layer, 0)
-        return LayerPlan(layer, self.weights, e, h, i, regions["gate_up_scale"].shape[1],
-                         regions["down_scale"].shape[1])
+        return [LayerPlan(layer, self.weights, e, h, i, regions["gate_up_scale"].shape[1],
+                          regions["down_scale"].shape[1])
+                for regions in self.expert(layer, 0)]
 
-    def expert(self, layer: int, expert: int) -> dict[str, Tensor]:
-        """Expert ``expert``'s regions: ``gate_up``, ``down`` (and their scales)."""
+    def expert(self, layer: int, expert: int) -> list[dict[str, Tensor]]:
+        """Expert ``expert``'s regions for each rank: ``gate_up``, ``down`` (and their
+        scales). The expert is read once, whole, and split: at dp > 1 each rank needs a slice
+        of every one of down_proj's rows, so reading per rank read down_proj once per rank."""
         prefix = f"model.layers.{layer}.mlp.experts.{expert}"
         if self._released_fp8(f"{prefix}.gate_proj.weight"):
             return self._released_fp8_expert(prefix)
         gate_up, down = read_expert(self.source, f"model.layers.{layer}.mlp.experts", expert,
-                                    self.intermediate, self.rank, self.world)
+                                    self.intermediate, 0, 1)
+        return [self._convert(*split_expert(gate_up, down, self.intermediate, rank, self.world))
+                for rank in range(self.world)]
+
+    def _convert(self, gate_up: Tensor, down: Tensor) -> dict[str, Tensor]:
         if self.weights == "f32":
             return {"gate_up": gate_up.float(), "down": down.float()}
         if self.weights == "bf16":
@@ -150,50 +160,57 @@ class ExpertConverter:
             out[name], out[f"{name}_scale"] = stored[0], scales[0]
         return out
 
-    def _released_fp8_expert(self, prefix: str) -> dict[str, Tensor]:
+    def _released_fp8_expert(self, prefix: str) -> list[dict[str, Tensor]]:
         """The float8 bytes as released and each row's scales from its block's
-        ``weight_scale_inv`` (the rank's rows of gate and up, its columns of down)."""
+        ``weight_scale_inv``, per rank: its rows of gate and up, its columns of down."""
+        parts = {part: self.checkpoint.read_float8(f"{prefix}.{part}.weight")
+                 for part in ("gate_proj", "up_proj", "down_proj")}
+        block_scales = {part: self.checkpoint.read(f"{prefix}.{part}.weight" + SCALE_SUFFIX)
+                        .float() for part in parts}
         step = self.intermediate // self.world
-        first = self.rank * step
-        rows = slice(first, first + step)
-        gate_up, scales = [], []
-        for part in ("gate_proj", "up_proj"):
-            name = f"{prefix}.{part}.weight"
-            gate_up.append(self.checkpoint.read_float8(name, rows))
-            block_scales = self.checkpoint.read(name + SCALE_SUFFIX).float()
-            scales.append(fp8_row_scales(block_scales, first, step, 0, self.shape.hidden,
-                                         self.block))
-        name = f"{prefix}.down_proj.weight"
-        down = self.checkpoint.read_float8(name)[:, rows].contiguous()
-        down_scales = fp8_row_scales(self.checkpoint.read(name + SCALE_SUFFIX).float(), 0,
-                                     self.shape.hidden, first, step, self.block)
-        return {"gate_up": torch.cat(gate_up), "down": down,
-                "gate_up_scale": torch.cat(scales).contiguous(), "down_scale": down_scales}
+        out = []
+        for rank in range(self.world):
+            first = rank * step
+            rows = slice(first, first + step)
+            scales = [fp8_row_scales(block_scales[part], first, step, 0, self.shape.hidden,
+                                     self.block) for part in ("gate_proj", "up_proj")]
+            down_scales = fp8_row_scales(block_scales["down_proj"], 0, self.shape.hidden, first,
+                                         step, self.block)
+            out.append({"gate_up": torch.cat([parts["gate_proj"][rows], parts["up_proj"][rows]]),
+                        "down": parts["down_proj"][:, rows].contiguous(),
+                        "gate_up_scale": torch.cat(scales).contiguous(),
+                        "down_scale": down_scales})
+        return out
 
 
-def write_rank_store(path: Path, checkpoint_dir: Path, config: Any, shape: ExpertShape,
-                     weights: str, group_size: int | None, rank: int, world: int,
-                     report: Callable[[str], None]) -> StoreWritten:
-    """Stream rank ``rank``'s routed experts of every MoE layer from ``checkpoint_dir`` into
-    the store at ``path`` in format ``weights``."""
+def write_rank_stores(paths: list[Path], checkpoint_dir: Path, config: Any, shape: ExpertShape,
+                      weights: str, group_size: int | None,
+                      report: Callable[[str], None]) -> StoresWritten:
+    """Stream every rank's routed experts of every MoE layer from ``checkpoint_dir`` into the
+    stores at ``paths`` (rank r's at ``paths[r]``) in format ``weights``: each expert is read
+    once and written into every rank's store."""
     start = time.perf_counter()
     what = f"checkpoint {str(checkpoint_dir)!r}"
     checkpoint = open_checkpoint(checkpoint_dir, what)
+    world = len(paths)
     converter = ExpertConverter(checkpoint, expert_source(checkpoint, config, what), config,
-                                 shape, weights, group_size, rank, world)
+                                 shape, weights, group_size, world)
     layers = moe_layers(config)
-    writer = StoreWriter(path, [converter.plan(layer) for layer in layers])
+    plans = [converter.plans(layer) for layer in layers]
+    writers = [StoreWriter(path, [per_rank[rank] for per_rank in plans])
+               for rank, path in enumerate(paths)]
     read_bytes = 0
     for count, layer in enumerate(layers, 1):
         for expert in range(shape.num_experts):
-            regions = converter.expert(layer, expert)
-            for name, values in regions.items():
-                writer.write(layer, name, expert, values)
+            for writer, regions in zip(writers, converter.expert(layer, expert), strict=True):
+                for name, values in regions.items():
+                    writer.write(layer, name, expert, values)
             read_bytes += _checkpoint_bytes(checkpoint, layer, expert)
-        report(f"rank {rank}/{world}: experts of layer {layer} stored as {weights} "
+        report(f"experts of layer {layer} stored as {weights} for {world} rank(s) "
                f"({count}/{len(layers)} MoE layers)")
-    store_id = writer.close()
-    return StoreWritten(store_id, writer.size, read_bytes, time.perf_counter() - start)
+    store_ids = [writer.close() for writer in writers]
+    return StoresWritten(store_ids, sum(writer.size for writer in writers), read_bytes,
+                         time.perf_counter() - start)
 
 
 def _checkpoint_bytes(checkpoint: SafetensorsCheckpoint, layer: int, expert: int) -> int:

@@ -6,7 +6,7 @@ module reads nothing of the family's config but through it. ``export_lm`` writes
 
 - ``rank_<r>/experts.nxs``: the rank's routed experts of every MoE layer (its shard of each
   expert) in the weight format ``weights`` names, streamed from the checkpoint one expert at a
-  time (``expert_streaming``) into numaov's expert store (``custom_ops.expert_store``);
+  time, each read once for all ranks (``expert_streaming``) into numaov's expert store (``custom_ops.expert_store``);
 - ``rank_<r>/model.onnx`` + ``model.onnx.data`` (always f32) and ``rank_<r>/model.xml`` +
   ``model.bin`` (the other weights in ``weight_formats.other_weights_storage``'s format) for
   every rank ``r < dp``: the family's pooled step (``LMFamily.step_module``) of the model that
@@ -85,7 +85,7 @@ from numaov.exporter.expert_streaming import (
     fp8_block,
     open_checkpoint,
     reference_experts,
-    write_rank_store,
+    write_rank_stores,
 )
 from numaov.exporter.onnx_export import export_onnx
 from numaov.exporter.openvino_convert import INFERENCE_PRECISION, check_precision, convert_to_ir
@@ -447,14 +447,11 @@ def _export_into(
     # 1. the routed experts: streamed from the checkpoint into each rank's expert store
     store_files: list[str | None] = [None] * dp
     if experts is not None:
-        timings["expert_store"] = 0.0
-        for rank in range(dp):
-            path = out_dir / f"rank_{rank}" / STORE_NAME
-            written = write_rank_store(path, checkpoint_dir, config, experts, weights,
-                                       group_size, rank, dp, report)
-            report(f"rank {rank}/{dp}: expert store {written.describe()}")
-            timings["expert_store"] += written.seconds
-            store_files[rank] = f"rank_{rank}/{STORE_NAME}"
+        store_files = [f"rank_{rank}/{STORE_NAME}" for rank in range(dp)]
+        written = write_rank_stores([out_dir / f for f in store_files], checkpoint_dir, config,
+                                    experts, weights, group_size, report)
+        report(f"expert stores: {written.describe()}")
+        timings["expert_store"] = written.seconds
 
     # 2. the unsharded model, its experts read from the checkpoint as rows reach them: the
     # parity reference for every rank's share

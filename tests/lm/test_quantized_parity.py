@@ -130,12 +130,14 @@ def test_an_int8_export_with_one_layers_scales_doubled_is_refused(
     expert = ExpertConverter.expert
     edited: list[int] = []
 
-    def store_doubled(self: ExpertConverter, layer: int, index: int) -> dict[str, torch.Tensor]:
-        regions = expert(self, layer, index)
+    def store_doubled(self: ExpertConverter, layer: int, index: int
+                      ) -> list[dict[str, torch.Tensor]]:
+        ranks = expert(self, layer, index)
         if layer == min(edited, default=layer):
-            regions["gate_up_scale"] = regions["gate_up_scale"] * 2.0
+            for regions in ranks:
+                regions["gate_up_scale"] = regions["gate_up_scale"] * 2.0
             edited.append(layer)
-        return regions
+        return ranks
 
     monkeypatch.setattr(ExpertConverter, "expert", store_doubled)
     with pytest.raises(ParityError, match=r"exported model does not match PyTorch: .*"

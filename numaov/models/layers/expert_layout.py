@@ -145,6 +145,16 @@ def read_expert(checkpoint: TensorSource, prefix: str, expert: int, intermediate
     return torch.cat([gate, up]), down
 
 
+def split_expert(gate_up: Tensor, down: Tensor, intermediate: int, rank: int, world: int
+                 ) -> tuple[Tensor, Tensor]:
+    """Rank ``rank``'s share of a whole expert (``gate_up [2I, H]``: gate rows then up rows;
+    ``down [H, I]``), as :func:`read_expert` reads it for that rank."""
+    step = intermediate // world
+    rows = slice(rank * step, (rank + 1) * step)
+    return (torch.cat([gate_up[:intermediate][rows], gate_up[intermediate:][rows]]),
+            down[:, rows].contiguous())
+
+
 def stacked_to_per_expert(state_dict: Mapping[str, Tensor],
                           tie_word_embeddings: bool) -> dict[str, Tensor]:
     """The inverse of :func:`checkpoint_to_stacked`: the per-expert layout (what DeepSeek
