@@ -300,7 +300,7 @@ def cmd_run_lm(args: argparse.Namespace) -> int:
     result = run_lm(args.model_dir, prompts, args.max_new_tokens, args.backend,
                           params=params, cache_tokens=args.cache_tokens,
                           prefill_chunk=args.prefill_chunk, tokenizer=tokenizer,
-                          progress=_progress(args))
+                          progress=_progress(args), prefix_cache=args.prefix_cache)
     print(format_generation(result, prompts, tokenizer))
     return 0
 
@@ -331,6 +331,9 @@ def _add_lm_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help="prompt tokens per rank per step; longer prompts are read over several "
                    f"steps while the others decode (default {DEFAULT_PREFILL_CHUNK})")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep fed tokens' KV entries for later prompts that start with the "
+                   "same tokens (default: on)")
 
 
 def _add_run_lm_parser(sub: argparse._SubParsersAction) -> None:
@@ -379,9 +382,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS
     from numaov.runtime.lm.engine import load_tokenizer
     from numaov.runtime.service.app import build_app, served_routes
+    from numaov.runtime.service.chat_output import check_parser_tags
     from numaov.runtime.service.chat_template import load_chat_template
     from numaov.runtime.service.http_common import API_KEY_ENV, ServiceOptions
-    from numaov.runtime.service.lm_requests import Limits
+    from numaov.runtime.service.lm_requests import ChatOptions, Limits
     from numaov.runtime.service.lm_service import LMService
     from numaov.runtime.service.server import listen, serve_forever
     from numaov.runtime.service.video_service import VideoService
@@ -389,17 +393,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"numaov serve: {message}", flush=True)
 
+    chat = ChatOptions(template_kwargs=args.chat_template_kwargs or {},
+                       reasoning_parser=args.reasoning_parser,
+                       tool_call_parser=args.tool_call_parser)
     lm_dir, video_dir = _served_model_dirs(args.model_dir)
+    chat_flags = [flag for flag, value in (("--chat-template-kwargs", args.chat_template_kwargs),
+                                           ("--reasoning-parser", args.reasoning_parser),
+                                           ("--tool-call-parser", args.tool_call_parser))
+                  if value is not None]
+    if lm_dir is None and chat_flags:
+        raise NumaovError(f"{', '.join(chat_flags)} shape a language model's chat answers, and "
+                          "no language model is served; expected a `numaov export lm` "
+                          "directory among --model-dir", parameter="model_dir")
     tokenizer = template = None
     if lm_dir is not None:
         tokenizer_dir = _tokenizer_dir(args.tokenizer, lm_dir)
         tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         template = load_chat_template([tokenizer_dir, lm_dir])
+        for param in ("reasoning_parser", "tool_call_parser"):
+            if getattr(chat, param) is not None:
+                check_parser_tags(tokenizer, getattr(chat, param), param)
     name = args.model_name or (Path(lm_dir).resolve().name if lm_dir is not None else "")
     options = ServiceOptions(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-        limits=Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens))
+        limits=Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens),
+        chat=chat)
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
     with contextlib.ExitStack() as stack:
         sock = stack.enter_context(listen(args.host, args.port))
@@ -412,15 +431,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             service = stack.enter_context(LMService(
                 lm_dir, args.backend, cache_tokens=cache_tokens,
                 prefill_chunk=args.prefill_chunk, max_running=args.max_running,
-                tokenizer=tokenizer, progress=_progress(args)))
+                tokenizer=tokenizer, progress=_progress(args), prefix_cache=args.prefix_cache))
         host, port = sock.getsockname()[:2]
         app = build_app(service, name, tokenizer, template=template, options=options,
                         video=video)
         key = "; API key required" if options.api_key else ""
         served = []
         if service is not None:
+            parsers = "".join(f"; {what} parser {value}" for what, value in (
+                ("reasoning", chat.reasoning_parser), ("tool-call", chat.tool_call_parser))
+                if value is not None)
             served.append(f"{name!r} ({service.world_size} rank(s), {args.backend}, KV cache "
-                          f"{cache_tokens} tokens per rank; chat template: {template.origin})")
+                          f"{cache_tokens} tokens per rank; chat template: {template.origin}"
+                          f"{parsers})")
         if video is not None:
             served.append(f"{video.model_name!r} (Wan pipeline, {args.backend})")
         routes = map(str, served_routes(service is not None, video is not None))
@@ -457,6 +480,16 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port; expected 0 to 65535")
@@ -467,6 +500,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve an exported language model over HTTP "
                        "(OpenAI-style /v1/completions), one worker per DP rank")
     from numaov.runtime.lm.scheduler import DEFAULT_MAX_RUNNING
+    from numaov.runtime.service.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
     from numaov.runtime.service.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
     p.add_argument("--model-dir", required=True, action="append", metavar="DIR",
@@ -498,6 +532,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: the "
                    "model directory's name)")
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="extra chat template variables for every chat request, e.g. "
+                   "'{\"enable_thinking\": false}' (a request's chat_template_kwargs "
+                   "override them)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split chat answers at </think> into reasoning_content and content "
+                   "(vLLM's parser names)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="read chat answers' tool calls into tool_calls, for requests with "
+                   "tools (vLLM's parser names: hermes for Qwen, deepseek_v3)")
     _add_lm_engine_options(p)
     _add_lm_backend(p)
     _add_common(p)

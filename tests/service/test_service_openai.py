@@ -206,3 +206,38 @@ def test_bounded_concurrent_load_answers_every_request_as_alone(served) -> None:
                  'numaov_cache_capacity_tokens{rank="0"}', 'numaov_worker_busy_seconds_total'
                  '{rank="0"}', "numaov_worker_restarts_total 0.0", "numaov_generated_tokens"):
         assert name in metrics, name
+
+
+def test_a_repeated_system_prompt_is_read_from_the_prefix_cache(served) -> None:
+    """A conversation resending a long system prompt and its history: later turns report the
+    prompt tokens read from the cache (usage.prompt_tokens_details.cached_tokens), whole and
+    streamed, and answer as the PyTorch model does with no cache at all; /metrics counts them."""
+    from numaov.runtime.lm.cache import PREFIX_BLOCK
+
+    client, tokenizer = served["client"], served["tokenizer"]
+    system = {"role": "system", "content": " ".join(f"w{10 + i % 400}" for i in range(50))}
+    messages = [system, {"role": "user", "content": "a cat"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                           extra_body={"ignore_eos": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "the mat"}]
+    ids = _chat_ids(served, messages)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    # at least the system prompt's whole blocks came from the first turn
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 50 // PREFIX_BLOCK * PREFIX_BLOCK and cached % PREFIX_BLOCK == 0
+    assert cached < len(ids)
+    expected, _ = greedy_reference(served["model"], [ids], 4)
+    assert second.choices[0].message.content == tokenizer.decode(_cut(expected[0])[0])
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        second.choices[0].message.content)
+    metrics = httpx.get(f"{served['url']}/metrics").text
+    hits = [float(v) for v in re.findall(r'numaov_cached_prompt_tokens_total\{rank="\d"\} (\S+)',
+                                         metrics)]
+    assert len(hits) == 2 and sum(hits) >= 2 * cached
+    assert re.search(r'numaov_prefix_cache_hit_rate\{rank="\d"\} 0\.[1-9]', metrics)

@@ -7,7 +7,9 @@ service -> answer, each route declared once in the routes object's ``ROUTES``).
 - :mod:`~numaov.runtime.service.app`: ``build_app``, the FastAPI application, the common
   routes (models, health, metrics) and ``served_routes``, the one list of routes;
 - the LM: :mod:`~numaov.runtime.service.lm_requests` (completion and chat bodies checked into
-  engine requests; :mod:`~numaov.runtime.service.chat_template`: messages to prompt text),
+  engine requests; :mod:`~numaov.runtime.service.chat_template`: messages to prompt text;
+  :mod:`~numaov.runtime.service.chat_output`: a chat answer's text to reasoning, content and
+  tool calls),
   :mod:`~numaov.runtime.service.lm_service` (the engine over long-lived rank workers),
   :mod:`~numaov.runtime.service.lm_routes` (``/v1/completions``, ``/v1/chat/completions``,
   ``/stats``: whole answers and server-sent events);

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from numaov.runtime.service.errors import RequestError
-from numaov.runtime.service.lm_requests import Limits
+from numaov.runtime.service.lm_requests import ChatOptions, Limits
 
 API_KEY_ENV = "NUMAOV_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long prompt fits, a runaway upload does not
@@ -44,7 +44,7 @@ def add_routes(app: Any, routes: Any) -> None:
 
 @dataclass(frozen=True)
 class ServiceOptions:
-    """The limits and the key of one server."""
+    """The limits and the key of one server, and how it reads chat (``chat``)."""
 
     api_key: str | None = None
     # Requests waiting for a place (LM: sequences not yet in the batch; video: jobs not yet
@@ -52,6 +52,7 @@ class ServiceOptions:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: Limits = field(default_factory=Limits)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
 
 def error_response(error: RequestError) -> Any:

@@ -12,6 +12,14 @@ is cut to what fits, from :func:`~numaov.runtime.lm.sequence.positions_left`), s
 engine's own check at submit never refuses a parsed request for them; the token ids and stop
 ids against the vocabulary are the engine's check at submit alone (the routes name the field).
 
+Chat also reads what chat clients and agents send (see :func:`parse_chat_request`):
+``tools`` and ``tool_choice`` (the tools go to the chat template; the answer's calls are
+parsed with the server's ``--tool-call-parser``), assistant messages with ``tool_calls``,
+``tool`` messages, and ``chat_template_kwargs`` (extra variables for the chat template, over
+the server's ``--chat-template-kwargs``). How the answer's text is split (reasoning, content,
+tool calls) is decided here, per request, as a
+:class:`~numaov.runtime.service.chat_output.ChatOutputFormat`.
+
 Fields numaov does not implement are accepted only at the value that changes nothing, or
 only when absent or empty; anything else (a typo such as "max_token" included) is refused,
 so no request is silently answered differently from what it asked. Parsing tokenizes text,
@@ -22,10 +30,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from numaov.runtime.lm.sequence import GenerationInputError, SamplingParams, positions_left
+from numaov.runtime.service.chat_output import (
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    TOOL_CALL_SYNTAX,
+    ChatOutputFormat,
+    reasoning_starts_open,
+)
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 
@@ -41,12 +56,16 @@ _SHARED = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 _COMPLETION_ONLY = ("prompt", "echo", "suffix", "best_of")
 _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
               "tool_choice", "parallel_tool_calls", "functions", "function_call", "store",
-              "metadata")
-_EMPTY_ONLY = ("echo", "suffix", "logit_bias", "tools", "tool_choice", "functions",
-               "function_call", "parallel_tool_calls", "store", "metadata")
+              "metadata", "chat_template_kwargs")
+_EMPTY_ONLY = ("echo", "suffix", "logit_bias", "functions", "function_call", "store",
+               "metadata")
 COMPLETION_FIELDS = (*_SHARED, *_COMPLETION_ONLY)
 CHAT_FIELDS = (*_SHARED, *_CHAT_ONLY)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# What the chat template is given besides chat_template_kwargs: a key among these is refused.
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+# Assistant message fields an OpenAI client echoes back from an answer, accepted empty.
+_ECHOED_EMPTY = ("refusal", "audio", "function_call", "annotations")
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,8 @@ class LMRequest:
     logprobs: bool = False
     # the field the prompts came from ("prompt", or "messages" for chat): errors name it
     prompt_param: str = "prompt"
+    # chat: how the answers' text is split into reasoning, content and tool calls
+    chat_output: ChatOutputFormat = field(default_factory=ChatOutputFormat)
 
     @property
     def n(self) -> int:
@@ -70,6 +91,44 @@ class LMRequest:
     @property
     def max_tokens(self) -> int:
         return self.params[0][0].max_new_tokens
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a server renders chat requests and reads their answers: ``template_kwargs`` the
+    chat template's extra variables every request starts from (``--chat-template-kwargs``; a
+    request's ``chat_template_kwargs`` override them key by key), ``reasoning_parser`` and
+    ``tool_call_parser`` (vLLM's names; None: off)."""
+
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        check_template_kwargs(self.template_kwargs, "chat_template_kwargs")
+        for name, value, known in (("reasoning_parser", self.reasoning_parser,
+                                    REASONING_PARSERS),
+                                   ("tool_call_parser", self.tool_call_parser,
+                                    TOOL_CALL_PARSERS)):
+            if value is not None and value not in known:
+                raise RequestError(f"{name} {value!r} is not known; expected one of "
+                                   f"{', '.join(known)}", name)
+
+
+def check_template_kwargs(value: Any, param: str) -> dict[str, Any]:
+    """``chat_template_kwargs`` (a request's, or the server's default): an object whose keys
+    are not among what the template is given anyway (:data:`TEMPLATE_VARIABLES`)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _refuse(f"{param} is {json.dumps(value)[:80]}; expected an object of extra chat "
+                      'template variables, such as {"enable_thinking": false}', param)
+    taken = [key for key in value if key in TEMPLATE_VARIABLES]
+    if taken:
+        raise _refuse(f"{param} sets {taken[0]!r}, which the server gives the chat template "
+                      f"itself; expected other names than {', '.join(TEMPLATE_VARIABLES)}",
+                      param)
+    return dict(value)
 
 
 @dataclass(frozen=True)
@@ -259,10 +318,12 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
 
 
 def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,
-                       template: ChatTemplate, limits: Limits | None = None) -> LMRequest:
-    """Check a ``/v1/chat/completions`` JSON body; the messages rendered with ``template``
-    and tokenized."""
+                       template: ChatTemplate, limits: Limits | None = None,
+                       chat: ChatOptions | None = None) -> LMRequest:
+    """Check a ``/v1/chat/completions`` JSON body; the messages (with the request's tools and
+    template variables over ``chat``'s) rendered with ``template`` and tokenized."""
     body = _check_fields(body, CHAT_FIELDS, '{"messages": [{"role": "user", "content": ...}]}')
+    chat = chat or ChatOptions()
     if tokenizer is None:
         raise _refuse("chat needs the text, but this server was started without a tokenizer; "
                       "expected /v1/completions with token ids, or a server with a tokenizer",
@@ -284,16 +345,124 @@ def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,
                       "max_completion_tokens")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
+    tools = _tools(body.get("tools"))
+    calls_parsed = _tool_choice(body, tools, chat)
+    template_kwargs = {**chat.template_kwargs,
+                       **check_template_kwargs(body.get("chat_template_kwargs"),
+                                               "chat_template_kwargs")}
     messages = _messages(body.get("messages"))
-    ids = template.encode(tokenizer, messages)
+    text = template.render(messages, tools, template_kwargs)
+    ids = template.tokenize(tokenizer, text)
     if not ids:
         raise _refuse("the messages render to no tokens; expected some content", "messages")
+    output = ChatOutputFormat(
+        reasoning=chat.reasoning_parser,
+        starts_in_reasoning=(chat.reasoning_parser is not None and reasoning_starts_open(
+            chat.reasoning_parser, text, template_kwargs)),
+        tool_calls=TOOL_CALL_SYNTAX[chat.tool_call_parser] if calls_parsed else None)
     positions = int(config["max_position_embeddings"])
-    return _finish([ids], body, config, tokenizer, limits or Limits(), body.get(name), name,
-                   positions, logprobs, "messages", chat=True)
+    parsed = _finish([ids], body, config, tokenizer, limits or Limits(), body.get(name), name,
+                     positions, logprobs, "messages", chat=True)
+    return replace(parsed, chat_output=output)
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tools, as the chat template gets them (None: no tools)."""
+    if tools in (None, []):
+        return None
+    expected = ('expected a list of {"type": "function", "function": {"name": ..., '
+                '"parameters": {...}}} objects')
+    if not isinstance(tools, list):
+        raise _refuse(f"tools is {json.dumps(tools)[:80]}; {expected}", "tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function"
+                and isinstance(function, dict) and isinstance(function.get("name"), str)
+                and function["name"]):
+            raise _refuse(f"tools[{i}] is {json.dumps(tool)[:80]}; {expected}", "tools")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _refuse(f"tools[{i}].function.parameters is {json.dumps(parameters)[:80]}; "
+                          "expected a JSON Schema object", "tools")
+    return tools
+
+
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None,
+                 chat: ChatOptions) -> bool:
+    """Whether the answer's tool calls are parsed: tools given, ``tool_choice`` "auto" (the
+    default with tools) and a server with a tool-call parser; "none" renders the tools but
+    parses nothing, as vLLM does."""
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        if choice == "required" or isinstance(choice, dict):
+            raise _refuse(f"tool_choice {json.dumps(choice)} needs structured outputs "
+                          "(decoding constrained to a call), which this server does not have; "
+                          'expected "auto" or "none"', "tool_choice")
+        raise _refuse(f"tool_choice is {json.dumps(choice)[:80]}; expected \"auto\" or "
+                      '"none"', "tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise _refuse(f"parallel_tool_calls is {json.dumps(parallel)[:80]}; expected true or "
+                      "false", "parallel_tool_calls")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise _refuse(f"tool_choice is {json.dumps(choice)} but there are no tools; "
+                          "expected tools, or tool_choice absent", "tool_choice")
+        return False
+    if choice == "none":
+        return False
+    if chat.tool_call_parser is None:
+        raise _refuse("tools need a tool-call parser to read the answer's calls, and this "
+                      'server has none; expected tool_choice "none", or a server started '
+                      f"with --tool-call-parser {'|'.join(TOOL_CALL_PARSERS)}", "tools")
+    if parallel is False:
+        raise _refuse("parallel_tool_calls false is not supported: the output is not "
+                      "constrained, so the model may call several tools; expected true or "
+                      "absent", "parallel_tool_calls")
+    return True
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or text parts joined."""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise _refuse(f"{where} holds a part that is not text; expected "
+                              '{"type": "text", "text": ...} parts', "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    if not isinstance(content, str):
+        raise _refuse(f"{where} is {json.dumps(content)[:80]}; expected text", "messages")
+    return content
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked and passed on as sent (``arguments``
+    as JSON text, OpenAI's form, or an object, transformers' form)."""
+    expected = ('expected a list of {"id": ..., "type": "function", "function": {"name": ..., '
+                '"arguments": "<JSON>"}} objects')
+    if not isinstance(calls, list):
+        raise _refuse(f"{where} is {json.dumps(calls)[:80]}; {expected}", "messages")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and call.get("type", "function") == "function"
+                and isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), (str, dict))):
+            raise _refuse(f"{where}[{j}] is {json.dumps(call)[:80]}; {expected}", "messages")
+    return calls
+
+
+_MESSAGE_FIELDS = {"system": ("content", "name"), "developer": ("content", "name"),
+                   "user": ("content", "name"), "tool": ("content", "name", "tool_call_id"),
+                   "assistant": ("content", "name", "tool_calls", "reasoning_content",
+                                 "reasoning", *_ECHOED_EMPTY)}
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them: text content (null allowed for an
+    assistant message that calls tools), and the tool-calling fields checked."""
     expected = 'expected a list of {"role": ..., "content": "text"} objects'
     if not isinstance(messages, list) or not messages:
         raise _refuse(f"messages is {json.dumps(messages)[:80]}; {expected}", "messages")
@@ -301,28 +470,49 @@ def _messages(messages: Any) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _refuse(f"messages[{i}] is not an object; {expected}", "messages")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
         if role not in CHAT_ROLES:
             raise _refuse(f"messages[{i}].role is {json.dumps(role)}; expected one of "
                           f"{', '.join(CHAT_ROLES)}", "messages")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise _refuse(f"messages[{i}].content holds a part that is not text; "
-                                  'expected {"type": "text", "text": ...} parts', "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise _refuse(f"messages[{i}].content is {json.dumps(content)[:80]}; expected text",
-                          "messages")
-        extra = set(message) - {"role", "content", "name"}
+        allowed = _MESSAGE_FIELDS[role]
+        extra = set(message) - {"role", *allowed}
         if extra:
-            raise _refuse(f"messages[{i}] has field(s) {', '.join(sorted(extra))} this server "
-                          "does not support; expected role, content and name", "messages")
-        out.append({"role": role, "content": content,
-                    **({"name": message["name"]} if "name" in message else {})})
+            raise _refuse(f"messages[{i}] ({role}) has field(s) {', '.join(sorted(extra))} this "
+                          f"server does not support; expected role, {', '.join(allowed)}",
+                          "messages")
+        for name in _ECHOED_EMPTY:
+            if message.get(name) not in (None, [], {}, ""):
+                raise _refuse(f"messages[{i}].{name} is not supported by this server; expected "
+                              "it absent, null or empty", "messages")
+        out_message: dict[str, Any] = {"role": role}
+        calls = message.get("tool_calls")
+        if role == "assistant" and message.get("content") is None:
+            out_message["content"] = None  # an answer that only called tools (see render)
+        else:
+            out_message["content"] = _text(message.get("content"), f"messages[{i}].content")
+        if message.get("name") is not None:
+            out_message["name"] = message["name"]
+        if role == "tool":
+            tool_call_id = message.get("tool_call_id")
+            if not isinstance(tool_call_id, str):
+                raise _refuse(f"messages[{i}].tool_call_id is {json.dumps(tool_call_id)}; "
+                              "expected the id of the call this message answers", "messages")
+            out_message["tool_call_id"] = tool_call_id
+        if role == "assistant":
+            if calls not in (None, []):
+                out_message["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
+            elif out_message["content"] is None:
+                raise _refuse(f"messages[{i}].content is null and the message calls no tools; "
+                              "expected text", "messages")
+            # The reasoning of an earlier answer, under vLLM's old name or its new one;
+            # templates read reasoning_content (Qwen3's drops it outside the last turn).
+            reasoning = message.get("reasoning_content", message.get("reasoning"))
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise _refuse(f"messages[{i}].reasoning_content is "
+                                  f"{json.dumps(reasoning)[:80]}; expected text", "messages")
+                out_message["reasoning_content"] = reasoning
+        out.append(out_message)
     return out
 
 

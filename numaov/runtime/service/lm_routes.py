@@ -6,8 +6,11 @@ Each choice of a request is one engine sequence, submitted on its own, so it joi
 running batch at the next step (continuous batching). The body is parsed (and its text
 tokenized) off the event loop. Answers: a JSON body once every choice has finished, or
 server-sent events (``stream``), one chunk per token, ending with ``data: [DONE]`` (and,
-with ``stream_options.include_usage``, a last chunk carrying ``usage``). A client that goes
-away cancels its sequences: their cache slots are free at once.
+with ``stream_options.include_usage``, a last chunk carrying ``usage``). A chat choice's text
+goes through a :class:`~numaov.runtime.service.chat_output.ChatAnswer` token by token in both
+ways of answering (reasoning, content and tool calls split as the request's
+``chat_output`` says), so a whole answer is exactly what its stream adds up to. A client that
+goes away cancels its sequences: their cache slots are free at once.
 
 Statuses: 400 for a bad body (naming the field), 404 for another model, 413 for a body
 above the limit, 429 with ``Retry-After`` when the queue is full, 503 (with ``Retry-After``
@@ -29,6 +32,7 @@ from fastapi import Request  # at module level: FastAPI resolves the handler's a
 from numaov.runtime.lm.engine import Completion, LMEngine, StreamEvent
 from numaov.runtime.lm.ranks import RankWorkersError, RankWorkersRestarting
 from numaov.runtime.lm.sequence import GenerationInputError
+from numaov.runtime.service.chat_output import ChatAnswer
 from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 from numaov.runtime.service.http_common import (
@@ -137,33 +141,46 @@ class LMRoutes:
         return {"index": index, "text": done.text, "token_ids": list(done.tokens),
                 "logprobs": logprobs, "finish_reason": done.finish_reason}
 
-    def chat_choice(self, index: int, done: Completion, logprobs: bool) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": done.text},
+    def chat_choice(self, index: int, done: Completion, answer: ChatAnswer,
+                    logprobs: bool) -> dict[str, Any]:
+        return {"index": index, "message": answer.message(),
                 "logprobs": (self.chat_logprobs(done.tokens, done.logprobs or [])
                              if logprobs else None),
-                "finish_reason": done.finish_reason}
+                "finish_reason": answer.finish_reason(done.finish_reason)}
 
     @staticmethod
-    def usage(parsed: LMRequest, generated: int) -> dict[str, int]:
+    def usage(parsed: LMRequest, generated: int, cached: int,
+              answers: list[ChatAnswer] | None = None) -> dict[str, Any]:
+        """OpenAI's ``usage``; ``cached``: prompt tokens read from the prefix cache."""
         prompt = sum(len(p) for p in parsed.prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": generated,
-                "total_tokens": prompt + generated}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": generated,
+                                 "total_tokens": prompt + generated,
+                                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if parsed.chat_output.reasoning is not None and answers:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(a.reasoning_tokens for a in answers)}
+        return usage
 
     # -- the two ways of answering --------------------------------------------------------
 
     async def whole(self, request: Request, parsed: LMRequest, ids: list[int], chat: bool,
                     endpoint: str, arrived: float) -> Any:
         first = {"seen": False}
+        answers = [ChatAnswer(parsed.chat_output) for _ in ids] if chat else []
 
-        async def finish(request_id: int) -> Completion:
+        async def finish(index: int, request_id: int) -> Completion:
             async for event in self.engine.astream(request_id):
                 if event.tokens and not first["seen"]:
                     first["seen"] = True
                     self.metrics.first_token.labels(endpoint).observe(
                         time.perf_counter() - arrived)
+                if chat:  # the same pieces a stream would give its parser
+                    answers[index].add(len(event.tokens), event.text,
+                                       last=event.finish_reason is not None)
             return self.engine.result(request_id)
 
-        everything = asyncio.ensure_future(asyncio.gather(*(finish(i) for i in ids)))
+        everything = asyncio.ensure_future(asyncio.gather(*(finish(i, r)
+                                                            for i, r in enumerate(ids))))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not everything.done():  # the client went away: free its sequences now
@@ -174,10 +191,11 @@ class LMRoutes:
         done = everything.result()
         if any(c.finish_reason == "error" for c in done):
             return error_response(self.failed())
-        choices = [self.chat_choice(i, c, parsed.logprobs) if chat
+        choices = [self.chat_choice(i, c, answers[i], parsed.logprobs) if chat
                    else self.completion_choice(i, c) for i, c in enumerate(done)]
         return {**self.header(chat), "choices": choices,
-                "usage": self.usage(parsed, sum(len(c.tokens) for c in done))}
+                "usage": self.usage(parsed, sum(len(c.tokens) for c in done),
+                                    sum(c.cached_tokens for c in done), answers)}
 
     async def events(self, parsed: LMRequest, ids: list[int], chat: bool, endpoint: str,
                      arrived: float) -> AsyncIterator[str]:
@@ -205,6 +223,7 @@ class LMRoutes:
                  if len(ids) > 1 else [])
         events = several() if tasks else single()
         generated, open_choices, first = 0, len(ids), False
+        answers = [ChatAnswer(parsed.chat_output) for _ in ids] if chat else []
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -221,15 +240,19 @@ class LMRoutes:
                         time.perf_counter() - arrived)
                 generated += len(event.tokens)
                 if chat:
-                    if event.text or (parsed.logprobs and event.tokens):
-                        yield chunk([{"index": index, "delta": {"content": event.text},
+                    answer = answers[index]
+                    delta = answer.add(len(event.tokens), event.text,
+                                       last=event.finish_reason is not None)
+                    if delta or (parsed.logprobs and event.tokens):
+                        yield chunk([{"index": index, "delta": delta,
                                       "logprobs": (self.chat_logprobs(event.tokens,
                                                                       event.logprobs)
                                                    if parsed.logprobs else None),
                                       "finish_reason": None}])
                     if event.finish_reason is not None:
                         yield chunk([{"index": index, "delta": {}, "logprobs": None,
-                                      "finish_reason": event.finish_reason}])
+                                      "finish_reason": answer.finish_reason(
+                                          event.finish_reason)}])
                 else:
                     logprobs = ({"tokens": self.pieces(event.tokens),
                                  "token_logprobs": event.logprobs} if event.logprobs else None)
@@ -240,9 +263,10 @@ class LMRoutes:
                     open_choices -= 1
                     if not open_choices:
                         break
-            if parsed.include_usage:
-                yield (f"data: {json.dumps({**head, 'choices': [], 'usage': self.usage(parsed, generated)})}"
-                       "\n\n")
+            if parsed.include_usage:  # every choice finished: their completions are there
+                cached = sum(self.engine.result(r).cached_tokens for r in ids)
+                usage = self.usage(parsed, generated, cached, answers)
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # finished, failed, or the client went away: nothing is left running
             # No await here: a cancelled response (the client went away) could be cancelled
@@ -275,7 +299,7 @@ class LMRoutes:
             if chat:
                 parsed = await run_in_threadpool(parse_chat_request, body, self.engine.config,
                                                  self.tokenizer, self.template,
-                                                 self.options.limits)
+                                                 self.options.limits, self.options.chat)
             else:
                 parsed = await run_in_threadpool(parse_completion_request, body,
                                                  self.engine.config, self.tokenizer,

@@ -45,12 +45,13 @@ class LMService:
                  plan: BindingPlan | None = None, cache_tokens: int = DEFAULT_CACHE_TOKENS,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_running: int = DEFAULT_MAX_RUNNING, tokenizer: Any = None,
-                 progress: Progress = None, restart: bool = True) -> None:
+                 progress: Progress = None, restart: bool = True,
+                 prefix_cache: bool = True) -> None:
         try:
             self.engine = LMEngine.start(model_dir, backend, plan=plan, cache_tokens=cache_tokens,
                                          tokenizer=tokenizer, prefill_chunk=prefill_chunk,
                                          max_running=max_running, progress=progress,
-                                         restart=restart)
+                                         restart=restart, prefix_cache=prefix_cache)
         except RankWorkersError as exc:
             raise ServiceError(str(exc)) from None
         self.backend = backend

@@ -9,6 +9,10 @@ One registry per application, so two apps in one process (tests) never share cou
 - ``numaov_generated_tokens_total``; ``numaov_tokens_per_second{rank}`` (over the engine's
   recent steps); ``numaov_queue_depth``; ``numaov_running_sequences{rank}``;
   ``numaov_cache_used_tokens{rank}`` / ``numaov_cache_capacity_tokens{rank}``;
+  ``numaov_prompt_tokens_total{rank}`` / ``numaov_cached_prompt_tokens_total{rank}`` (prompt
+  tokens admitted, and of them the ones read from the prefix cache: their ratio is the hit
+  rate), ``numaov_prefix_cache_hit_rate{rank}`` (that ratio since the start, 0 before any
+  prompt) and ``numaov_prefix_cache_tokens{rank}`` (tokens the prefix cache holds);
   ``numaov_worker_busy_seconds_total{rank}``; ``numaov_worker_restarts_total``;
   ``numaov_worker_up{rank}``; read from the engine when scraped;
 - ``numaov_video_jobs_total{endpoint, status}`` and ``numaov_video_queue_depth`` when a Wan
@@ -89,6 +93,16 @@ class _EngineCollector:
              stats.tokens_per_second, GaugeMetricFamily),
             ("numaov_worker_busy_seconds", "seconds the rank's worker spent running steps",
              stats.busy_seconds, CounterMetricFamily),
+            ("numaov_prompt_tokens", "prompt tokens admitted", stats.prompt_tokens,
+             CounterMetricFamily),
+            ("numaov_cached_prompt_tokens", "prompt tokens read from the prefix cache",
+             stats.cached_prompt_tokens, CounterMetricFamily),
+            ("numaov_prefix_cache_hit_rate", "share of admitted prompt tokens read from the "
+             "prefix cache", [c / p if p else 0.0 for c, p in zip(
+                 stats.cached_prompt_tokens, stats.prompt_tokens, strict=True)],
+             GaugeMetricFamily),
+            ("numaov_prefix_cache_tokens", "tokens the prefix cache holds",
+             stats.prefix_cache_tokens, GaugeMetricFamily),
             ("numaov_worker_up", "1 while the rank's worker process runs",
              [1 if w["alive"] else 0 for w in health.workers], GaugeMetricFamily),
         ]
