@@ -248,9 +248,11 @@ class CacheManager:
         held = self._held.pop(request_id, None)
         if held is None:
             return 0
-        shared = {int(s) for b in held.blocks for s in b.slots}
-        own = [int(s) for s in held.slots[::-1] if int(s) not in shared]
-        self._free.extend(own)
+        own = held.slots
+        if held.blocks:
+            shared = np.concatenate([b.slots for b in held.blocks])
+            own = own[np.isin(own, shared, invert=True)]
+        self._free.extend(own[::-1].tolist())
         self._drop_reads(held.blocks)
         return len(own)
 
