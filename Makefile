@@ -51,6 +51,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/wan_i2v_encode.py
 	$(BIN)/python benchmarks/lm_engine.py  # optimum-intel side by side: run benchmarks/optimum_venv.sh once
 	$(BIN)/python benchmarks/weight_agreement.py
+	$(BIN)/python -m pip install --quiet xgrammar  # structured outputs' competitor
+	$(BIN)/python benchmarks/structured_output.py
 
 # Runs notebooks/*.ipynb top to bottom and saves them with their outputs, in place (their
 # exports go to out/notebooks); run it after the built-in models change.

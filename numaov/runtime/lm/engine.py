@@ -14,15 +14,18 @@ The one generation loop of numaov: ``numaov run lm`` (:func:`run_lm`), ``numaov 
   :mod:`numaov.runtime.lm.sampler`;
 - the transports to the ranks (in process, or one pinned worker per rank):
   :mod:`numaov.runtime.lm.ranks`;
-- text deltas for streaming: :mod:`numaov.runtime.lm.text`.
+- text deltas for streaming: :mod:`numaov.runtime.lm.text`;
+- structured outputs (a grammar matcher per constrained sequence, token masks):
+  :mod:`numaov.runtime.lm.grammar`.
 
 The front end talks to the engine only through :meth:`LMEngine.submit`, :meth:`~LMEngine.stream`
 (or :meth:`~LMEngine.result`), :meth:`~LMEngine.cancel` and :meth:`~LMEngine.stats`. One thread
 runs the loop: when some rank has work it asks the scheduler for a step, sends every rank its
 part (the ranks run in lockstep: the same phases, 0 rows where idle), and applies what comes
 back: each sampled token is checked against its sequence's own stop rules (end-of-sequence,
-stop ids, stop strings, max new tokens); a finished sequence frees its cache at once and its
-stream ends. With no work the loop waits on a condition, so an idle engine does not step.
+stop ids, stop strings, a complete structure, max new tokens) and advances its structure's
+matcher; a finished sequence frees its cache at once and its stream ends. With no work the
+loop waits on a condition, so an idle engine does not step.
 
 Placement: the binding rule (:mod:`numaov.runtime.placement.binding`): ``NUMAOV_CPU_BIND`` (one CPU list
 per rank), else one rank per NUMA node, else the allowed CPUs split between the ranks; a bind
@@ -48,6 +51,7 @@ import numpy as np
 from numaov import NumaovError
 from numaov.manifest import LM_KIND, CacheLayout
 from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS, CacheManager, check_capacity, pool_bytes
+from numaov.runtime.lm.grammar import GrammarCompiler, GrammarSpec
 from numaov.runtime.lm.ranks import (
     InProcessRanks,
     RankWorkersError,
@@ -83,7 +87,7 @@ from numaov.runtime.placement.binding import BIND_ENV, BindingPlan, RankCountErr
 
 __all__ = [
     "BACKENDS", "Completion", "EngineHealth", "EngineStats", "GenerationInputError", "GenerationResult",
-    "LMEngine", "OpenVINOStep", "RankGeneration", "RankPlanError", "SamplingParams",
+    "GrammarSpec", "LMEngine", "OpenVINOStep", "RankGeneration", "RankPlanError", "SamplingParams",
     "StepModel", "StreamEvent", "TorchStep", "generate_on_rank", "open_step_model",
     "run_lm",
 ]
@@ -349,6 +353,11 @@ class LMEngine:
         self._scheduler = Scheduler(self._caches, prefill_chunk, max_running)
         self._eos = end_of_sequence_ids(config)
         self._cond = threading.Condition()
+        # Structured outputs: built at the first request with a structure (the vocabulary
+        # takes about a second for 128k tokens).
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._accept_seconds = 0.0
         self._sequences: dict[int, SequenceState] = {}
         self._texts: dict[int, TextStream] = {}
         self._events: dict[int, queue_module.Queue] = {}
@@ -429,17 +438,42 @@ class LMEngine:
         if params.stop and self.tokenizer is None:
             raise GenerationInputError("stop strings need a tokenizer to read the text; "
                                        "expected stop_token_ids instead", parameter="stop")
+        grammar = None
+        if params.structured is not None:  # compiled here, in the caller's thread
+            grammar = self.grammars(params.structured.parameter).matcher(params.structured)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         with self._cond:
             self._check_running()
             self._next_id += 1
-            seq = SequenceState(self._next_id, ids, params, seed)
+            seq = SequenceState(self._next_id, ids, params, seed, grammar=grammar)
             self._scheduler.add(seq, keep_logits)
             self._sequences[seq.request_id] = seq
             self._texts[seq.request_id] = TextStream(self.tokenizer, params.stop)
             self._events[seq.request_id] = queue_module.Queue()
             self._cond.notify_all()
         return seq.request_id
+
+    def grammars(self, parameter: str = "response_format") -> GrammarCompiler:
+        """The engine's structured outputs: the tokenizer's vocabulary for the model's masks
+        and the compiled specs (built at the first call); ``parameter`` names the request
+        field in the error an engine without a tokenizer gives."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise GenerationInputError(
+                        "structured output needs the model's tokenizer to map its grammar to "
+                        "token ids; expected an engine started with a tokenizer",
+                        parameter=parameter)
+                self._grammars = GrammarCompiler(self.tokenizer, int(self.config["vocab_size"]),
+                                                 self._eos)
+            return self._grammars
+
+    @property
+    def grammar_seconds(self) -> float:
+        """Seconds spent on structures since the engine started: token masks computed while
+        scheduling, sampled tokens accepted."""
+        with self._cond:
+            return self._scheduler.mask_seconds + self._accept_seconds
 
     def stream(self, request_id: int) -> Iterator[StreamEvent]:
         """The request's events as they are produced; the last one has its finish_reason."""
@@ -694,10 +728,22 @@ class LMEngine:
                 if seq is None:  # cancelled while the step ran
                     continue
                 token = sampled.token
-                if token in seq.params.stop_token_ids or (
-                        token in self._eos and not seq.params.ignore_eos):
+                grammar = seq.grammar
+                if grammar is not None and grammar.error is not None:  # no mask: never seen
+                    self._finish_broken(seq)
+                    continue
+                # a structure allows an end-of-sequence token only once it is complete
+                if token in seq.params.stop_token_ids or (token in self._eos and (
+                        not seq.params.ignore_eos or grammar is not None)):
                     self._finish(seq, "stop")
                     continue
+                if grammar is not None:
+                    start = time.perf_counter()
+                    accepted = grammar.accept(token)
+                    self._accept_seconds += time.perf_counter() - start
+                    if not accepted:
+                        self._finish_broken(seq)
+                        continue
                 seq.tokens.append(token)
                 self._generated += 1
                 if sampled.logprob is not None:
@@ -710,10 +756,19 @@ class LMEngine:
                     seq.request_id, [token], delta,
                     [sampled.logprob] if sampled.logprob is not None else []))
                 self._wake(seq.request_id)
-                if text.stopped:
+                if text.stopped or (grammar is not None and grammar.done):
                     self._finish(seq, "stop")
                 elif len(seq.tokens) >= seq.params.max_new_tokens:
                     self._finish(seq, "length")
+
+    def _finish_broken(self, seq: SequenceState) -> None:
+        """The structure's matcher failed (a library limit, or a token it refused): the
+        sequence cannot go on within its structure."""
+        assert seq.grammar is not None
+        logger.error("request %d: its structure (%s) cannot go on: %s; it ends with "
+                     "finish_reason 'error'", seq.request_id, seq.grammar.spec.describe(),
+                     seq.grammar.error)
+        self._finish(seq, "error")
 
     def _finish(self, seq: SequenceState, reason: str) -> None:
         seq.finish_reason = reason

@@ -3,12 +3,12 @@
 A rank runs what the scheduler planned for it, :class:`RankStep`: first it drops the
 sequences that left (``releases``), takes the ones that join (``joins``: their cache slots,
 sampling settings and seed), then runs every phase of the step in order. A phase is one
-forward of the rank's graph over some of its sequences (:class:`Row`: the tokens to feed and
-whether to sample the next token after them); every rank runs the same number of phases per
-step, with 0 rows where it has nothing to do, because the collectives inside the graph need
-every rank at every forward. The rows of a phase are padded to its longest row on the left;
-padding never enters the cache: only the real tokens' new entries are written into the pool,
-at the sequence's next slots.
+forward of the rank's graph over some of its sequences (:class:`Row`: the tokens to feed,
+whether to sample the next token after them, and which tokens a structured request allows
+there); every rank runs the same number of phases per step, with 0 rows where it has nothing
+to do, because the collectives inside the graph need every rank at every forward. The rows of
+a phase are padded to its longest row on the left; padding never enters the cache: only the
+real tokens' new entries are written into the pool, at the sequence's next slots.
 
 Backends behind one interface (:class:`StepModel`): ``openvino`` runs the rank's IR, with the
 pool bound once as the graph's ``kv_cache`` input tensor over the pool's own memory; ``torch``
@@ -54,12 +54,15 @@ class Join:
 
 @dataclass(frozen=True)
 class Row:
-    """One sequence in one phase: the tokens fed (prompt chunk or last output) and whether the
-    next token is sampled after them (the end of the prompt, or a decode)."""
+    """One sequence in one phase: the tokens fed (prompt chunk or last output), whether the
+    next token is sampled after them (the end of the prompt, or a decode) and, for a sequence
+    with a structure, the mask of the tokens it allows there (``[ceil(vocab / 32)] int32``,
+    :mod:`numaov.runtime.lm.grammar`)."""
 
     request_id: int
     tokens: tuple[int, ...]
     sample: bool
+    mask: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -244,7 +247,8 @@ class RankRunner:
                 state = self._sequences[row.request_id]
                 state.cached += len(row.tokens)
                 if row.sample:
-                    token, logprob = sample_token(logits[i], state.params, state.generator)
+                    token, logprob = sample_token(logits[i], state.params, state.generator,
+                                                  row.mask)
                     kept = np.array(logits[i], dtype=np.float32) if state.keep_logits else None
                     sampled.append(Sampled(row.request_id, token, logprob, kept))
         return RankStepResult(self.rank, sampled, forward, time.perf_counter() - start)

@@ -17,7 +17,10 @@ Per engine step, :meth:`Scheduler.schedule`:
    at most ``prefill_chunk`` prompt tokens per rank per step (chunked prefill: a long prompt
    takes several steps, and the decode phase runs at every one of them, so it never stalls
    the others). A phase runs when any rank has rows for it, on every rank (0 rows on a rank
-   with none): the ranks stay in lockstep because each runs the same phases.
+   with none): the ranks stay in lockstep because each runs the same phases. A row that
+   samples (a decode row, a prompt's last chunk) of a sequence with a structure carries the
+   mask of the tokens its grammar matcher allows next (:mod:`numaov.runtime.lm.grammar`),
+   computed here, from the matcher's state after every token so far.
 3. Returns None when no rank has anything to run: the engine then waits for a request instead
    of stepping.
 
@@ -30,7 +33,10 @@ last prompt chunk is planned: the step that writes them runs before the next adm
 
 from __future__ import annotations
 
+import time
 from collections import deque
+
+import numpy as np
 
 from numaov.runtime.lm.cache import CacheCapacityError, CacheManager
 from numaov.runtime.lm.runner import Join, RankStep, Row
@@ -65,6 +71,8 @@ class Scheduler:
         self.running: list[dict[int, Sequence]] = [{} for _ in caches]
         self._releases: list[list[int]] = [[] for _ in caches]
         self._keep_logits: set[int] = set()
+        # Seconds spent computing structures' token masks, since the scheduler started.
+        self.mask_seconds = 0.0
 
     # -- arrivals and departures --------------------------------------------------------------
 
@@ -151,14 +159,23 @@ class Scheduler:
             return None
         return steps
 
-    @staticmethod
-    def _decode_rows(sequences) -> list[Row]:
+    def _decode_rows(self, sequences) -> list[Row]:
         rows = []
         for seq in sequences:
             if not seq.in_prefill:
-                rows.append(Row(seq.request_id, (seq.tokens[-1],), True))
+                rows.append(Row(seq.request_id, (seq.tokens[-1],), True, self._mask(seq)))
                 seq.cached += 1
         return rows
+
+    def _mask(self, seq: Sequence) -> np.ndarray | None:
+        """The tokens ``seq``'s structure allows next; None without a structure, or when its
+        matcher failed (the engine ends the sequence when its token comes back)."""
+        if seq.grammar is None:
+            return None
+        start = time.perf_counter()
+        mask = seq.grammar.next_mask()
+        self.mask_seconds += time.perf_counter() - start
+        return mask
 
     def _prefill_rows(self, sequences, cache: CacheManager) -> list[Row]:
         rows, budget = [], self.prefill_chunk
@@ -170,7 +187,8 @@ class Scheduler:
             chunk = seq.next_input(budget)
             seq.cached += len(chunk)
             budget -= len(chunk)
-            rows.append(Row(seq.request_id, tuple(chunk), not seq.in_prefill))
+            last = not seq.in_prefill
+            rows.append(Row(seq.request_id, tuple(chunk), last, self._mask(seq) if last else None))
             if not seq.in_prefill:  # this step writes the prompt's last entries
                 cache.publish(seq.request_id, seq.prompt)
         return rows

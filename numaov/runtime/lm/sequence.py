@@ -2,12 +2,14 @@
 
 A request becomes one :class:`Sequence`: its prompt, the settings it was submitted with
 (:class:`SamplingParams`, checked once at submit), the rank the scheduler gave it, how many of
-its tokens are in the rank's cache, what it generated and why it stopped. The scheduler, the
-cache manager and the engine read and write it under the engine's lock; the rank workers never
-see it (they get plain row descriptions, :mod:`numaov.runtime.lm.runner`).
+its tokens are in the rank's cache, what it generated, where that is in its structure (a
+grammar matcher, for a constrained request) and why it stopped. The scheduler, the cache
+manager and the engine read and write it under the engine's lock; the rank workers never see
+it (they get plain row descriptions, :mod:`numaov.runtime.lm.runner`).
 
 :class:`GenerationInputError` is the one error for bad generation input, whoever finds it: a
-prompt, a sampling setting, a stop rule or a request the cache can never hold.
+prompt, a sampling setting, a stop rule, a structure that does not compile or a request the
+cache can never hold.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import math
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from numaov import NumaovError
 
+if TYPE_CHECKING:
+    from numaov.runtime.lm.grammar import GrammarMatcher, GrammarSpec
+
 # Why a sequence stopped (the OpenAI names): "stop" = an end-of-sequence token, a stop token
-# id or a stop string; "length" = max_new_tokens; "cancelled" = cancel(); "error" = the
-# workers failed.
+# id, a stop string or a complete structure; "length" = max_new_tokens; "cancelled" = cancel();
+# "error" = the workers failed (or, never seen, a structure's matcher refused a token).
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
@@ -53,7 +58,10 @@ class SamplingParams:
     stopping token is not part of the output), when its text contains one of ``stop`` (the
     text ends before it; needs a tokenizer), or after ``max_new_tokens``. ``logprobs``: return
     the log-probability of every chosen token under the model's distribution (log-softmax of
-    the raw logits, before temperature and cuts).
+    the raw logits, before temperature, cuts and a structure's mask). ``structured``: the
+    new tokens follow this structure (:class:`numaov.runtime.lm.grammar.GrammarSpec`: JSON,
+    a JSON Schema, a regex, a choice, a grammar; needs a tokenizer): only the tokens it allows
+    are sampled, and the sequence stops once it is complete (also with ``ignore_eos``).
     """
 
     max_new_tokens: int
@@ -65,6 +73,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -98,6 +107,13 @@ class SamplingParams:
             raise GenerationInputError(
                 f"stop is {self.stop!r}; expected a list of non-empty strings",
                 parameter="stop")
+        if self.structured is not None:
+            from numaov.runtime.lm.grammar import GrammarSpec
+
+            if not isinstance(self.structured, GrammarSpec):
+                raise GenerationInputError(
+                    f"structured is {self.structured!r}; expected a GrammarSpec or none",
+                    parameter="response_format")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "temperature", float(t))
@@ -173,6 +189,8 @@ class Sequence:
     finish_reason: str | None = None
     # The rank-side state (slots, generator) was created: the rank must be told to drop it.
     joined: bool = False
+    # Where its new tokens are in their structure (params.structured), else None.
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
