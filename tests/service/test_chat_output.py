@@ -15,6 +15,7 @@ from numaov.runtime.service.chat_output import (
     TOOL_CALL_SYNTAX,
     ChatAnswer,
     ChatOutputFormat,
+    ForcedCalls,
     check_parser_tags,
     reasoning_starts_open,
 )
@@ -174,3 +175,30 @@ def test_a_tokenizer_that_drops_the_tags_is_refused(tmp_path) -> None:
     assert e.value.parameter == "tool_call_parser"
     with pytest.raises(NumaovError, match="has no tokenizer"):
         check_parser_tags(None, "qwen3", "reasoning_parser")
+
+
+def test_forced_calls_are_read_from_the_json_the_grammar_forced() -> None:
+    named = ChatOutputFormat(forced=ForcedCalls("get_weather"))
+    args = '{"city":"Paris"}'
+    for pieces in cuts(args, 3)[:5]:
+        stream = streamed(named, pieces)
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in stream["tool_calls"]] == [("get_weather", args)]
+        assert stream["content"] == "" and stream["finish_reason"] == "tool_calls"
+    message = whole(named, args)
+    assert message["content"] is None and message["finish_reason"] == "tool_calls"
+    # a named call cut off by max_tokens keeps the arguments written so far, as vLLM's
+    assert whole(named, '{"city":"Pa')["tool_calls"][0]["function"]["arguments"] == (
+        '{"city":"Pa')
+    required = ChatOutputFormat(forced=ForcedCalls(None))
+    calls = ('[{"name":"get_weather","parameters":{"city":"Paris"}},'
+             '{"name":"get_time","parameters":{}}]')
+    message = whole(required, calls)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("get_weather", {"city": "Paris"}),
+                                                ("get_time", {})]
+    same_answer(message, streamed(required, cuts(calls, 1)[0]))
+    # a cut-off array is no call: it stays content
+    cut = whole(required, calls[:30])
+    assert cut["content"] == calls[:30] and "tool_calls" not in cut
+    assert cut["finish_reason"] == "stop"

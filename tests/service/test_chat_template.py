@@ -120,7 +120,13 @@ def test_without_a_template_the_plain_one_is_used(tmp_path: Path) -> None:
     ({"messages": [{"role": "assistant", "content": "a", "refusal": "no"}]}, "messages",
      "refusal is not supported"),
     ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json"}},
-     "response_format", "does not constrain"),
+     "response_format", "type 'json' is not known; expected text, json_object or json_schema"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"},
+      "structured_outputs": {"regex": "a+"}}, "structured_outputs",
+     "response_format and structured_outputs each ask for a structure"),
+    ({"messages": [{"role": "user", "content": "a"}],
+      "structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs",
+     "expected an object with exactly one of json, json_object, regex, choice, grammar"),
     ({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature",
      "expected a number"),
 ])
@@ -223,10 +229,24 @@ def test_the_request_decides_how_the_answer_is_read(tmp_path: Path) -> None:
     shown = parse(tools=[TOOL], tool_choice="none")  # the tools are rendered, calls not read
     assert shown.chat_output.tool_calls is None and shown.prompts == quiet.prompts
     assert parse().chat_output.tool_calls is None
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(RequestError, match="needs structured outputs") as e:
-            parse(tools=[TOOL], tool_choice=choice)
-        assert e.value.param == "tool_choice"
+    # "required" and a named function: the output is forced to be the calls' JSON
+    named = parse(tools=[TOOL], tool_choice={"type": "function",
+                                             "function": {"name": "get_weather"}})
+    assert named.chat_output.forced.name == "get_weather"
+    assert named.chat_output.tool_calls is None
+    assert named.params[0][0].structured.schema == TOOL["function"]["parameters"]
+    required = parse(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    assert required.chat_output.forced.name is None
+    schema = required.params[0][0].structured.schema
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    assert schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    with pytest.raises(RequestError, match="names the function 'nope', which is not among the "
+                       "tools; expected one of 'get_weather'") as e:
+        parse(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.param == "tool_choice"
+    with pytest.raises(RequestError, match="tool_choice and response_format each ask") as e:
+        parse(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"})
+    assert e.value.param == "response_format"
     with pytest.raises(RequestError, match="parallel_tool_calls false is not supported"):
         parse(tools=[TOOL], parallel_tool_calls=False)
     assert parse(parallel_tool_calls=False).chat_output.tool_calls is None

@@ -116,16 +116,6 @@ def test_a_tool_call_comes_back_as_tool_calls_whole_and_streamed(served) -> None
     assert follow.usage.prompt_tokens == len(expected)
 
 
-def test_tool_choice_required_is_refused_with_the_reason(served) -> None:
-    import openai
-
-    with pytest.raises(openai.BadRequestError, match="needs structured outputs") as e:
-        served["client"].chat.completions.create(
-            model=MODEL, messages=served["calling"].messages, tools=[WEATHER],
-            tool_choice="required", max_tokens=2)
-    assert e.value.status_code == 400 and e.value.body["param"] == "tool_choice"
-
-
 def test_reasoning_comes_back_apart_from_the_content_whole_and_streamed(served) -> None:
     client, script = served["client"], served["thinking"]
     body = {"model": MODEL, "messages": script.messages, "max_tokens": len(THINK_PIECES),

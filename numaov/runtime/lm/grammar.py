@@ -170,6 +170,7 @@ class GrammarSpec:
 
     @classmethod
     def from_response_format(cls, response_format: Mapping[str, Any], *,
+                             any_whitespace: bool = True,
                              parameter: str = "response_format") -> GrammarSpec | None:
         """OpenAI's ``response_format``: ``{"type": "text"}`` (None: no structure),
         ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name":
@@ -184,7 +185,7 @@ class GrammarSpec:
         if kind == "text":
             return None
         if kind == "json_object":
-            return cls.json_object(parameter=parameter)
+            return cls.json_object(any_whitespace=any_whitespace, parameter=parameter)
         if kind == "json_schema":
             body = response_format.get("json_schema")
             if not isinstance(body, Mapping) or "schema" not in body:
@@ -193,7 +194,8 @@ class GrammarSpec:
                               "..., \"schema\": {...}}}")
             strict = body.get("strict")
             return cls.json_schema(body["schema"], strict=bool(strict) if strict is not None
-                                   else False, parameter=parameter)
+                                   else False, any_whitespace=any_whitespace,
+                                   parameter=parameter)
         raise refuse(f"response_format type {kind!r} is not known; expected text, json_object "
                      "or json_schema")
 

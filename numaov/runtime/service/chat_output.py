@@ -248,18 +248,54 @@ class ToolCallSplitter:
 
 
 @dataclass(frozen=True)
+class ForcedCalls:
+    """``tool_choice`` "required" (``name`` None) or a named function: the output is JSON
+    the grammar forced (``lm_requests.forced_call_spec``): the named function's arguments,
+    or an array of ``{"name", "parameters"}`` calls, as vLLM forces them."""
+
+    name: str | None = None
+
+
+class ForcedCallSplitter:
+    """The forced calls' JSON, read once the output has ended (the grammar made it parse
+    unless ``max_tokens`` cut it: a named call then keeps the arguments written so far, as
+    vLLM returns them; a cut-off array stays content)."""
+
+    def __init__(self, forced: ForcedCalls) -> None:
+        self._name = forced.name
+        self._text = ""
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._text += text
+        return []
+
+    def finish(self) -> list[str | ToolCall]:
+        text, self._text = self._text.strip(), ""
+        if self._name is not None:
+            return [ToolCall(self._name, text)]
+        try:
+            calls = json.loads(text)
+            return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                    for c in calls]
+        except (ValueError, TypeError, KeyError):
+            return [text] if text else []
+
+
+@dataclass(frozen=True)
 class ChatOutputFormat:
     """How one chat request's answers are split: ``reasoning`` the reasoning parser (None:
     off) and whether the answer starts inside the reasoning, ``tool_calls`` the tool-call
-    syntax (None: the request asked for no tool calls, or the server parses none)."""
+    syntax (None: the request asked for no tool calls, or the server parses none),
+    ``forced`` the calls ``tool_choice`` forced (then the output is their JSON)."""
 
     reasoning: str | None = None
     starts_in_reasoning: bool = False
     tool_calls: ToolCallSyntax | None = None
+    forced: ForcedCalls | None = None
 
     @property
     def plain(self) -> bool:
-        return self.reasoning is None and self.tool_calls is None
+        return self.reasoning is None and self.tool_calls is None and self.forced is None
 
 
 class ChatAnswer:
@@ -272,7 +308,9 @@ class ChatAnswer:
         self.output = output
         self._reasoning = (ReasoningSplitter(output.starts_in_reasoning)
                            if output.reasoning is not None else None)
-        self._calls = ToolCallSplitter(output.tool_calls) if output.tool_calls else None
+        self._calls: ToolCallSplitter | ForcedCallSplitter | None = (
+            ForcedCallSplitter(output.forced) if output.forced is not None
+            else ToolCallSplitter(output.tool_calls) if output.tool_calls else None)
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []

@@ -18,7 +18,10 @@ parsed with the server's ``--tool-call-parser``), assistant messages with ``tool
 ``tool`` messages, and ``chat_template_kwargs`` (extra variables for the chat template, over
 the server's ``--chat-template-kwargs``). How the answer's text is split (reasoning, content,
 tool calls) is decided here, per request, as a
-:class:`~numaov.runtime.service.chat_output.ChatOutputFormat`.
+:class:`~numaov.runtime.service.chat_output.ChatOutputFormat`. Both read structured outputs
+(``response_format``, vLLM's ``structured_outputs``) into the choices' ``SamplingParams``
+(a :class:`~numaov.runtime.lm.grammar.GrammarSpec`), and chat the calls a ``tool_choice``
+of "required" or a named function forces (:func:`forced_call_spec`).
 
 Fields numaov does not implement are accepted only at the value that changes nothing, or
 only when absent or empty; anything else (a typo such as "max_token" included) is refused,
@@ -33,12 +36,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from numaov.runtime.lm.grammar import GrammarSpec
 from numaov.runtime.lm.sequence import GenerationInputError, SamplingParams, positions_left
 from numaov.runtime.service.chat_output import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     TOOL_CALL_SYNTAX,
     ChatOutputFormat,
+    ForcedCalls,
     reasoning_starts_open,
 )
 from numaov.runtime.service.chat_template import ChatTemplate
@@ -52,9 +57,10 @@ _NEUTRAL = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
 MAX_TEMPERATURE = 2.0
 _SHARED = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "stop_token_ids", "ignore_eos", "n", "stream", "stream_options", "user",
-           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
+           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+           "response_format", "structured_outputs")
 _COMPLETION_ONLY = ("prompt", "echo", "suffix", "best_of")
-_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools",
               "tool_choice", "parallel_tool_calls", "functions", "function_call", "store",
               "metadata", "chat_template_kwargs")
 _EMPTY_ONLY = ("echo", "suffix", "logit_bias", "functions", "function_call", "store",
@@ -206,7 +212,7 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: bool, n: int,
-              tokenizer: Any) -> list[SamplingParams]:
+              tokenizer: Any, structured: GrammarSpec | None) -> list[SamplingParams]:
     """One SamplingParams per choice, each setting checked by SamplingParams."""
     stop = body.get("stop")
     if stop is None:
@@ -245,7 +251,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: bool, n: int,
             seed_j = seed
         try:
             out.append(SamplingParams(max_tokens, stop=tuple(stop), logprobs=logprobs,
-                                      seed=seed_j, **settings))
+                                      seed=seed_j, structured=structured, **settings))
         except GenerationInputError as exc:
             raise _refuse(str(exc), exc.parameter) from None
     return out
@@ -289,16 +295,65 @@ def _check_prompt_lengths(prompts: list[list[int]], config: Mapping[str, Any], l
         raise _refuse(f"the prompt has {longest} tokens; expected at most {limit}", param)
 
 
+def _structure(body: Mapping[str, Any], forced: GrammarSpec | None) -> GrammarSpec | None:
+    """The structure the output must have: ``response_format`` (OpenAI's), vLLM's
+    ``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice`` or ``grammar``),
+    or the calls ``tool_choice`` forces; at most one of them. JSON is compact (``,`` and
+    ``:`` with no free whitespace), as vLLM's default is: a model allowed whitespace anywhere
+    can spend every token it has on it."""
+    fmt, vllm = body.get("response_format"), body.get("structured_outputs")
+    given = [name for name, value in (("response_format", fmt), ("structured_outputs", vllm))
+             if value not in (None, {}, {"type": "text"})]
+    if forced is not None:
+        given.insert(0, "tool_choice")
+    if len(given) > 1:
+        raise _refuse(f"{' and '.join(given)} each ask for a structure; expected one of them",
+                      given[1])
+    try:
+        if fmt not in (None, {}):
+            spec = GrammarSpec.from_response_format(fmt, any_whitespace=False)
+            if spec is not None:
+                return spec
+        if vllm not in (None, {}):
+            return _structured_outputs(vllm)
+    except GenerationInputError as exc:
+        raise _refuse(str(exc), exc.parameter) from None
+    return forced
+
+
+def _structured_outputs(value: Any) -> GrammarSpec:
+    """vLLM's ``structured_outputs`` object: exactly one of its keys."""
+    param = "structured_outputs"
+    kinds = ("json", "json_object", "regex", "choice", "grammar")
+    given = [k for k in kinds if isinstance(value, Mapping) and value.get(k) not in (None, False)]
+    unknown = sorted(set(value) - set(kinds)) if isinstance(value, Mapping) else []
+    if not isinstance(value, Mapping) or len(given) != 1 or unknown:
+        raise _refuse(f"structured_outputs is {json.dumps(value)[:80]}; expected an object "
+                      f"with exactly one of {', '.join(kinds)}", param)
+    kind = given[0]
+    body = value[kind]
+    if kind == "json":
+        return GrammarSpec.json_schema(body, any_whitespace=False, parameter=param)
+    if kind == "json_object":
+        return GrammarSpec.json_object(any_whitespace=False, parameter=param)
+    if kind == "regex":
+        return GrammarSpec.regex(body, parameter=param)
+    if kind == "choice":
+        return GrammarSpec.choice(body, parameter=param)
+    return GrammarSpec.grammar(body, parameter=param)
+
+
 def _finish(prompts: list[list[int]], body: Mapping[str, Any], config: Mapping[str, Any],
             tokenizer: Any, limits: Limits, requested: int | None, requested_name: str,
-            default: int, logprobs: bool, prompt_param: str, chat: bool) -> LMRequest:
+            default: int, logprobs: bool, prompt_param: str, chat: bool,
+            forced: GrammarSpec | None = None) -> LMRequest:
     _check_prompt_lengths(prompts, config, limits, prompt_param)
     n = _choices(body)
     stream = _bool(body, "stream")
     include_usage = _stream_options(body, stream)
     longest = max(len(p) for p in prompts)
     max_tokens = _max_tokens(requested, default, longest, config, limits, requested_name)
-    params = _sampling(body, max_tokens, logprobs, n, tokenizer)
+    params = _sampling(body, max_tokens, logprobs, n, tokenizer, _structure(body, forced))
     return LMRequest(prompts, [params] * len(prompts), stream, include_usage,
                      logprobs and chat, prompt_param)
 
@@ -333,10 +388,6 @@ def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,
     if top not in (None, 0):
         raise _refuse(f"top_logprobs is {json.dumps(top)}; expected 0 or absent (this server "
                       "returns the chosen token's log-probability only)", "top_logprobs")
-    fmt = body.get("response_format")
-    if fmt not in (None, {}, {"type": "text"}):
-        raise _refuse(f"response_format is {json.dumps(fmt)}; expected {{\"type\": \"text\"}} "
-                      "(this server does not constrain the output)", "response_format")
     for name in ("max_tokens", "max_completion_tokens"):
         _positive_int(body, name)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None \
@@ -346,7 +397,7 @@ def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     tools = _tools(body.get("tools"))
-    calls_parsed = _tool_choice(body, tools, chat)
+    calls_parsed, forced = _tool_choice(body, tools, chat)
     template_kwargs = {**chat.template_kwargs,
                        **check_template_kwargs(body.get("chat_template_kwargs"),
                                                "chat_template_kwargs")}
@@ -359,10 +410,13 @@ def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,
         reasoning=chat.reasoning_parser,
         starts_in_reasoning=(chat.reasoning_parser is not None and reasoning_starts_open(
             chat.reasoning_parser, text, template_kwargs)),
-        tool_calls=TOOL_CALL_SYNTAX[chat.tool_call_parser] if calls_parsed else None)
+        tool_calls=TOOL_CALL_SYNTAX[chat.tool_call_parser] if calls_parsed else None,
+        forced=forced)
     positions = int(config["max_position_embeddings"])
     parsed = _finish([ids], body, config, tokenizer, limits or Limits(), body.get(name), name,
-                     positions, logprobs, "messages", chat=True)
+                     positions, logprobs, "messages", chat=True,
+                     forced=None if forced is None else forced_call_spec(
+                         tools or [], forced.name, body.get("parallel_tool_calls") is not False))
     return replace(parsed, chat_output=output)
 
 
@@ -388,18 +442,20 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
 
 
 def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None,
-                 chat: ChatOptions) -> bool:
-    """Whether the answer's tool calls are parsed: tools given, ``tool_choice`` "auto" (the
-    default with tools) and a server with a tool-call parser; "none" renders the tools but
-    parses nothing, as vLLM does."""
+                 chat: ChatOptions) -> tuple[bool, ForcedCalls | None]:
+    """(whether the answer's tool calls are parsed, the calls ``tool_choice`` forces). "auto"
+    (the default with tools) parses the answer with the server's tool-call parser; "none"
+    renders the tools but parses nothing, as vLLM does; "required" and a named function force
+    the output to be the calls' JSON through a grammar (:func:`forced_call_spec`), so they
+    need no parser and always parse."""
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        if choice == "required" or isinstance(choice, dict):
-            raise _refuse(f"tool_choice {json.dumps(choice)} needs structured outputs "
-                          "(decoding constrained to a call), which this server does not have; "
-                          'expected "auto" or "none"', "tool_choice")
-        raise _refuse(f"tool_choice is {json.dumps(choice)[:80]}; expected \"auto\" or "
-                      '"none"', "tool_choice")
+    named = (isinstance(choice, dict) and choice.get("type") == "function"
+             and isinstance(choice.get("function"), dict)
+             and isinstance(choice["function"].get("name"), str))
+    if choice is not None and choice not in ("auto", "none", "required") and not named:
+        raise _refuse(f"tool_choice is {json.dumps(choice)[:80]}; expected \"auto\", "
+                      '"none", "required" or {"type": "function", "function": {"name": ...}}',
+                      "tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel not in (None, True, False):
         raise _refuse(f"parallel_tool_calls is {json.dumps(parallel)[:80]}; expected true or "
@@ -408,18 +464,57 @@ def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None,
         if choice not in (None, "none"):
             raise _refuse(f"tool_choice is {json.dumps(choice)} but there are no tools; "
                           "expected tools, or tool_choice absent", "tool_choice")
-        return False
+        return False, None
     if choice == "none":
-        return False
+        return False, None
+    if choice == "required" or named:
+        name = choice["function"]["name"] if named else None
+        names = [tool["function"]["name"] for tool in tools]
+        if name is not None and name not in names:
+            raise _refuse(f"tool_choice names the function {name!r}, which is not among the "
+                          f"tools; expected one of {', '.join(map(repr, names))}",
+                          "tool_choice")
+        return False, ForcedCalls(name)
     if chat.tool_call_parser is None:
         raise _refuse("tools need a tool-call parser to read the answer's calls, and this "
-                      'server has none; expected tool_choice "none", or a server started '
-                      f"with --tool-call-parser {'|'.join(TOOL_CALL_PARSERS)}", "tools")
+                      'server has none; expected tool_choice "none", "required" or a named '
+                      "function, or a server started with --tool-call-parser "
+                      f"{'|'.join(TOOL_CALL_PARSERS)}", "tools")
     if parallel is False:
-        raise _refuse("parallel_tool_calls false is not supported: the output is not "
-                      "constrained, so the model may call several tools; expected true or "
-                      "absent", "parallel_tool_calls")
-    return True
+        raise _refuse("parallel_tool_calls false is not supported with tool_choice auto: the "
+                      "output is not constrained, so the model may call several tools; "
+                      'expected true or absent, or tool_choice "required"',
+                      "parallel_tool_calls")
+    return True, None
+
+
+def forced_call_spec(tools: list[dict[str, Any]], name: str | None,
+                     parallel: bool) -> GrammarSpec:
+    """The grammar of the calls ``tool_choice`` forces, as vLLM builds it: for a named
+    function, its arguments (its ``parameters`` schema); for "required", a JSON array of one
+    (``parallel`` false) or more ``{"name": ..., "parameters": {...}}`` objects, each one of
+    the tools."""
+    def parameters(tool: Mapping[str, Any]) -> Any:
+        return tool["function"].get("parameters") or {"type": "object"}
+
+    try:
+        if name is not None:
+            tool = next(t for t in tools if t["function"]["name"] == name)
+            return GrammarSpec.json_schema(parameters(tool),
+                                           strict=bool(tool["function"].get("strict")),
+                                           any_whitespace=False, parameter="tool_choice")
+        item = {"anyOf": [
+            {"type": "object", "properties": {
+                "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                "parameters": parameters(tool)},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for tool in tools]}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": item}
+        if not parallel:
+            schema["maxItems"] = 1
+        return GrammarSpec.json_schema(schema, any_whitespace=False, parameter="tool_choice")
+    except GenerationInputError as exc:
+        raise _refuse(str(exc), "tools") from None
 
 
 def _text(content: Any, where: str) -> str:
