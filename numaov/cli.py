@@ -25,6 +25,7 @@ from numaov.console import ProgressLine, quiet_libraries
 from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS, WEIGHT_FORMATS
 from numaov.runtime.lm import engine as lm_engine
 from numaov.runtime.wan import denoisers as wan_denoisers
+from numaov.runtime.wan import schedules as wan_schedules
 
 
 def _progress(args: argparse.Namespace) -> Callable[[str], None] | None:
@@ -108,7 +109,8 @@ def cmd_export_wan(args: argparse.Namespace) -> int:
     from numaov.exporter.wan_export import export_wan
 
     manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args),
-                          timestep=args.timestep, force=args.force)
+                          timestep=args.timestep, force=args.force, loras=args.loras or (),
+                          loras_2=args.loras_2 or ())
     print(manifest.summary(args.out))
     return 0
 
@@ -126,9 +128,27 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timestep", choices=TIMESTEP_KINDS, default="scalar",
                    help="timestep input: [batch] (default), or per-frame [batch, latent frames] "
                    "for Wan 2.2 TI2V image-to-video")
+    p.add_argument("--lora", dest="loras", action="append", type=_lora_spec,
+                   metavar="FILE[:SCALE]",
+                   help="merge a LoRA (.safetensors: diffusers/PEFT, original Wan, lightx2v or "
+                   "musubi-tuner keys) into the transformer's weights before export, as "
+                   "diffusers' fuse_lora(lora_scale=SCALE) (default 1); repeat to stack")
+    p.add_argument("--lora-2", dest="loras_2", action="append", type=_lora_spec,
+                   metavar="FILE[:SCALE]",
+                   help="the same for a Wan 2.2 A14B pipeline's second expert (transformer_2)")
     _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_wan)
+
+
+def _lora_spec(text: str):
+    """``--lora FILE[:SCALE]``: parsed by the library (numaov.models.wan.lora.LoraSpec)."""
+    from numaov.models.wan.lora import LoraSpec
+
+    try:
+        return LoraSpec.parse(text)
+    except NumaovError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_run_wan(args: argparse.Namespace) -> int:
@@ -139,7 +159,7 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
         raise NumaovError("expected exactly one of --prompt (text to video with a pipeline "
                           "export) and --text-embeddings (latents from your own embeddings)")
     # Flags of the other mode would be ignored: refuse them instead.
-    other = ({"--shift": args.shift, "--negative-embeddings": args.negative_embeddings,
+    other = ({"--negative-embeddings": args.negative_embeddings,
               "--first-frame-latents": args.first_frame_latents} if args.prompt is not None
              else {"--negative-prompt": args.negative_prompt, "--fps": args.fps,
                    "--vae-tiling": args.vae_tiling or None, "--image": args.image})
@@ -150,8 +170,8 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
                           "flags of one mode (see `numaov run wan --help`)")
     request = WanSampleRequest(frames=args.frames, height=args.height, width=args.width,
                                steps=args.steps, guidance=args.guidance, seed=args.seed,
-                               guidance_2=args.guidance_2,
-                               **({} if args.shift is None else {"shift": args.shift}))
+                               guidance_2=args.guidance_2, shift=args.shift,
+                               sampler=args.sampler)
     if args.prompt is not None:
         from numaov.runtime.wan.pipeline import run_wan_pipeline
         from numaov.runtime.wan.vae import VaeTiling
@@ -196,7 +216,9 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="video height in pixels, multiple of 16")
     p.add_argument("--width", type=int, required=True, help="video width in pixels, multiple of 16")
     p.add_argument("--steps", type=int, required=True, help="denoising steps")
-    p.add_argument("--guidance", type=float, required=True, help="classifier-free guidance scale")
+    p.add_argument("--guidance", type=float, required=True,
+                   help="classifier-free guidance scale; 1 runs one branch per step (no "
+                   "unconditional pass: distilled LoRAs)")
     p.add_argument("--seed", type=int, required=True, help="seed of the initial noise")
     p.add_argument("--guidance-2", type=float, metavar="G2",
                    help="Wan 2.2 two experts: guidance of the low-noise expert (default "
@@ -214,10 +236,16 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=wan_denoisers.BACKENDS, default="openvino",
                    help="what runs the models (default openvino)")
     p.add_argument("--workers", type=int, default=1,
-                   help="2 runs the two guidance branches on two pinned workers (default 1)")
+                   help="2 runs the two guidance branches on two pinned workers (default 1; "
+                   "not with --guidance 1, which has one branch)")
+    p.add_argument("--scheduler", dest="sampler", choices=wan_schedules.SAMPLERS,
+                   help="the sampler: unipc (UniPCMultistepScheduler with flow sigmas) or euler "
+                   "(FlowMatchEulerDiscreteScheduler); default: with --prompt the pipeline's "
+                   "own scheduler, with --text-embeddings euler")
     p.add_argument("--shift", type=float,
-                   help="with --text-embeddings: timestep shift (default 5.0, Wan 2.1 T2V; 3.0 "
-                   "for 480p); with --prompt the pipeline's scheduler config sets it")
+                   help="timestep shift (flow_shift): default with --prompt the pipeline's "
+                   "scheduler config's, with --text-embeddings 5.0 (Wan 2.1 T2V; 3.0 for "
+                   "480p; distilled LoRAs: 5.0)")
     _add_common(p)
     p.set_defaults(func=cmd_run_wan)
 

@@ -53,6 +53,10 @@ Fields:
   in the diffusers pipeline directory). A pipeline manifest has no ``ranks`` of its own; its
   ``files`` are the ones beside the components (tokenizer, scheduler config, model index).
   Empty for a single graph.
+- ``loras``: for a Wan transformer (and its pipeline), the LoRA adapters merged into its
+  weights before export, in order: ``file`` (name), ``path`` (absolute, for the PyTorch
+  backend, which merges them again), ``xxh3_128``, ``scale`` and ``layers`` adapted; a
+  pipeline's entries also name their ``component``. Empty when none.
 """
 
 from __future__ import annotations
@@ -273,6 +277,7 @@ class ExportManifest:
     family: str | None = None
     cache_layout: dict[str, Any] | None = None
     kept_aside: dict[str, str] = field(default_factory=dict)
+    loras: list[dict[str, Any]] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -296,8 +301,10 @@ class ExportManifest:
                      if self.parity_attention == "numaov" else "")
         weights = (f", {self.weights} weights"
                    if self.weights is not None and self.weights != self.precision else "")
+        loras = f", {len(self.loras)} LoRA(s) merged" if self.loras else ""
         return (
-            f"exported {self.kind} ({self.precision}{weights}, {self.lowering} ops{timestep}) to "
+            f"exported {self.kind} ({self.precision}{weights}, {self.lowering} ops{timestep}"
+            f"{loras}) to "
             f"{model_dir}; parity vs torch (max rel error): {parity}{attention}"
             f"{self._row_parity()}"
         )

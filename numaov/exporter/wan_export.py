@@ -26,6 +26,13 @@ The parity check runs at shapes other than the export example's on every axis.
 frame after patching (Wan 2.2 TI2V, whose conditioned first frame is at timestep 0). Its frame
 axis is the same ``Dim`` as the video's, so the graph accepts exactly the pairs the model
 does. The manifest's ``timestep`` field tells the sampler which one it got.
+
+``loras`` (``--lora FILE[:SCALE]``) are LoRA adapters merged into the transformer's weights
+before the export (``numaov.models.wan.lora``: read through diffusers' Wan LoRA loader,
+merged in f32 as diffusers' ``fuse_lora(lora_scale=SCALE)``, one layer at a time); ``loras_2``
+go into a pipeline's second expert, ``transformer_2``. Every file is read and checked against
+the checkpoint's shapes before any export work; the manifest's ``loras`` names each one with
+its digest and scale, and the parity reference is the merged model.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -50,11 +57,15 @@ from numaov.exporter.output_dir import (
 )
 from numaov.exporter.parity import check_parity, parity_attention, torch_reference
 from numaov.exporter.wan_pipeline_export import (
+    TRANSFORMER_2_DIR,
+    TRANSFORMER_DIR,
     export_pipeline_into,
+    has_second_expert,
     is_pipeline_dir,
     read_model_index,
 )
 from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
+from numaov.models.wan.lora import LoraError, LoraSpec, WanLora
 
 logger = logging.getLogger(__name__)
 
@@ -139,11 +150,15 @@ def export_wan(
     progress: Callable[[str], None] | None = None,
     timestep: str = "scalar",
     force: bool = False,
+    loras: Sequence[LoraSpec] = (),
+    loras_2: Sequence[LoraSpec] = (),
 ) -> ExportManifest:
     """Export the Wan checkpoint in ``checkpoint_dir`` to ``out_dir``; returns the manifest.
 
     ``timestep`` is ``"scalar"`` (``[batch]``) or ``"per-frame"`` (``[batch, frame_patches]``).
     ``force`` replaces an ``out_dir`` that holds something other than a numaov export.
+    ``loras`` are merged into the transformer, ``loras_2`` into a pipeline's second expert
+    (``LoraSpec``: a file and its scale), in order.
 
     Raises ``ParityError`` (``out_dir`` left as it was) when ONNX Runtime or OpenVINO differ
     from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
@@ -162,12 +177,56 @@ def export_wan(
             parameter="checkpoint",
         )
     if is_pipeline_dir(checkpoint_dir):
-        read_model_index(checkpoint_dir)  # a missing component is named before any work
+        index = read_model_index(checkpoint_dir)  # a missing component is named before any work
+        if loras_2 and not has_second_expert(index):
+            raise _no_second_expert(checkpoint_dir)
+        merged = read_merged_loras(checkpoint_dir / TRANSFORMER_DIR, loras, report)
+        merged_2 = read_merged_loras(checkpoint_dir / TRANSFORMER_2_DIR, loras_2, report,
+                                     parameter="loras_2")
         with staged_output(out_dir, force) as staging:
             return export_pipeline_into(checkpoint_dir, staging, precision, lowering, timestep,
-                                        report, _export_into)
+                                        report, _export_into, loras=(merged, merged_2))
+    if loras_2:
+        raise _no_second_expert(checkpoint_dir)
+    merged = read_merged_loras(checkpoint_dir, loras, report)
     with staged_output(out_dir, force) as staging:  # published when the block returns
-        return _export_into(checkpoint_dir, staging, precision, lowering, timestep, report)
+        return _export_into(checkpoint_dir, staging, precision, lowering, timestep, report,
+                            loras=merged)
+
+
+def _no_second_expert(checkpoint_dir: Path) -> WanExportError:
+    return WanExportError(
+        f"{str(checkpoint_dir)!r} has no second transformer (transformer_2 with boundary_ratio, "
+        "Wan 2.2 A14B) to merge LoRAs into; expected LoRAs for the transformer only",
+        parameter="loras_2")
+
+
+def read_merged_loras(transformer_dir: Path, specs: Sequence[LoraSpec],
+                      report: Callable[[str], None], parameter: str = "loras") -> list[WanLora]:
+    """Read ``specs`` through diffusers' Wan LoRA loader and check each against the shapes of
+    the checkpoint in ``transformer_dir`` (its safetensors headers only), before any work;
+    a refusal names ``parameter`` (``loras`` or ``loras_2``)."""
+    from numaov.models.checkpoint import open_safetensors_checkpoint
+    from numaov.models.wan.lora import read_lora
+    from numaov.models.wan.transformer import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    if not specs:
+        return []
+    what = f"the transformer in {str(transformer_dir)!r}"
+    shapes = open_safetensors_checkpoint(transformer_dir, WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
+                                         f"Wan checkpoint {str(transformer_dir)!r}").shapes()
+    merged = []
+    for spec in specs:
+        try:
+            lora = read_lora(spec)
+            lora.check_fits(shapes, what)
+        except LoraError as exc:
+            exc.parameter = parameter
+            raise
+        report(f"LoRA {lora.path.name}: {len(lora.layers)} layers, scale {lora.scale:g}, "
+               f"for {transformer_dir.name}")
+        merged.append(lora)
+    return merged
 
 
 def _export_into(
@@ -177,14 +236,16 @@ def _export_into(
     lowering: str,
     timestep: str,
     report: Callable[[str], None],
+    loras: Sequence[WanLora] = (),
 ) -> ExportManifest:
     from numaov.models.wan.transformer import WanTransformer
 
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
-    report(f"loading Wan checkpoint {checkpoint_dir}")
-    model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    report(f"loading Wan checkpoint {checkpoint_dir}"
+           + (f" and merging {len(loras)} LoRA(s) in f32" if loras else ""))
+    model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32, loras=loras)
     model.split_ffn_columns(FFN_COLUMN_BLOCK)
     config = model.config
     timings["load"] = time.perf_counter() - start
@@ -254,6 +315,7 @@ def _export_into(
         reference_sample=REFERENCE_SAMPLE_NAME,
         parity_attention=parity_attention(figures),
         files=digest_export(out_dir),
+        loras=[lora.record() for lora in loras],
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

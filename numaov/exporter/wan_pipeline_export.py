@@ -16,6 +16,9 @@ A diffusers pipeline directory (``model_index.json`` beside ``transformer/``, ``
   condition to the latents (Wan 2.1 / 2.2 I2V A14B, which encode the image followed by zero
   frames): every later chunk of 4 frames with the caches (``VaeNextFramesEncoderGraph``);
 - ``tokenizer/``, ``scheduler/`` and ``model_index.json``, copied as they are;
+- LoRAs (``export_wan``'s ``loras`` / ``loras_2``) merged into ``transformer/`` and
+  ``transformer_2/`` before their export; each transformer's manifest lists its own, the
+  pipeline's all of them with their ``component``;
 - ``manifest.json`` of kind ``"wan-pipeline"`` naming the components (each subdirectory has
   its own manifest with inputs, parity figures and file digests) and, in ``config``, what the
   runtime needs from the pipeline: the model index and the VAE's latent statistics.
@@ -204,8 +207,10 @@ def export_pipeline_into(
     timestep: str,
     report: Callable[[str], None],
     export_transformer: Callable[..., ExportManifest],
+    loras: tuple[Sequence[Any], Sequence[Any]] = ((), ()),
 ) -> ExportManifest:
-    """Export every component of ``pipeline_dir`` into the staging directory ``out_dir``."""
+    """Export every component of ``pipeline_dir`` into the staging directory ``out_dir``;
+    ``loras`` are the ``WanLora`` merged into the transformer and into ``transformer_2``."""
     index = read_model_index(pipeline_dir)
     if index.get("expand_timesteps"):
         # Wan 2.2 TI2V: diffusers gives every video token its own timestep (a conditioned
@@ -224,7 +229,7 @@ def export_pipeline_into(
     start = time.perf_counter()
     (out_dir / TRANSFORMER_DIR).mkdir()
     parts.append(export_transformer(pipeline_dir / "transformer", out_dir / TRANSFORMER_DIR,
-                                    precision, lowering, timestep, report))
+                                    precision, lowering, timestep, report, loras=loras[0]))
     timings["transformer"] = time.perf_counter() - start
     experts = [TRANSFORMER_DIR]
     if has_second_expert(index):
@@ -233,7 +238,7 @@ def export_pipeline_into(
         (out_dir / TRANSFORMER_2_DIR).mkdir()
         parts.append(export_transformer(pipeline_dir / TRANSFORMER_2_DIR,
                                         out_dir / TRANSFORMER_2_DIR, precision, lowering,
-                                        timestep, report))
+                                        timestep, report, loras=loras[1]))
         timings["transformer_2"] = time.perf_counter() - start
         experts.append(TRANSFORMER_2_DIR)
 
@@ -284,6 +289,8 @@ def export_pipeline_into(
         export_seconds={k: round(v, 3) for k, v in timings.items()},
         components=components,
         files=files,
+        loras=[dict(lora, component=c) for c, part in zip(components, parts, strict=True)
+               for lora in part.loras],
     )
     manifest.write_and_report(out_dir, timings, report)
     return manifest

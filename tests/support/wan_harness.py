@@ -24,7 +24,8 @@ SEED = 7
 # The tiny model is 2 blocks of width 96; a clip of 5 frames at 32x48 pixels is 2 latent
 # frames of 4x6 latents, i.e. 2 x 2 x 3 = 12 tokens: a different shape on every axis from
 # the export example (3 x 4 x 5 patches) and from the export's parity shapes.
-REQUEST = WanSampleRequest(frames=5, height=32, width=48, steps=3, guidance=5.0, seed=SEED)
+REQUEST = WanSampleRequest(frames=5, height=32, width=48, steps=3, guidance=5.0, seed=SEED,
+                           shift=5.0)
 # Image-to-video: 9 frames are 3 latent frames, the conditioned frame 0 and two at timestep
 # t, so a per-frame graph that used one frame's timestep for all of them would show.
 TI2V_REQUEST = dataclasses.replace(REQUEST, frames=9)

@@ -131,8 +131,8 @@ def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:
     one_line_error(_cli(*run, "--prompt", "a", "--negative-prompt", long_prompt, "--out",
                         str(tmp_path / "v.mp4")), "--negative-prompt:")
     one_line_error(_cli(*run, "--out", str(tmp_path / "v.mp4")), "exactly one of --prompt")
-    one_line_error(_cli(*run, "--prompt", "a", "--shift", "3", "--out", str(tmp_path / "v.mp4")),
-                   "--shift: not used with --prompt")
+    one_line_error(_cli(*run, "--prompt", "a", "--first-frame-latents", "f.npy", "--out",
+                        str(tmp_path / "v.mp4")), "--first-frame-latents: not used with --prompt")
     # Far more than this machine holds: refused with the numbers before anything is allocated.
     big = [*run[:4], "--frames", "81", "--height", "8192", "--width", "8192", *run[10:]]
     one_line_error(_cli(*big, "--prompt", "a", "--out", str(tmp_path / "v.mp4")),

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from numaov.models.checkpoint import (
     load_safetensors_state_dict,
     read_config,
 )
+from numaov.models.wan.lora import WanLora, merge_loras
 
 logger = logging.getLogger(__name__)
 
@@ -558,12 +560,15 @@ class WanTransformer(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | Path, dtype: torch.dtype = torch.float32
+        cls, directory: str | Path, dtype: torch.dtype = torch.float32,
+        loras: Sequence[WanLora] = ()
     ) -> WanTransformer:
         """Load a diffusers ``WanTransformer3DModel`` checkpoint directory.
 
         ``dtype`` is the compute dtype (float32, bfloat16 or float16); as in diffusers, the
         timestep MLP, modulation tables and norm weights stay fp32 under bf16/fp16.
+        ``loras`` (``numaov.models.wan.lora.WanLora``) are merged into the checkpoint's weights
+        in f32, in order, before the cast to ``dtype`` (diffusers' ``fuse_lora``).
         """
         if dtype not in SUPPORTED_DTYPES:
             raise WanConfigError(
@@ -573,6 +578,7 @@ class WanTransformer(nn.Module):
         what = f"Wan checkpoint {str(directory)!r}"
         config = WanTransformerConfig.from_dict(read_config(directory, CONFIG_NAME, what))
         state_dict = load_safetensors_state_dict(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
+        merge_loras(state_dict, loras, what)
         # Build on the meta device and adopt the checkpoint's tensors: no time or memory is
         # spent on random initial weights that would be overwritten at once.
         with torch.device("meta"):

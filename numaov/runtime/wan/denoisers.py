@@ -8,6 +8,7 @@ f32 numpy arrays behind ``Denoiser``, so no call site branches on the backend;
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,8 @@ class TorchDenoiser(Denoiser):
         source = manifest.source_checkpoint_dir("openvino or onnxruntime")
         dtype = torch.bfloat16 if manifest.precision == "bf16" else torch.float32
         self._torch = torch
-        self._model = WanTransformer.from_pretrained(source, dtype=dtype)
+        self._model = WanTransformer.from_pretrained(source, dtype=dtype,
+                                                     loras=merged_loras(manifest))
         # The checkpoint is read from where it was at export time and may have changed since;
         # the graphs have not, so the backends would silently disagree.
         error = reference_error(self, manifest)
@@ -137,6 +139,25 @@ class TorchDenoiser(Denoiser):
 
     def close(self) -> None:
         self._model = None
+
+
+def merged_loras(manifest: ModelManifest) -> list:
+    """The LoRAs the export merged (its manifest's ``loras``), read again from their files for
+    the PyTorch backend, each checked against the digest the export recorded."""
+    from numaov.manifest import digest_file
+    from numaov.models.wan.lora import LoraSpec, read_lora
+
+    loras = []
+    for entry in manifest.record.loras:
+        path = Path(entry["path"])
+        if not path.is_file() or digest_file(path).xxh3_128 != entry["xxh3_128"]:
+            found = "is gone" if not path.is_file() else "changed since (its xxh3-128 differs)"
+            raise SamplerInputError(
+                f"the export merged LoRA {str(path)!r}, which {found}; the torch backend merges "
+                "it again: expected the file the export read, or the openvino or onnxruntime "
+                "backend", parameter="backend")
+        loras.append(read_lora(LoraSpec(path, float(entry["scale"]))))
+    return loras
 
 
 def reference_error(denoiser: Denoiser, manifest: ModelManifest) -> float | None:

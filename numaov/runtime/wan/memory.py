@@ -1,7 +1,7 @@
 """The memory a Wan run will hold, estimated before anything is allocated.
 
 ``estimate_memory`` adds up the transformers' compiled weights (per worker), the live
-activations of a guidance pair and the latent-sized arrays of the loop; the pipeline adds its
+activations of a guidance pair (of one sample at guidance 1) and the latent-sized arrays of the loop; the pipeline adds its
 VAE's part. ``check_memory`` refuses a run larger than ``MemAvailable``, with the numbers.
 """
 
@@ -62,9 +62,10 @@ def graph_weight_bytes(manifest: ModelManifest) -> int:
 
 def estimate_memory(
     experts: Sequence[ModelManifest], shape: Sequence[int], text_length: int, workers: int,
-    extra: dict[str, int] | None = None,
+    extra: dict[str, int] | None = None, branches: int = 2,
 ) -> MemoryEstimate:
-    """The transformers' part of a run of ``shape`` latents; ``extra`` adds other parts."""
+    """The transformers' part of a run of ``shape`` latents; ``extra`` adds other parts.
+    ``branches`` is the samples per forward on one worker (1 at guidance 1)."""
     config = experts[0].config
     tokens = video_tokens(config, shape)
     width = int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 1))
@@ -73,7 +74,7 @@ def estimate_memory(
     parts = {
         "weights": int(sum(graph_weight_bytes(m) for m in experts) * COMPILED_WEIGHTS_FACTOR)
         * workers,
-        "activations": 2 * per_sample,
+        "activations": branches * per_sample,
         "latents": int(np.prod(shape)) * 4 * LATENT_COPIES,
         **(extra or {}),
     }

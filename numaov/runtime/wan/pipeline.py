@@ -10,8 +10,10 @@ The pipeline is diffusers' ``WanPipeline`` on an export of a pipeline directory
 2. **Encode** prompt and negative prompt in one batch on the text encoder graph, padded to
    the longer one with the mask off (padding changes no real token's output), then each
    embedding is cut at its own length and zero-padded to 512 tokens, as diffusers does.
-3. **Denoise** with the sampling loop of ``wan_pipeline`` (one or two guidance workers),
-   stepped by diffusers' scheduler built from the exported ``scheduler/scheduler_config.json``.
+3. **Denoise** with the sampling loop of ``wan_pipeline`` (one or two guidance workers, one
+   branch per step at guidance 1), stepped by diffusers' scheduler built from the exported
+   ``scheduler/scheduler_config.json``, or by the request's ``sampler`` / ``shift``
+   (``schedules.scheduler_config``: Euler or UniPC, as distilled LoRAs prescribe).
 4. **Decode** with the VAE decoder's two graphs, one latent frame at a time with their caches
    (``numaov.models.wan.components``), clamp to [-1, 1] and map to [0, 1] frames as diffusers'
    ``VideoProcessor`` does; then write the file (``video_output``).
@@ -59,6 +61,7 @@ from numaov.runtime.wan.sampler import (
     timestep_layout,
     validate_request,
 )
+from numaov.runtime.wan.schedules import scheduler_config
 from numaov.runtime.wan.vae import (
     VaeDecoder,
     VaeGeometry,
@@ -300,6 +303,11 @@ def run_wan_pipeline(
     (diffusers' tiled VAE decoding), the tiles too, every other tile on each worker."""
     report = progress or (lambda _msg: None)
     validate_request(request, backend, workers)
+    if request.unguided and negative_prompt:
+        raise PromptError(
+            f"negative prompt {negative_prompt[:40]!r} with guidance 1, which runs no "
+            "unconditional branch; expected no negative prompt (or guidance > 1)",
+            parameter="negative_prompt")
     if vae_tiling is not None:
         vae_tiling.check()
     plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
@@ -320,10 +328,11 @@ def run_wan_pipeline(
         # The encoder's caches over the condition video (its chunks come and go).
         extra["vae_encoder_caches"] = vae_memory(pipeline.components[VAE_ENCODER_NEXT],
                                                  shape)["vae_caches"]
-    estimate = estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra)
+    estimate = estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra,
+                               branches=request.branches)
     check_memory(estimate)
     report(f"{estimate.describe()}")
-    scheduler = pipeline.scheduler_config
+    scheduler = scheduler_config(request.sampler, request.shift, pipeline.scheduler_config)
     boundary = pipeline.boundary_timestep(scheduler)
     if request.guidance_2 is not None and boundary is None:
         raise SamplerInputError(
@@ -339,8 +348,11 @@ def run_wan_pipeline(
     encoder = GraphRunner(pipeline.components[TEXT_ENCODER], backend)
     seconds["load"] += time.perf_counter() - start
     start = time.perf_counter()
-    text, negative = encode(encoder, [token_ids["prompt"], token_ids["negative_prompt"]],
-                            pad_id)
+    if request.unguided:  # no unconditional branch: the negative prompt is not encoded
+        (text,), negative = encode(encoder, [token_ids["prompt"]], pad_id), None
+    else:
+        text, negative = encode(encoder, [token_ids["prompt"], token_ids["negative_prompt"]],
+                                pad_id)
     del encoder
     seconds["text_encoder"] = time.perf_counter() - start
     report(f"encoded the prompts in {seconds['text_encoder']:.2f} s")

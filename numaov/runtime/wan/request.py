@@ -42,9 +42,15 @@ class WanSampleRequest:
     steps: int
     guidance: float
     seed: int
-    shift: float = DEFAULT_SHIFT
-    # A diffusers scheduler config (a pipeline's scheduler/scheduler_config.json): when set,
-    # that scheduler steps the latents instead of flow-matching Euler with ``shift``.
+    # The timestep shift: None is the pipeline scheduler's own (``flow_shift`` / ``shift``),
+    # or DEFAULT_SHIFT for latents from embeddings.
+    shift: float | None = None
+    # The sampler (``schedules.SAMPLERS``): "unipc" or "euler"; None is the pipeline's own
+    # scheduler, or flow-matching Euler for latents from embeddings.
+    sampler: str | None = None
+    # A diffusers scheduler config (a pipeline's scheduler/scheduler_config.json, or the one
+    # ``schedules.scheduler_config`` made of ``sampler`` and ``shift``): when set, that
+    # scheduler steps the latents instead of flow-matching Euler with ``shift``.
     scheduler: dict[str, Any] | None = None
     # Two experts (Wan 2.2 A14B): steps at timesteps below ``boundary_timestep`` run the
     # second transformer with guidance ``guidance_2`` (default: ``guidance``).
@@ -57,6 +63,17 @@ class WanSampleRequest:
 
     def guidance_at(self, expert: int) -> float:
         return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
+
+    @property
+    def unguided(self) -> bool:
+        """Every step at guidance 1: one branch per step, no unconditional prediction (the
+        guidance-free sampling distilled LoRAs are made for)."""
+        return self.guidance == 1 and self.guidance_2 in (None, 1)
+
+    @property
+    def branches(self) -> int:
+        """Predictions per step at most: 1 unguided, else 2 (conditional, unconditional)."""
+        return 1 if self.unguided else 2
 
 
 def condition_channels(config: dict[str, Any]) -> int:

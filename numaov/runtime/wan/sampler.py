@@ -6,7 +6,12 @@ no VAE): text embeddings come from a ``.npy`` file, the final latents go to one.
 request is lives in ``request``, the schedules in ``schedules``, the backends in
 ``denoisers``, the memory estimate in ``memory``.
 
-- Step: ``v = v_uncond + g * (v_cond - v_uncond)`` in f32, then the schedule's update.
+- Step: ``v = v_uncond + g * (v_cond - v_uncond)`` in f32, then the schedule's update. At
+  guidance 1 (``g == 1``, the guidance-free sampling of distilled LoRAs) a step runs the
+  conditional branch alone and ``v = v_cond``, as diffusers' ``WanPipeline`` does when
+  ``guidance_scale`` is 1 (its ``do_classifier_free_guidance`` is off); with two experts the
+  rule holds per step, so ``guidance_2`` 1 makes the second expert's steps single-branch
+  (diffusers instead turns guidance off for both experts whenever ``guidance_scale`` is 1).
 - Guidance: the conditional and unconditional predictions come from one batch of two
   (``[cond, uncond]``) on one worker, or from two workers (one branch each) whose halves
   are joined every step by the shared-memory ``all_gather_into_tensor``. The loop does not
@@ -26,6 +31,7 @@ request is lives in ``request``, the schedules in ``schedules``, the backends in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +48,7 @@ from numaov.runtime.placement.binding import BindingPlan, check_bind_string, pla
 from numaov.runtime.wan.denoisers import BACKENDS, Denoiser, open_denoiser, unknown_backend
 from numaov.runtime.wan.memory import check_memory, estimate_memory
 from numaov.runtime.wan.request import (
+    DEFAULT_SHIFT,
     PER_FRAME,
     SamplerInputError,
     WanSampleRequest,
@@ -51,7 +58,12 @@ from numaov.runtime.wan.request import (
     load_first_frame_latents,
     load_text_embeddings,
 )
-from numaov.runtime.wan.schedules import make_schedule
+from numaov.runtime.wan.schedules import (
+    check_sampler,
+    check_shift,
+    make_schedule,
+    scheduler_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +81,8 @@ Progress = Callable[[str], None] | None
 
 
 class GuidedPredictor:
-    """Both guidance branches' predictions ``(cond, uncond)`` for the current latents.
+    """Both guidance branches' predictions ``(cond, uncond)`` for the current latents, or
+    the conditional one alone (a step at guidance 1).
 
     ``timestep`` is one sample's: ``[1]``, or ``[1, F']`` for a per-frame graph.
     """
@@ -79,13 +92,23 @@ class GuidedPredictor:
     ) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
+    def conditional(self, latents: np.ndarray, timestep: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
 
 class BatchedGuidance(GuidedPredictor):
-    """Conditional and unconditional in one batch of two on one denoiser."""
+    """Conditional and unconditional in one batch of two on one denoiser (``negative``
+    None: every step is conditional alone, a batch of one)."""
 
-    def __init__(self, denoiser: Denoiser, text: np.ndarray, negative: np.ndarray) -> None:
+    def __init__(self, denoiser: Denoiser, text: np.ndarray,
+                 negative: np.ndarray | None) -> None:
         self._denoiser = denoiser
-        self._text = np.ascontiguousarray(np.stack([text, negative]))  # [2, S, D]
+        self._cond = np.ascontiguousarray(text[None])  # [1, S, D]
+        self._text = (None if negative is None
+                      else np.ascontiguousarray(np.stack([text, negative])))  # [2, S, D]
+
+    def conditional(self, latents: np.ndarray, timestep: np.ndarray) -> np.ndarray:
+        return self._denoiser.predict(np.ascontiguousarray(latents), timestep, self._cond)
 
     def __call__(
         self, latents: np.ndarray, timestep: np.ndarray
@@ -112,6 +135,11 @@ class GatheredGuidance(GuidedPredictor):
         both = np.empty((2, *mine.shape[1:]), dtype=np.float32)
         self._communicator.all_gather_into_tensor(both, mine)  # rank r's rows at [r]
         return both[0:1], both[1:2]
+
+    def conditional(self, latents: np.ndarray, timestep: np.ndarray) -> np.ndarray:
+        # Only with guidance 1 on some steps and not others (two experts): the ranks still
+        # step together, each running its branch; unguided runs never take two workers.
+        return self(latents, timestep)[0]
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -209,9 +237,13 @@ def sample(
         start = time.perf_counter()
         expert = request.expert(timestep)
         guidance = np.float32(request.guidance_at(expert))
-        cond, uncond = predictors[expert](layout.model_input(latents),
-                                          layout.timestep(timestep))
-        velocity = uncond + guidance * (cond - uncond)
+        if guidance == 1:  # one branch: diffusers' noise_pred without guidance
+            velocity = predictors[expert].conditional(layout.model_input(latents),
+                                                      layout.timestep(timestep))
+        else:
+            cond, uncond = predictors[expert](layout.model_input(latents),
+                                              layout.timestep(timestep))
+            velocity = uncond + guidance * (cond - uncond)
         latents = schedule.step(velocity, i, latents)
         seconds.append(time.perf_counter() - start)
         elapsed = sum(seconds)
@@ -267,6 +299,13 @@ def validate_request(request: WanSampleRequest, backend: str, workers: int) -> N
             )
     if not isinstance(request.seed, int) or not 0 <= request.seed < 2**63:
         raise SamplerInputError(f"seed={request.seed!r}; expected an integer in [0, 2**63)")
+    if workers == MAX_WORKERS and request.unguided:
+        raise SamplerInputError(
+            f"workers={workers} runs the two guidance branches one per worker, but at guidance "
+            "1 every step has one branch; expected workers=1", parameter="workers"
+        )
+    check_sampler(request.sampler)
+    check_shift(request.shift)
 
 
 def run_wan(
@@ -292,6 +331,11 @@ def run_wan(
     """
     report = progress or (lambda _msg: None)
     validate_request(request, backend, workers)
+    if negative_embeddings is not None and request.unguided:
+        raise SamplerInputError(
+            f"negative embeddings {str(negative_embeddings)!r} with guidance 1, which runs no "
+            "unconditional branch; expected no negative embeddings (or guidance > 1)",
+            parameter="negative_embeddings")
     if request.guidance_2 is not None:
         raise SamplerInputError(
             f"guidance_2={request.guidance_2} is the second expert's guidance; expected it only "
@@ -328,7 +372,9 @@ def run_wan(
                                     parameter="out")
     text_dim = int(config["text_dim"])
     text = load_text_embeddings(text_embeddings, text_dim, "text embeddings")
-    if negative_embeddings is None:
+    if request.unguided:
+        negative = None
+    elif negative_embeddings is None:
         # Zeros are what Wan's pipeline puts past a prompt's last token, so an all-zero
         # embedding is the "no prompt" stand-in; a real negative prompt needs the file.
         negative = np.zeros_like(text)
@@ -345,7 +391,7 @@ def run_wan(
         None if first_frame_latents is None
         else load_first_frame_latents(first_frame_latents, shape, manifest),
     )
-    batch = 2 if workers == 1 else 1
+    batch = 2 if workers == 1 and not request.unguided else 1
     check_against_manifest(
         manifest,
         {
@@ -354,7 +400,10 @@ def run_wan(
             "encoder_hidden_states": (batch, *text.shape),
         },
     )
-    check_memory(estimate_memory([manifest], shape, text.shape[0], workers))
+    check_memory(estimate_memory([manifest], shape, text.shape[0], workers,
+                                 branches=request.branches))
+    request = dataclasses.replace(request, scheduler=scheduler_config(request.sampler,
+                                                                      request.shift, None))
     latents, seconds = denoise([manifest], plan, backend, text, negative, shape, request, layout,
                                progress)
     if out_path is not None:
@@ -368,7 +417,7 @@ def denoise(
     plan: BindingPlan | None,
     backend: str,
     text: np.ndarray,
-    negative: np.ndarray,
+    negative: np.ndarray | None,
     shape: tuple[int, ...],
     request: WanSampleRequest,
     layout: TimestepLayout,
@@ -376,11 +425,15 @@ def denoise(
 ) -> tuple[np.ndarray, list[float]]:
     """The sampling loop on one worker (``plan`` None: in this process, both guidance
     branches in one batch) or on the plan's two workers (one branch each); ``experts`` are the
-    transformers (one, or Wan 2.2's two)."""
+    transformers (one, or Wan 2.2's two). ``negative`` is None for an unguided request (every
+    step at guidance 1)."""
     report = progress or (lambda _msg: None)
     workers = 1 if plan is None else MAX_WORKERS
+    schedule = (f", {request.scheduler.get('_class_name')}" if request.scheduler else
+                f", Euler with shift {request.shift or DEFAULT_SHIFT:g}")
     report(
-        f"sampling latents {list(shape)} ({request.steps} steps, guidance {request.guidance}) on "
+        f"sampling latents {list(shape)} ({request.steps} steps, guidance {request.guidance}"
+        f"{', one branch per step' if request.unguided else ''}{schedule}) on "
         f"{backend} with {workers} worker(s)"
     )
     if workers == 1:

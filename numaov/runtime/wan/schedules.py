@@ -8,6 +8,13 @@
   Step: ``x <- x + (sigma_next - sigma) * v``, in f32.
 - ``DiffusersSchedule``: a request carrying a diffusers scheduler config (a pipeline
   export's, see ``pipeline``) is stepped by that diffusers scheduler instead.
+
+``scheduler_config`` picks the sampler at run time (``--scheduler unipc|euler``,
+``--shift``), as a diffusers user swaps ``pipe.scheduler``: ``euler`` is
+``FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift)``, ``unipc`` the pipeline's
+``UniPCMultistepScheduler`` config (or Wan's: ``flow_prediction`` with flow sigmas) with
+``flow_shift``, the shift defaulting to the pipeline scheduler's own. Distilled LoRAs
+(lightx2v's) ship such a recipe: 4 steps of Euler or UniPC at shift 5, guidance 1.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ import numpy as np
 from numaov.runtime.wan.request import DEFAULT_SHIFT, SamplerInputError, WanSampleRequest
 
 NUM_TRAIN_TIMESTEPS = 1000
+SAMPLERS = ("unipc", "euler")
+EULER_CLASS = "FlowMatchEulerDiscreteScheduler"
+UNIPC_CLASS = "UniPCMultistepScheduler"
+# Where each scheduler class keeps the timestep shift.
+_SHIFT_KEYS = {EULER_CLASS: "shift", UNIPC_CLASS: "flow_shift"}
 
 
 def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
@@ -105,4 +117,62 @@ class DiffusersSchedule(Schedule):
 def make_schedule(request: WanSampleRequest) -> Schedule:
     if request.scheduler is not None:
         return DiffusersSchedule(request.steps, request.scheduler)
-    return EulerSchedule(request.steps, request.shift)
+    return EulerSchedule(request.steps, DEFAULT_SHIFT if request.shift is None else request.shift)
+
+
+def check_shift(shift: float | None) -> None:
+    if shift is not None and not (isinstance(shift, int | float) and math.isfinite(shift)
+                                  and shift > 0):
+        raise SamplerInputError(f"shift={shift}; expected a positive number (Wan uses 3.0 to "
+                                "5.0, distilled LoRAs 5.0)", parameter="shift")
+
+
+def check_sampler(sampler: str | None) -> None:
+    if sampler is not None and sampler not in SAMPLERS:
+        raise SamplerInputError(f"unknown sampler {sampler!r}; expected one of "
+                                f"{', '.join(SAMPLERS)}", parameter="sampler")
+
+
+def scheduler_config(sampler: str | None, shift: float | None,
+                     base: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The diffusers scheduler config a run steps with: ``base`` (a pipeline export's
+    ``scheduler_config.json``; None for latents from embeddings) changed to ``sampler`` and
+    ``shift`` (None: keep the base's). None means flow-matching Euler in numpy
+    (``EulerSchedule``, the same numbers as diffusers' class)."""
+    check_sampler(sampler)
+    check_shift(shift)
+    if base is None:
+        if sampler != "unipc":
+            return None
+        base = {"_class_name": UNIPC_CLASS, "num_train_timesteps": NUM_TRAIN_TIMESTEPS,
+                "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+                "flow_shift": DEFAULT_SHIFT}
+    name = str(base.get("_class_name", ""))
+    wanted = {None: name, "euler": EULER_CLASS, "unipc": UNIPC_CLASS}[sampler]
+    if shift is None and name != wanted:
+        shift = _base_shift(base)
+    if wanted == name:
+        config = dict(base)
+    elif wanted == EULER_CLASS:
+        config = {"_class_name": EULER_CLASS,
+                  "num_train_timesteps": base.get("num_train_timesteps", NUM_TRAIN_TIMESTEPS)}
+    else:  # a pipeline shipping another scheduler, run with Wan's UniPC
+        config = {"_class_name": UNIPC_CLASS,
+                  "num_train_timesteps": base.get("num_train_timesteps", NUM_TRAIN_TIMESTEPS),
+                  "prediction_type": "flow_prediction", "use_flow_sigmas": True}
+    if shift is not None:
+        key = _SHIFT_KEYS.get(wanted)
+        if key is None:
+            raise SamplerInputError(
+                f"shift={shift} for the pipeline's scheduler {wanted!r}, which has no flow "
+                f"shift; expected a sampler of {', '.join(SAMPLERS)} with it", parameter="shift")
+        config[key] = float(shift)
+    return config
+
+
+def _base_shift(base: dict[str, Any]) -> float | None:
+    """The pipeline scheduler's shift (its class's default when its config has none)."""
+    key = _SHIFT_KEYS.get(str(base.get("_class_name", "")))
+    if key is None:
+        return None
+    return float(base.get(key, 1.0))

@@ -1,0 +1,153 @@
+"""LoRAs merged at export into a tiny Wan 2.2 A14B-style pipeline (two experts), through the
+CLI: two stacked LoRAs of different layouts on the transformer, a third on transformer_2;
+numaov's frames against diffusers' WanPipeline with load_lora_weights + fuse_lora, with
+guidance and guidance-free (guidance 1, 4 steps of Euler or UniPC at shift 5, the recipe of
+lightx2v's distilled LoRAs)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.wan_lora_harness import musubi_lora, peft_lora, wan_lora
+from support.wan_pipeline_harness import build_tiny_pipeline
+
+from numaov.manifest import digest_file
+from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
+from numaov.runtime.wan.request import SamplerInputError, WanSampleRequest
+
+pytestmark = pytest.mark.slow  # exports a whole pipeline
+
+pytest.importorskip("peft")  # diffusers' load_lora_weights, the reference, needs it
+
+SEED = 11
+BOUNDARY = 0.875
+PROMPT, NEGATIVE = "a w1 w2", "w3"
+# As in test_wan_pipeline: f32 frames in [0, 1], each graph ~1e-6 of PyTorch; a LoRA left
+# out, scaled wrongly or merged into the wrong expert moves pixels by 1e-2 and more (the
+# test checks that too), as does a step with the wrong sampler, shift or guidance.
+F32_FRAME_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def lora_export(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("wan_lora_pipeline")
+    print(f"seed {SEED}")
+    pipe = build_tiny_pipeline(root / "pipeline", seed=SEED, boundary_ratio=BOUNDARY)
+    loras = {
+        "a": (wan_lora(root / "a.safetensors", seed=SEED, lightx2v=True, dtype=torch.bfloat16),
+              0.8),
+        "b": (peft_lora(root / "b.safetensors", seed=SEED + 1, rank=2, alpha=4), 1.0),
+        "c": (musubi_lora(root / "c.safetensors", seed=SEED + 2), 1.2),
+    }
+    # Small LoRA updates, so that the video stays in range and every one of them shows.
+    proc = subprocess.run(
+        [sys.executable, "-m", "numaov.cli", "export", "wan", "--checkpoint",
+         str(root / "pipeline"), "--out", str(root / "export"),
+         "--lora", f"{loras['a'][0]}:{loras['a'][1]}", "--lora", str(loras["b"][0]),
+         "--lora-2", f"{loras['c'][0]}:{loras['c'][1]}"],
+        capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    # diffusers' pipeline with the same LoRAs fused, one after the other.
+    for name, component in (("a", "transformer"), ("b", "transformer"), ("c", "transformer_2")):
+        path, scale = loras[name]
+        pipe.load_lora_weights(str(path), load_into_transformer_2=component == "transformer_2")
+        pipe.fuse_lora(components=[component], lora_scale=scale)
+        pipe.unload_lora_weights()
+    return {"root": root, "pipe": pipe, "export": root / "export", "loras": loras,
+            "summary": proc.stdout}
+
+
+def _diffusers_frames(pipe, guidance: float, steps: int, scheduler=None, **kwargs) -> np.ndarray:
+    original = pipe.scheduler
+    if scheduler is not None:
+        pipe.scheduler = scheduler
+    try:
+        return pipe(PROMPT, num_frames=9, height=48, width=32, num_inference_steps=steps,
+                    guidance_scale=guidance, generator=torch.Generator().manual_seed(SEED),
+                    output_type="np", **kwargs).frames[0]
+    finally:
+        pipe.scheduler = original
+
+
+def _numaov_frames(export: Path, tmp_path: Path, guidance: float, steps: int,
+                   backend: str = "openvino", **fields) -> np.ndarray:
+    negative = fields.pop("negative_prompt", "")
+    request = WanSampleRequest(frames=9, height=48, width=32, steps=steps, guidance=guidance,
+                               seed=SEED, **fields)
+    return run_wan_pipeline(export, request, PROMPT, tmp_path / "v.gif", backend=backend,
+                            negative_prompt=negative).frames
+
+
+def test_manifests_record_each_lora(lora_export: dict) -> None:
+    pipeline = read_pipeline(lora_export["export"])
+    loras = lora_export["loras"]
+
+    def entry(name: str) -> dict:
+        path, scale = loras[name]
+        return {"file": path.name, "path": str(path.resolve()),
+                "xxh3_128": digest_file(path).xxh3_128, "scale": scale}
+
+    def recorded(records: list[dict]) -> list[dict]:
+        return [{k: r[k] for k in ("file", "path", "xxh3_128", "scale")} for r in records]
+
+    assert recorded(pipeline.components["transformer"].record.loras) == [entry("a"), entry("b")]
+    assert recorded(pipeline.components["transformer_2"].record.loras) == [entry("c")]
+    assert [(r["component"], r["file"]) for r in pipeline.record.loras] == [
+        ("transformer", "a.safetensors"), ("transformer", "b.safetensors"),
+        ("transformer_2", "c.safetensors")]
+    assert pipeline.components["transformer"].record.loras[0]["layers"] == 21  # 20 + the head
+    assert "3 LoRA(s) merged" in lora_export["summary"]
+
+
+def test_guided_frames_equal_diffusers_fused(lora_export: dict, tmp_path: Path) -> None:
+    expected = _diffusers_frames(lora_export["pipe"], 5.0, 4, negative_prompt=NEGATIVE,
+                                 guidance_scale_2=3.0)
+    got = _numaov_frames(lora_export["export"], tmp_path, 5.0, 4, guidance_2=3.0,
+                         negative_prompt=NEGATIVE)
+    error = float(np.max(np.abs(got - expected)))
+    print(f"guided, 3 LoRAs: max |numaov - diffusers| = {error:.3g}")
+    assert error <= F32_FRAME_TOL
+
+
+@pytest.mark.parametrize("sampler", ["euler", "unipc"])
+def test_guidance_free_few_steps_equal_diffusers(lora_export: dict, tmp_path: Path,
+                                                 sampler: str) -> None:
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    pipe = lora_export["pipe"]
+    scheduler = (FlowMatchEulerDiscreteScheduler(shift=5.0) if sampler == "euler" else
+                 UniPCMultistepScheduler.from_config(pipe.scheduler.config, flow_shift=5.0))
+    expected = _diffusers_frames(pipe, 1.0, 4, scheduler)
+    # The torch backend merges the LoRAs again from the files the manifest names.
+    backends = ("openvino", "torch") if sampler == "unipc" else ("openvino",)
+    for backend in backends:
+        got = _numaov_frames(lora_export["export"], tmp_path, 1.0, 4, backend,
+                             sampler=sampler, shift=5.0)
+        error = float(np.max(np.abs(got - expected)))
+        print(f"{backend}, guidance 1, {sampler} shift 5: max |numaov - diffusers| = "
+              f"{error:.3g}")
+        assert error <= F32_FRAME_TOL
+    # The LoRAs show: without them (diffusers' pipeline before the fuse) the frames differ.
+    unmerged = build_tiny_pipeline(tmp_path / "plain", seed=SEED, boundary_ratio=BOUNDARY)
+    assert float(np.max(np.abs(_diffusers_frames(unmerged, 1.0, 4, scheduler) - expected))) \
+        > 100 * F32_FRAME_TOL
+
+
+def test_torch_backend_refuses_a_changed_lora(lora_export: dict, tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    shutil.copytree(lora_export["export"], export)
+    changed = tmp_path / "c.safetensors"
+    musubi_lora(changed, seed=SEED + 3)  # same layout, other weights
+    manifest = export / "transformer_2" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["loras"][0]["path"] = str(changed)
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(SamplerInputError, match="changed since"):
+        _numaov_frames(export, tmp_path, 1.0, 2, "torch")
