@@ -14,9 +14,21 @@ The Wan part: a tiny Wan 2.1 pipeline (``tests/support/wan_pipeline_harness.py``
 by a third server; ``VIDEOS`` videos of ``VIDEO_FRAMES`` frames at ``VIDEO_SIZE``, 2 requests
 at a time, give videos per minute.
 
-Figures go to ``benchmarks/out/service_load.json``; ``benchmarks/RESULTS.md`` records them.
+The chat part (``--chat``, on the ``bench`` model: its prompts need 8,192 positions): two
+servers over the same export, the prefix cache on (the default) and ``--no-prefix-cache``, in
+alternating rounds. ``CHAT_CONVERSATIONS`` conversations at once, each sending
+``CHAT_TURNS`` turns one after another: every turn's prompt is a ``CHAT_SYSTEM_TOKENS``-token
+system prompt shared by all conversations, the conversation's history (its earlier user turns
+and the server's answers, as a chat client resends them) and a new ``CHAT_USER_TOKENS``-token
+user turn, answered with ``CHAT_NEW_TOKENS`` tokens. Measured per server: time to first token
+of first turns and of later turns (medians), output tokens/s over the run, and the cached
+prompt tokens the responses report (``usage.prompt_tokens_details.cached_tokens``).
+
+Figures go to ``benchmarks/out/service_load.json`` (``service_load_chat.json`` for
+``--chat``); ``benchmarks/RESULTS.md`` records them.
 
     .venv/bin/python benchmarks/service_load.py [--model tiny|bench] [--rounds 3] [--no-video]
+    .venv/bin/python benchmarks/service_load.py --chat [--rounds 2]
 """
 
 from __future__ import annotations
@@ -51,6 +63,15 @@ VIDEO_FRAMES = 9
 VIDEO_SIZE = "48x32"
 VIDEO_STEPS = 4
 BIND = "0-1"  # dp=1: one rank on both cores
+CHAT_OUT = HERE / "out" / "service_load_chat.json"
+CHAT_SYSTEM_TOKENS = 2000
+CHAT_TURNS = 8
+CHAT_USER_TOKENS = 24
+CHAT_NEW_TOKENS = 24
+CHAT_CONVERSATIONS = 16
+# every conversation's history fits beside the others' (no waiting for slots, either server)
+CHAT_CACHE_TOKENS = CHAT_CONVERSATIONS * (
+    CHAT_SYSTEM_TOKENS + CHAT_TURNS * (CHAT_USER_TOKENS + CHAT_NEW_TOKENS)) + 4096
 
 
 def log(message: str) -> None:
@@ -72,23 +93,17 @@ def export_lm(model: str) -> tuple[Path, int]:
     """The export (dp=1) and its vocabulary size."""
     sys.path.insert(0, str(HERE))
     out = WORK / f"lm_{model}"
-    checkpoint = WORK / f"checkpoint_{model}"
-    if not (checkpoint / "config.json").is_file():
-        log(f"building the {model} checkpoint")
-        if model == "tiny":
+    if model == "tiny":
+        checkpoint = WORK / "checkpoint_tiny"
+        if not (checkpoint / "config.json").is_file():
             from numaov.models.builtin.deepseek_tiny import build_tiny_deepseek
 
+            log("building the tiny checkpoint")
             build_tiny_deepseek(checkpoint, seed=SEED)
-        else:
-            import torch
-            from lm_engine import LM_BENCH_CONFIG  # benchmarks/lm_engine.py: 537 MB
+    else:
+        from lm_checkpoints import build  # benchmarks/lm_checkpoints.py: 537 MB, cached
 
-            from numaov.models.builtin.deepseek_tiny import init_tiny_weights
-            from numaov.models.deepseek_v2 import DeepseekV2
-
-            m = DeepseekV2.empty(LM_BENCH_CONFIG)
-            init_tiny_weights(m, torch.Generator().manual_seed(SEED))
-            m.save_pretrained(checkpoint)
+        checkpoint = build("deepseek_v2")
     if not (out / "manifest.json").is_file():
         log(f"exporting the {model} model (dp=1)")
         cli("export", "lm", "--checkpoint", str(checkpoint), "--dp", "1", "--out",
@@ -194,6 +209,110 @@ async def video_run(url: str, count: int, concurrency: int) -> dict[str, Any]:
             "latency_p50_s": percentile(list(latencies), 50)}
 
 
+async def chat_run(url: str, system: list[int], users: list[list[list[int]]]
+                   ) -> dict[str, Any]:
+    """One conversation per ``users[i]`` (its turns' new tokens), all at once, each turn
+    resending the system prompt and the history; the run's figures."""
+    first_ttft, later_ttft, cached, tokens = [], [], [], 0
+
+    async def conversation(turns: list[list[int]], http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        history: list[int] = []
+        for number, user in enumerate(turns):
+            prompt = system + history + user
+            body = {"prompt": prompt, "max_tokens": CHAT_NEW_TOKENS, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            sent, first, answer = time.perf_counter(), None, []
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        details = chunk["usage"].get("prompt_tokens_details") or {}
+                        cached.append(details.get("cached_tokens", 0) / len(prompt))
+                    if not chunk.get("choices"):
+                        continue
+                    ids = chunk["choices"][0]["token_ids"]
+                    if ids and first is None:
+                        first = time.perf_counter()
+                    answer += ids
+            (first_ttft if number == 0 else later_ttft).append(first - sent)
+            tokens += len(answer)
+            history += user + answer
+
+    limits = httpx.Limits(max_connections=len(users) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(conversation(turns, http) for turns in users))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "tokens_per_s": tokens / wall,
+            "first_turn_ttft_p50_s": percentile(first_ttft, 50),
+            "later_turn_ttft_p50_s": percentile(later_ttft, 50),
+            "later_turn_ttft_p99_s": percentile(later_ttft, 99),
+            "cached_prompt_share_p50": percentile(cached, 50) if cached else 0.0}
+
+
+def chat_main(rounds: int) -> None:
+    """The chat workload, prefix cache on against off (module docstring)."""
+    model_dir, vocab = export_lm("bench")
+    rng = np.random.default_rng(SEED)
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+        "cores": os.cpu_count(), "load_start": load_average(), "model": "bench",
+        "system_tokens": CHAT_SYSTEM_TOKENS, "turns": CHAT_TURNS,
+        "user_tokens": CHAT_USER_TOKENS, "new_tokens": CHAT_NEW_TOKENS,
+        "conversations": CHAT_CONVERSATIONS, "rounds": rounds,
+        "command": " ".join(["python", "benchmarks/service_load.py", *sys.argv[1:]])}
+    common = ("--model-dir", str(model_dir), "--max-queue", "1024", "--cache-tokens",
+              str(CHAT_CACHE_TOKENS))
+    servers = {"prefix_cache": Server(*common), "no_prefix_cache": Server(*common,
+                                                                          "--no-prefix-cache")}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    try:
+        for server in servers.values():  # warm-up: first compiles, first pages
+            asyncio.run(lm_run(server.url, 2, rng.integers(2, vocab, (2, PROMPT_TOKENS))
+                               .tolist()))
+        for r in range(rounds):
+            # a new system prompt per round: the cached server starts each round cold
+            system = rng.integers(2, vocab, CHAT_SYSTEM_TOKENS).tolist()
+            users = rng.integers(2, vocab, (CHAT_CONVERSATIONS, CHAT_TURNS,
+                                            CHAT_USER_TOKENS)).tolist()
+            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            for name in order:
+                run = asyncio.run(chat_run(servers[name].url, system, users))
+                runs[name].append(run)
+                log(f"chat round {r} {name}: {run['tokens_per_s']:.1f} tok/s, TTFT first "
+                    f"{run['first_turn_ttft_p50_s']:.2f} s later "
+                    f"{run['later_turn_ttft_p50_s']:.2f} s, cached share "
+                    f"{run['cached_prompt_share_p50']:.2f}")
+    finally:
+        for server in servers.values():
+            server.stop()
+    result["chat"] = {name: summarize(runs[name]) for name in servers}
+    on, off = result["chat"]["prefix_cache"], result["chat"]["no_prefix_cache"]
+    result["ratios"] = {
+        "later_over_first_turn_ttft_prefix_cache":
+            on["later_turn_ttft_p50_s"]["median"] / on["first_turn_ttft_p50_s"]["median"],
+        "later_over_first_turn_ttft_no_prefix_cache":
+            off["later_turn_ttft_p50_s"]["median"] / off["first_turn_ttft_p50_s"]["median"],
+        "tokens_per_s_prefix_cache_over_none":
+            on["tokens_per_s"]["median"] / off["tokens_per_s"]["median"],
+    }
+    result["load_end"] = load_average()
+    CHAT_OUT.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["ratios"], indent=2))
+    for name in servers:
+        s = result["chat"][name]
+        print(f"{name:16s}: {s['tokens_per_s']['median']:6.1f} tok/s (range "
+              f"{s['tokens_per_s']['min']:.1f}-{s['tokens_per_s']['max']:.1f}), TTFT first "
+              f"turn {s['first_turn_ttft_p50_s']['median']:.2f} s, later turns p50 "
+              f"{s['later_turn_ttft_p50_s']['median']:.2f} s p99 "
+              f"{s['later_turn_ttft_p99_s']['median']:.2f} s, cached prompt share "
+              f"{s['cached_prompt_share_p50']['median']:.2f}")
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for key in runs[0]:
@@ -207,8 +326,13 @@ def main() -> None:
     parser.add_argument("--model", choices=("tiny", "bench"), default="tiny")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-video", action="store_true")
+    parser.add_argument("--chat", action="store_true",
+                        help="the chat workload: prefix cache on against off")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
+    if args.chat:
+        chat_main(args.rounds)
+        return
     model_dir, vocab = export_lm(args.model)
     wan_dir = None if args.no_video else export_wan()
     rng = np.random.default_rng(SEED)
