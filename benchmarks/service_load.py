@@ -11,8 +11,14 @@ Measured per run: requests/s and output tokens/s (over the run's wall time), tim
 token (request sent -> first token's chunk) and latency (-> ``[DONE]``), p50 and p99.
 
 The Wan part: a tiny Wan 2.1 pipeline (``tests/support/wan_pipeline_harness.py``) exported and served
-by a third server; ``VIDEOS`` videos of ``VIDEO_FRAMES`` frames at ``VIDEO_SIZE``, 2 requests
-at a time, give videos per minute.
+by a third server; ``VIDEOS`` video jobs of ``VIDEO_FRAMES`` frames at ``VIDEO_SIZE``, 2 at a
+time (each created, polled until completed, its file downloaded), give videos per minute.
+
+The mixed part (with the Wan part): one server with both exports; LM streams at concurrency
+``MIXED_CONCURRENCY`` (``MIXED_REQUESTS`` of them, as above) alone, then while video jobs of
+``MIXED_VIDEO`` run one after another (the next created when the last completed), in
+alternating order per round. Measured: the LM's time to first token p99 with the videos over
+without (the goal: under 2x), and video jobs per minute meanwhile.
 
 The chat part (``--chat``, on the ``bench`` model: its prompts need 8,192 positions): two
 servers over the same export, the prefix cache on (the default) and ``--no-prefix-cache``, in
@@ -62,6 +68,9 @@ VIDEOS = 6
 VIDEO_FRAMES = 9
 VIDEO_SIZE = "48x32"
 VIDEO_STEPS = 4
+MIXED_CONCURRENCY = 8
+MIXED_REQUESTS = 64
+MIXED_VIDEO = {"size": "256x256", "frames": 17, "steps": 4}
 BIND = "0-1"  # dp=1: one rank on both cores
 CHAT_OUT = HERE / "out" / "service_load_chat.json"
 CHAT_SYSTEM_TOKENS = 2000
@@ -116,7 +125,7 @@ def export_wan() -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     out = WORK / "wan"
     if not (out / "manifest.json").is_file():
-        from wan_pipeline_harness import build_tiny_pipeline
+        from support.wan_pipeline_harness import build_tiny_pipeline
 
         log("building and exporting the tiny Wan pipeline")
         build_tiny_pipeline(WORK / "wan_pipeline", seed=SEED)
@@ -186,13 +195,26 @@ async def lm_run(url: str, concurrency: int, prompts: list[list[int]]) -> dict[s
             "latency_p99_s": percentile(latency, 99)}
 
 
+async def video_job(http: httpx.AsyncClient, body: dict[str, Any]) -> bytes:
+    """One video job: created, polled until completed, its file downloaded."""
+    response = await http.post("/v1/videos", json={"prompt": "a w1 w2 b", **body})
+    assert response.status_code == 200, response.text
+    video = response.json()
+    while video["status"] in ("queued", "in_progress"):
+        await asyncio.sleep(0.05)
+        video = (await http.get(f"/v1/videos/{video['id']}")).json()
+    assert video["status"] == "completed", video
+    content = await http.get(f"/v1/videos/{video['id']}/content")
+    assert content.status_code == 200
+    await http.delete(f"/v1/videos/{video['id']}")
+    return content.content
+
+
 async def video_run(url: str, count: int, concurrency: int) -> dict[str, Any]:
     async def one(i: int, http: httpx.AsyncClient) -> float:
         sent = time.perf_counter()
-        response = await http.post("/v1/videos", json={
-            "prompt": "a w1 w2 b", "size": VIDEO_SIZE, "frames": VIDEO_FRAMES,
-            "steps": VIDEO_STEPS, "seed": i})
-        assert response.status_code == 200, response.text
+        await video_job(http, {"size": VIDEO_SIZE, "frames": VIDEO_FRAMES,
+                               "steps": VIDEO_STEPS, "seed": i})
         return time.perf_counter() - sent
 
     semaphore = asyncio.Semaphore(concurrency)
@@ -207,6 +229,58 @@ async def video_run(url: str, count: int, concurrency: int) -> dict[str, Any]:
         wall = time.perf_counter() - start
     return {"videos": count, "wall_s": wall, "videos_per_minute": 60 * count / wall,
             "latency_p50_s": percentile(list(latencies), 50)}
+
+
+async def mixed_run(url: str, prompts: list[list[int]], videos: bool) -> dict[str, Any]:
+    """``lm_run`` at ``MIXED_CONCURRENCY``, alone or while video jobs run back to back."""
+    done = 0
+    stop = asyncio.Event()
+
+    async def video_loop() -> None:
+        nonlocal done
+        async with httpx.AsyncClient(base_url=url, timeout=1200) as http:
+            while not stop.is_set():
+                await video_job(http, {**MIXED_VIDEO, "seed": done})
+                done += 1
+
+    task = asyncio.ensure_future(video_loop()) if videos else None
+    if task is not None:
+        await asyncio.sleep(2.0)  # the first job past its start: the worker computing
+    start = time.perf_counter()
+    run = await lm_run(url, MIXED_CONCURRENCY, prompts)
+    wall = time.perf_counter() - start
+    if task is not None:
+        stop.set()
+        await task
+    return {**run, "videos": done, "videos_per_minute": 60 * done / wall if videos else 0.0}
+
+
+def mixed_main(model_dir: Path, wan_dir: Path, vocab: int, rounds: int,
+               rng: np.random.Generator) -> dict[str, Any]:
+    server = Server("--model-dir", str(model_dir), "--model-dir", str(wan_dir),
+                    "--max-queue", "1024")
+    runs: dict[str, list[dict[str, Any]]] = {"alone": [], "with_videos": []}
+    try:
+        asyncio.run(lm_run(server.url, 2, rng.integers(2, vocab, (4, PROMPT_TOKENS)).tolist()))
+        asyncio.run(mixed_run(server.url, rng.integers(2, vocab, (8, PROMPT_TOKENS)).tolist(),
+                              True))  # warm-up: the video graphs compiled at this size
+        for r in range(rounds):
+            prompts = rng.integers(2, vocab, (MIXED_REQUESTS, PROMPT_TOKENS)).tolist()
+            order = ["alone", "with_videos"] if r % 2 == 0 else ["with_videos", "alone"]
+            for name in order:
+                run = asyncio.run(mixed_run(server.url, prompts, name == "with_videos"))
+                runs[name].append(run)
+                log(f"mixed round {r} {name}: TTFT p99 {1000 * run['ttft_p99_s']:.0f} ms, "
+                    f"{run['tokens_per_s']:.0f} tok/s, {run['videos_per_minute']:.1f} "
+                    "videos/min")
+    finally:
+        server.stop()
+    out = {name: summarize(values) for name, values in runs.items()}
+    out["concurrency"], out["requests"], out["video"] = (MIXED_CONCURRENCY, MIXED_REQUESTS,
+                                                         MIXED_VIDEO)
+    out["ttft_p99_with_videos_over_alone"] = (out["with_videos"]["ttft_p99_s"]["median"]
+                                              / out["alone"]["ttft_p99_s"]["median"])
+    return out
 
 
 async def chat_run(url: str, system: list[int], users: list[list[list[int]]]
@@ -380,6 +454,9 @@ def main() -> None:
             result["video"]["steps"] = VIDEO_STEPS
         finally:
             server.stop()
+        result["mixed"] = mixed_main(model_dir, wan_dir, vocab, args.rounds, rng)
+        result["ratios"]["ttft_p99_with_videos_over_alone"] = \
+            result["mixed"]["ttft_p99_with_videos_over_alone"]
     result["load_end"] = load_average()
     OUT.write_text(json.dumps(result, indent=2))
     print(json.dumps({"ratios": result["ratios"], "video": result["video"]}, indent=2))

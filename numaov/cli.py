@@ -406,6 +406,7 @@ def _add_run_lm_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import contextlib
     import os
+    import signal
 
     from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS
     from numaov.runtime.lm.engine import load_tokenizer
@@ -416,7 +417,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from numaov.runtime.service.lm_requests import ChatOptions, Limits
     from numaov.runtime.service.lm_service import LMService
     from numaov.runtime.service.server import listen, serve_forever
-    from numaov.runtime.service.video_service import VideoService
+    from numaov.runtime.service.video_service import ResultLimits, VideoService
 
     def say(message: str) -> None:
         print(f"numaov serve: {message}", flush=True)
@@ -424,7 +425,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     chat = ChatOptions(template_kwargs=args.chat_template_kwargs or {},
                        reasoning_parser=args.reasoning_parser,
                        tool_call_parser=args.tool_call_parser)
-    lm_dir, video_dir = _served_model_dirs(args.model_dir)
+    served_models = _served_models(args.model_dir, args.model_name or [])
+    lm_dir, name = served_models.get("lm", (None, ""))
+    video_dir, video_name = served_models.get("video", (None, ""))
     chat_flags = [flag for flag, value in (("--chat-template-kwargs", args.chat_template_kwargs),
                                            ("--reasoning-parser", args.reasoning_parser),
                                            ("--tool-call-parser", args.tool_call_parser))
@@ -433,6 +436,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise NumaovError(f"{', '.join(chat_flags)} shape a language model's chat answers, and "
                           "no language model is served; expected a `numaov export lm` "
                           "directory among --model-dir", parameter="model_dir")
+    video_flags = [flag for flag, value in (("--sync-videos", args.sync_videos or None),
+                                            ("--video-memory", args.video_memory))
+                   if value is not None]
+    if video_dir is None and video_flags:
+        raise NumaovError(f"{', '.join(video_flags)} shape the Wan pipeline's jobs, and no Wan "
+                          "pipeline is served; expected a Wan pipeline export among "
+                          "--model-dir", parameter="model_dir")
     tokenizer = template = None
     if lm_dir is not None:
         tokenizer_dir = _tokenizer_dir(args.tokenizer, lm_dir)
@@ -441,25 +451,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for param in ("reasoning_parser", "tool_call_parser"):
             if getattr(chat, param) is not None:
                 check_parser_tags(tokenizer, getattr(chat, param), param)
-    name = args.model_name or (Path(lm_dir).resolve().name if lm_dir is not None else "")
     options = ServiceOptions(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
         limits=Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens),
-        chat=chat)
+        chat=chat, sync_videos=args.sync_videos)
     cache_tokens = DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens
+    # While the models load, SIGTERM unwinds like Ctrl-C: the workers started so far stop.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     with contextlib.ExitStack() as stack:
-        sock = stack.enter_context(listen(args.host, args.port))
-        video = None
-        if video_dir is not None:
-            video = stack.enter_context(VideoService(
-                video_dir, Path(video_dir).resolve().name, args.backend))
-        service = None
-        if lm_dir is not None:
-            service = stack.enter_context(LMService(
-                lm_dir, args.backend, cache_tokens=cache_tokens,
-                prefill_chunk=args.prefill_chunk, max_running=args.max_running,
-                tokenizer=tokenizer, progress=_progress(args), prefix_cache=args.prefix_cache))
+        try:
+            sock = stack.enter_context(listen(args.host, args.port))
+            video = None
+            if video_dir is not None:
+                video = stack.enter_context(VideoService(
+                    video_dir, video_name, args.backend, results=ResultLimits(
+                        args.video_results, args.video_results_size, args.video_results_ttl),
+                    memory_budget=args.video_memory))
+            service = None
+            if lm_dir is not None:
+                service = stack.enter_context(LMService(
+                    lm_dir, args.backend, cache_tokens=cache_tokens,
+                    prefill_chunk=args.prefill_chunk, max_running=args.max_running,
+                    tokenizer=tokenizer, progress=_progress(args),
+                    prefix_cache=args.prefix_cache))
+            if video is not None:  # after the LM: the memory budget is what the LM leaves
+                video.start()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         host, port = sock.getsockname()[:2]
         app = build_app(service, name, tokenizer, template=template, options=options,
                         video=video)
@@ -473,19 +492,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           f"{cache_tokens} tokens per rank; chat template: {template.origin}"
                           f"{parsers})")
         if video is not None:
-            served.append(f"{video.model_name!r} (Wan pipeline, {args.backend})")
+            budget = (f"{video.memory_budget / (1 << 30):.1f} GiB"
+                      if video.memory_budget is not None else "unbounded")
+            served.append(f"{video.model_name!r} (Wan pipeline, {args.backend}, in its own "
+                          f"unpinned process; memory budget {budget}"
+                          f"{'; synchronous videos' if args.sync_videos else ''})")
         routes = map(str, served_routes(service is not None, video is not None))
         say(f"{' and '.join(served)}{key} on http://{host}:{port}  ({', '.join(routes)})")
-        serve_forever(app, sock, say)
+        serve_forever(app, sock, say, on_stop=video.stop if video is not None else None,
+                      timeout_s=args.shutdown_timeout)
         say("stopped")
     return 0
 
 
-def _served_model_dirs(dirs: list[str]) -> tuple[str | None, str | None]:
-    """(the LM export, the Wan pipeline export) among ``--model-dir``: at most one of each."""
+def _served_models(dirs: list[str], names: list[str]) -> dict[str, tuple[str, str]]:
+    """{"lm": (directory, model id), "video": ...} among ``--model-dir``: at most one of each.
+    ``names`` are the ``--model-name`` values, matched to the directories in order; the others
+    are named by their directory, with as many parent directories as make every id unique
+    (``deepseek/model`` and ``wan/model``)."""
     from numaov.manifest import LM_KIND, PIPELINE_KIND
     from numaov.runtime.manifest_reader import read_manifest
 
+    if len(names) > len(dirs):
+        raise NumaovError(f"{len(names)} --model-name values for {len(dirs)} --model-dir; "
+                          "expected at most one name per model directory, in the same order",
+                          parameter="model_name")
+    if not all(names):
+        raise NumaovError("--model-name is empty; expected a model id such as 'chat'",
+                          parameter="model_name")
+    given = list(names)
+    if len(set(given)) < len(given):
+        raise NumaovError(f"--model-name values {', '.join(map(repr, names))} repeat a name; "
+                          "expected a different id for each served model",
+                          parameter="model_name")
     found: dict[str, str] = {}
     for directory in dirs:
         kind = read_manifest(directory).kind
@@ -499,7 +538,49 @@ def _served_model_dirs(dirs: list[str]) -> tuple[str | None, str | None]:
                               "expected at most one language model and one Wan pipeline",
                               parameter="model_dir")
         found[role] = directory
-    return found.get("lm"), found.get("video")
+    ids = [names[i] if i < len(names) else "" for i in range(len(dirs))]
+    paths = [Path(d).resolve().parts for d in dirs]
+    depth = [1] * len(dirs)
+    while True:
+        for i, parts in enumerate(paths):
+            if not names[i:i + 1]:
+                ids[i] = "/".join(parts[-depth[i]:]) or "model"
+        clashes = [i for i in range(len(dirs)) if ids.count(ids[i]) > 1
+                   and not names[i:i + 1] and depth[i] < len(paths[i])]
+        if not clashes:
+            break
+        for i in clashes:
+            depth[i] += 1
+    if len(set(ids)) < len(ids):
+        raise NumaovError(f"the served models would share the id {ids[0]!r}; expected "
+                          "--model-name giving each its own", parameter="model_name")
+    role_of = {directory: role for role, directory in found.items()}
+    return {role_of[d]: (d, ids[i]) for i, d in enumerate(dirs)}
+
+
+def _size(text: str) -> int:
+    """A size in bytes: a number, or one with K, M, G or T (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.rstrip("KMGTkmgtiB"), text[len(text.rstrip("KMGTkmgtiB")):]
+    unit = unit.upper().removesuffix("IB").removesuffix("B")
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; expected bytes, or a number "
+                                         "with K, M, G or T (e.g. 8G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return int(value)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -530,6 +611,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from numaov.runtime.lm.scheduler import DEFAULT_MAX_RUNNING
     from numaov.runtime.service.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
     from numaov.runtime.service.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+    from numaov.runtime.service.server import SHUTDOWN_TIMEOUT_S
+    from numaov.runtime.service.video_service import (
+        KEPT_RESULT_BYTES,
+        KEPT_RESULTS,
+        RESULT_TTL_S,
+    )
 
     p.add_argument("--model-dir", required=True, action="append", metavar="DIR",
                    help="output of `numaov export lm` or a Wan pipeline export; repeat "
@@ -557,9 +644,28 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", metavar="DIR",
                    help="directory with a Hugging Face tokenizer.json: text prompts and text "
                    "in the answers")
-    p.add_argument("--model-name", metavar="NAME",
-                   help="the model id clients send and /v1/models lists (default: the "
-                   "model directory's name)")
+    p.add_argument("--model-name", metavar="NAME", action="append",
+                   help="the model id clients send and /v1/models lists, one per --model-dir "
+                   "in the same order (default: the directory's name, with parent "
+                   "directories while two would be the same)")
+    p.add_argument("--sync-videos", action="store_true",
+                   help="POST /v1/videos answers once the videos are made (with n and "
+                   "response_format) instead of at once with a job to poll")
+    p.add_argument("--video-memory", type=_size, default=None, metavar="SIZE",
+                   help="memory budget for video work, e.g. 16G: a job whose estimate is "
+                   "larger is refused (default: MemAvailable once the models are loaded)")
+    p.add_argument("--video-results", type=_positive, default=KEPT_RESULTS, metavar="N",
+                   help=f"finished videos and URL images kept (default {KEPT_RESULTS}; the "
+                   "oldest is dropped first)")
+    p.add_argument("--video-results-size", type=_size, default=KEPT_RESULT_BYTES,
+                   metavar="SIZE", help="bytes of finished files kept (default "
+                   f"{KEPT_RESULT_BYTES >> 30}G; the oldest is dropped first)")
+    p.add_argument("--video-results-ttl", type=_seconds, default=RESULT_TTL_S,
+                   metavar="SECONDS", help="how long a finished video or URL image is kept "
+                   f"(default {RESULT_TTL_S} s)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=SHUTDOWN_TIMEOUT_S,
+                   metavar="SECONDS", help="the most a stop takes after the first SIGTERM or "
+                   f"Ctrl-C (default {SHUTDOWN_TIMEOUT_S:g}; a second one stops at once)")
     p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help="extra chat template variables for every chat request, e.g. "
                    "'{\"enable_thinking\": false}' (a request's chat_template_kwargs "

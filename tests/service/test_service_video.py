@@ -1,11 +1,16 @@
 """`numaov serve` with two exports at once: the tiny DeepSeek-V2 (dp=2, pinned workers) and a
-tiny Wan 2.1 pipeline; images and videos through the OpenAI-shaped routes, checked against
-the same generation run directly with `run_wan_pipeline`."""
+tiny Wan 2.1 pipeline, with `--sync-videos` (the videos in the answer); images and videos
+through the OpenAI-shaped routes, checked against the same generation run directly with
+`run_wan_pipeline`; large bodies refused without holding up `/health`. The video jobs of the
+default, asynchronous `/v1/videos` are test_video_jobs.py's."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -13,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from support.deepseek_harness import tiny_tokenizer
 from support.service_harness import start_server, stop_server
 
 from numaov.runtime.wan.pipeline import run_wan_pipeline
@@ -29,11 +35,20 @@ STEPS = 2
 LEVELS = 1
 
 
+BODY_LIMIT = 8_000_000
+PROMPT_LIMIT = 511
+
+
 @pytest.fixture(scope="module")
 def served(deepseek_exported: dict[str, Any], wan_pipeline_exported: dict[str, Any],
-           deepseek_bind: str):
+           deepseek_bind: str, tmp_path_factory: pytest.TempPathFactory):
+    tokenizer_dir = tmp_path_factory.mktemp("video_tokenizer")
+    tiny_tokenizer(tokenizer_dir)
     server, url = start_server(deepseek_exported["model_dir"], deepseek_bind, "--model-dir",
-                               str(wan_pipeline_exported["export"]), "--model-name", "lm")
+                               str(wan_pipeline_exported["export"]), "--model-name", "lm",
+                               "--sync-videos", "--tokenizer", str(tokenizer_dir),
+                               "--max-body-bytes", str(BODY_LIMIT), "--max-prompt-tokens",
+                               str(PROMPT_LIMIT))
     client = httpx.Client(base_url=url, timeout=600)
     try:
         yield {"url": url, "client": client, "export": wan_pipeline_exported["export"]}
@@ -122,7 +137,8 @@ def test_videos_decode_to_the_requested_size_and_frames(served, tmp_path) -> Non
     ("/v1/images/generations", {"prompt": PROMPT, "style": "vivid", "colour": 1}, "colour",
      "unknown field"),
     ("/v1/videos", {"prompt": PROMPT, "frames": 6}, "frames", "4k\\+1 frames"),
-    ("/v1/videos", {"prompt": PROMPT, "frames": 1000}, "frames", "4k\\+1 frames from 1 to"),
+    ("/v1/videos", {"prompt": PROMPT, "frames": 1000}, "frames",
+     "4k\\+1 frames up to 129: 1, 5, 9, ..., 129"),
     ("/v1/videos", {"prompt": PROMPT, "steps": 1000}, "steps", "from 1 to 100"),
     ("/v1/videos", {"prompt": PROMPT, "format": "avi"}, "format", "mp4, webp"),
     ("/v1/videos", {"prompt": PROMPT, "model": "sora-2"}, "model", "not served here"),
@@ -176,3 +192,55 @@ def test_each_graph_is_compiled_once_for_the_servers_life(served) -> None:
     kept = image(3)
     assert kept >= 3  # at least the text encoder, the transformer and the VAE's first frame
     assert image(4) == kept  # the second generation compiled nothing
+
+
+def _noise_png_base64(width: int, height: int) -> str:
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def test_large_bodies_are_refused_without_holding_up_health(served) -> None:
+    """A 4 MB prompt (as a completion and as a chat message) and a 4 MB image reference,
+    refused while /health is polled: every /health answers within 100 ms."""
+    client, url = served["client"], served["url"]
+    words = " ".join(f"w{10 + i % 400}" for i in range(800_000))[:4_000_000]  # ~800k tokens
+    image = _noise_png_base64(1100, 900)
+    assert 3_500_000 < len(image) < BODY_LIMIT
+    bodies = [("/v1/completions", {"prompt": words, "max_tokens": 1}, "prompt"),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}]},
+               "messages"),
+              ("/v1/videos", {"prompt": PROMPT, "size": "48x32", "input_reference": image},
+               "input_reference")]
+    encoded = [(path, json.dumps(body).encode(), param) for path, body, param in bodies]
+    answers: dict[str, httpx.Response] = {}
+
+    def refuse(path: str, content: bytes) -> None:
+        with httpx.Client(base_url=url, timeout=120) as own:
+            answers[path] = own.post(path, content=content,
+                                     headers={"content-type": "application/json"})
+
+    latencies: list[float] = []
+    for _ in range(3):  # warm: connections open, routes imported
+        client.get("/health")
+    threads = [threading.Thread(target=refuse, args=(path, content))
+               for path, content, _ in encoded]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        start = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    for thread in threads:
+        thread.join()
+    for path, _, param in encoded:
+        assert answers[path].status_code == 400, answers[path].text
+        assert answers[path].json()["error"]["param"] == param
+    assert "the prompt has more than" in answers["/v1/completions"].json()["error"]["message"]
+    print(f"/health while refusing: {len(latencies)} answers, max "
+          f"{max(latencies) * 1000:.1f} ms, median {np.median(latencies) * 1000:.1f} ms")
+    assert max(latencies) < 0.1

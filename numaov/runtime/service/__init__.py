@@ -15,11 +15,12 @@ service -> answer, each route declared once in the routes object's ``ROUTES``).
   ``/stats``: whole answers and server-sent events);
 - video: :mod:`~numaov.runtime.service.video_requests` (image and video bodies, the
   export's image rule, ``input_reference`` decoded once),
-  :mod:`~numaov.runtime.service.video_service` (a Wan pipeline export, one generation at a
-  time), :mod:`~numaov.runtime.service.video_routes` (``/v1/images/generations``,
-  ``/v1/videos`` and the results' content);
+  :mod:`~numaov.runtime.service.video_service` (a Wan pipeline export: generations as jobs,
+  one at a time in a worker process, a memory budget, the finished ones kept),
+  :mod:`~numaov.runtime.service.video_routes` (``/v1/images/generations``, OpenAI's video
+  jobs at ``/v1/videos``, the results' content);
 - :mod:`~numaov.runtime.service.http_common`: the route declaration, options and limits, the
   error shape, body reading, the API-key and metrics gate; :mod:`~numaov.runtime.service.errors`;
 - :mod:`~numaov.runtime.service.metrics`: the Prometheus metrics;
-- :mod:`~numaov.runtime.service.server`: the socket and uvicorn.
+- :mod:`~numaov.runtime.service.server`: the socket, uvicorn, and a stop that is bounded.
 """

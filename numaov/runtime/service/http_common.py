@@ -1,6 +1,6 @@
 """What every route of the service shares: the route declaration, options, the error shape,
-reading a JSON body within its size limit, the key and metrics gate, and waiting for a client
-to go away."""
+reading a body within its size limit (JSON, or multipart/form-data as OpenAI's video client
+sends it), the key and metrics gate, and waiting for a client to go away."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class ServiceOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: Limits = field(default_factory=Limits)
     chat: ChatOptions = field(default_factory=ChatOptions)
+    # POST /v1/videos answers once the video is made (--sync-videos), not at once with a job
+    sync_videos: bool = False
 
 
 def error_response(error: RequestError) -> Any:
@@ -61,37 +63,102 @@ def error_response(error: RequestError) -> Any:
     return JSONResponse(status_code=error.status, content=error.body(), headers=error.headers)
 
 
-async def read_json(request: Any, max_bytes: int) -> Any:
-    """The body as bytes, refused with 413 beyond ``max_bytes`` (by its Content-Length, or
-    while it arrives when it has none), then parsed (off the event loop: a large body takes
-    time)."""
-    from starlette.concurrency import run_in_threadpool
-
+async def read_body(request: Any, max_bytes: int) -> bytes:
+    """The body's bytes, refused with 413 beyond ``max_bytes``: by its Content-Length before
+    any of it is read, or while it arrives when it has none."""
     too_large = RequestError(f"the request body is larger than {max_bytes} bytes; expected at "
                              f"most {max_bytes} (the server's body limit)", None, 413)
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise too_large
+    from starlette.requests import ClientDisconnect
+
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-
-    def parse(data: bytes) -> Any:
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
-            raise RequestError("the request body is not JSON; expected a JSON object") from None
-
-    return await run_in_threadpool(parse, b"".join(chunks))
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer; said so, instead of a traceback
+        raise RequestError(f"the client went away after {size} bytes of the body; expected "
+                           "the whole body", None, 400) from None
+    return b"".join(chunks)
 
 
-async def read_model_request(request: Any, max_bytes: int, model_name: str) -> Any:
+def parse_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        raise RequestError("the request body is not JSON; expected a JSON object") from None
+
+
+def parse_form(data: bytes, content_type: str) -> dict[str, Any]:
+    """A multipart/form-data body as an object: text fields as strings, files as bytes, and
+    ``name[key]`` fields (how OpenAI's client sends an object) as ``{"name": {"key": ...}}``.
+    The parts are cut at the boundary with ``bytes.split`` (a large file costs a copy, not a
+    parse); each part's few header lines are read with the standard library's parser."""
+    import email.parser
+    import email.policy
+
+    expected = ("expected multipart/form-data with one part per field (as OpenAI's client "
+                "sends it) or a JSON object")
+    header = email.parser.HeaderParser(policy=email.policy.HTTP).parsestr(
+        f"Content-Type: {content_type}\r\n\r\n")
+    boundary = header.get_param("boundary")
+    parts = data.split(b"--" + boundary.encode("latin-1")) if isinstance(boundary, str) else []
+    if len(parts) < 2 or not parts[-1].startswith(b"--"):
+        raise RequestError(f"the request body is not readable multipart/form-data; {expected}")
+    fields: dict[str, Any] = {}
+    for part in parts[1:-1]:
+        head, found, payload = part.removeprefix(b"\r\n").partition(b"\r\n\r\n")
+        if not found or not payload.endswith(b"\r\n"):
+            raise RequestError(f"a part of the form is cut off; {expected}")
+        payload = payload[:-2]
+        headers = email.parser.HeaderParser(policy=email.policy.HTTP).parsestr(
+            head.decode("latin-1") + "\r\n\r\n")
+        name = headers.get_param("name", header="content-disposition")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"a part of the form has no field name; {expected}")
+        if headers.get_filename() is None:
+            try:
+                value: Any = payload.decode(headers.get_content_charset() or "utf-8")
+            except (LookupError, UnicodeDecodeError):
+                raise RequestError(f"form field {name} is not text in its charset; {expected}",
+                                   name) from None
+        else:
+            value = payload  # a file: its bytes
+        outer, bracket, inner = name.partition("[")
+        if bracket and inner.endswith("]") and "[" not in inner:
+            target = fields.setdefault(outer, {})
+            if not isinstance(target, dict) or inner[:-1] in target:
+                raise RequestError(f"form field {name} is given twice; expected it once", outer)
+            target[inner[:-1]] = value
+        elif name in fields:
+            raise RequestError(f"form field {name} is given twice; expected it once", name)
+        else:
+            fields[name] = value
+    return fields
+
+
+async def read_json(request: Any, max_bytes: int, form: bool = False) -> Any:
+    """The body (:func:`read_body`: 413 beyond ``max_bytes``), parsed off the event loop (a
+    large body takes time): JSON, or with ``form`` also multipart/form-data
+    (:func:`parse_form`)."""
+    from starlette.concurrency import run_in_threadpool
+
+    data = await read_body(request, max_bytes)
+    content_type = request.headers.get("content-type", "")
+    if form and content_type.lower().startswith("multipart/form-data"):
+        return await run_in_threadpool(parse_form, data, content_type)
+    return await run_in_threadpool(parse_json, data)
+
+
+async def read_model_request(request: Any, max_bytes: int, model_name: str,
+                             form: bool = False) -> Any:
     """:func:`read_json`, then a 404 when the body names a model other than ``model_name``
     (the one the route serves); a body without ``model`` is for it."""
-    body = await read_json(request, max_bytes)
+    body = await read_json(request, max_bytes, form)
     if isinstance(body, dict) and body.get("model") not in (None, model_name):
         raise RequestError(f"model {body.get('model')!r} is not served here; expected "
                            f"{model_name!r}", "model", 404, code="model_not_found")

@@ -32,7 +32,7 @@ so the service runs it off the event loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,6 +50,9 @@ from numaov.runtime.service.chat_template import ChatTemplate
 from numaov.runtime.service.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's
+# A prompt longer than the limit is refused from its first limit * this many characters
+# (encode_bounded): text averages about 4 characters a token; 32 leaves room for long ones.
+PREFIX_CHARS_PER_TOKEN = 32
 MAX_CHOICES = 16  # n at most
 
 _NEUTRAL = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
@@ -285,12 +288,34 @@ def _max_tokens(requested: int | None, default: int, longest: int, config: Mappi
     return requested
 
 
-def _check_prompt_lengths(prompts: list[list[int]], config: Mapping[str, Any], limits: Limits,
-                          param: str) -> None:
-    longest = max(len(p) for p in prompts)
+def prompt_limit(config: Mapping[str, Any], limits: Limits) -> int:
+    """The longest prompt in tokens: the model's positions less one new token, or
+    ``--max-prompt-tokens`` if lower."""
     limit = int(config["max_position_embeddings"]) - 1  # room for one new token
     if limits.max_prompt_tokens is not None:
         limit = min(limit, limits.max_prompt_tokens)
+    return limit
+
+
+def encode_bounded(encode: Callable[[str], list[int]], text: str, limit: int,
+                   param: str) -> list[int]:
+    """``encode(text)``, except that a text longer than ``limit`` tokens could take is
+    refused from a bounded prefix: only its first ``limit * PREFIX_CHARS_PER_TOKEN``
+    characters are tokenized, and more than ``limit`` tokens among them refuse it. Tokenizing
+    holds the GIL (a 4 MB prompt: 3 s of the event loop's time); this costs milliseconds."""
+    cut = limit * PREFIX_CHARS_PER_TOKEN
+    if len(text) > cut:
+        head = encode(text[:cut])
+        if len(head) > limit:
+            raise _refuse(f"the prompt has more than {limit} tokens ({len(head)} in its first "
+                          f"{cut} of {len(text)} characters); expected at most {limit}", param)
+    return encode(text)
+
+
+def _check_prompt_lengths(prompts: list[list[int]], config: Mapping[str, Any], limits: Limits,
+                          param: str) -> None:
+    longest = max(len(p) for p in prompts)
+    limit = prompt_limit(config, limits)
     if longest > limit:
         raise _refuse(f"the prompt has {longest} tokens; expected at most {limit}", param)
 
@@ -366,8 +391,9 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
     if logprobs not in (None, False, True, 0, 1):
         raise _refuse(f"logprobs is {json.dumps(logprobs)}; expected 0 or 1 (this server "
                       "returns the chosen token's log-probability only)", "logprobs")
-    prompts = _prompt_ids(body.get("prompt"), tokenizer)
-    return _finish(prompts, body, config, tokenizer, limits or Limits(),
+    limits = limits or Limits()
+    prompts = _prompt_ids(body.get("prompt"), tokenizer, prompt_limit(config, limits))
+    return _finish(prompts, body, config, tokenizer, limits,
                    _positive_int(body, "max_tokens"), "max_tokens", DEFAULT_MAX_TOKENS,
                    bool(logprobs), "prompt", chat=False)
 
@@ -403,7 +429,8 @@ def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,
                                                "chat_template_kwargs")}
     messages = _messages(body.get("messages"))
     text = template.render(messages, tools, template_kwargs)
-    ids = template.tokenize(tokenizer, text)
+    ids = encode_bounded(lambda t: template.tokenize(tokenizer, t), text,
+                         prompt_limit(config, limits or Limits()), "messages")
     if not ids:
         raise _refuse("the messages render to no tokens; expected some content", "messages")
     output = ChatOutputFormat(
@@ -615,8 +642,9 @@ def _is_token_id(value: Any) -> bool:
     return _is_int(value)
 
 
-def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
-    """The four OpenAI prompt forms: text, texts, token ids, lists of token ids."""
+def _prompt_ids(prompt: Any, tokenizer: Any, limit: int) -> list[list[int]]:
+    """The four OpenAI prompt forms: text, texts, token ids, lists of token ids; a text
+    longer than ``limit`` tokens is refused from a prefix (:func:`encode_bounded`)."""
     expected = ("expected a string, a list of strings, a list of token ids or a list of lists "
                 "of token ids")
     if prompt is None:
@@ -633,7 +661,7 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
                           "expected token ids", "prompt")
         out = []
         for i, text in enumerate(prompt):
-            ids = tokenizer.encode(text).ids
+            ids = encode_bounded(lambda t: tokenizer.encode(t).ids, text, limit, "prompt")
             if not ids:
                 raise _refuse(f"prompt {i} ({text[:40]!r}) encodes to no tokens; expected "
                               "non-empty text", "prompt")

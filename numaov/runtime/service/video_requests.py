@@ -1,6 +1,8 @@
 """Image and video bodies (``POST /v1/images/generations``, ``POST /v1/videos``), checked
 into a :class:`VideoJob`; then checked against the served export (:func:`check_video_job`:
-its image rule, ``input_reference`` decoded once).
+its image rule, ``input_reference`` decoded once). A body comes as JSON, or for videos as
+multipart/form-data (OpenAI's client): :func:`form_values` turns the form's text into the
+numbers JSON would carry, and ``input_reference`` may then be the image file itself.
 
 The fields are described in :mod:`numaov.runtime.service.video_routes`. Every refusal is one
 :class:`RequestError` naming the field; the pipeline checks the rest when it runs (sizes its
@@ -90,8 +92,17 @@ def _size(body: dict[str, Any], limits: VideoLimits) -> tuple[int, int]:
 
 
 def _input_reference(value: Any) -> bytes:
-    """The file ``input_reference`` carries: base64 (line breaks and other whitespace
-    ignored), or a base64 data URL (its scheme and ``;base64`` in any case)."""
+    """The file ``input_reference`` carries: the file itself (a form's file part), base64
+    (line breaks and other whitespace ignored), or a base64 data URL (its scheme and
+    ``;base64`` in any case), alone or as OpenAI's ``{"image_url": ...}``."""
+    if isinstance(value, bytes) and value:
+        return value
+    if isinstance(value, dict) and set(value) == {"file_id"}:
+        raise RequestError("input_reference names an uploaded file (file_id), and this server "
+                           "keeps no files; expected the image itself, as a file, base64 or a "
+                           "data:image/...;base64, URL (image_url)", "input_reference")
+    if isinstance(value, dict) and set(value) == {"image_url"}:
+        value = value["image_url"]
     text = value if isinstance(value, str) else None
     if text is not None and text[:5].lower() == "data:":
         header, _, text = text.partition(",")
@@ -102,7 +113,7 @@ def _input_reference(value: Any) -> bytes:
     except (binascii.Error, ValueError):
         data = b""
     if not data:
-        shown = json.dumps(value)[:40]
+        shown = json.dumps(value if not isinstance(value, bytes) else "<empty file>")[:40]
         raise RequestError(f"input_reference is {shown}; expected a PNG, JPEG or WebP image as "
                            "base64 or a data:image/...;base64, URL", "input_reference")
     return data
@@ -162,8 +173,9 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
         else:
             frames = body.get("frames", 17)
             if not _is_int(frames) or not 1 <= frames <= limits.max_frames:
-                raise RequestError(f"frames is {json.dumps(frames)}; expected 4k+1 frames from 1 "
-                                   f"to {limits.max_frames} (1, 5, 9, ...)", "frames")
+                top = (limits.max_frames - 1) // 4 * 4 + 1
+                raise RequestError(f"frames is {json.dumps(frames)}; expected 4k+1 frames up to "
+                                   f"{limits.max_frames}: 1, 5, 9, ..., {top}", "frames")
             if (frames - 1) % 4:
                 raise RequestError(f"frames is {frames}; expected 4k+1 frames (Wan's VAE), "
                                    f"such as {(frames - 1) // 4 * 4 + 1} or "
@@ -181,8 +193,30 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
 
 IMAGE_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
                 "steps", "guidance", "user", "quality", "style")
-VIDEO_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
-                "steps", "guidance", "frames", "seconds", "format", "input_reference", "user")
+# A video job (POST /v1/videos) makes one video, fetched from its content route.
+VIDEO_FIELDS = ("model", "prompt", "negative_prompt", "size", "seed", "steps", "guidance",
+                "frames", "seconds", "format", "input_reference", "user")
+# --sync-videos: the answer carries the videos, n of them, as base64 or URLs.
+SYNC_VIDEO_FIELDS = (*VIDEO_FIELDS, "n", "response_format")
+_FORM_INTEGERS = ("n", "seed", "steps", "frames")
+_FORM_NUMBERS = ("guidance",)
+
+
+def form_values(body: Any) -> Any:
+    """A multipart form's fields as JSON would carry them: the integer and number fields'
+    text as numbers (text that is not one stays text, and its check names the field)."""
+    if not isinstance(body, dict):
+        return body
+    out = dict(body)
+    for name in (*_FORM_INTEGERS, *_FORM_NUMBERS):
+        value = out.get(name)
+        if not isinstance(value, str):
+            continue
+        try:
+            out[name] = int(value) if name in _FORM_INTEGERS else float(value)
+        except ValueError:
+            pass
+    return out
 
 
 def check_video_job(job: VideoJob, pipeline: Any, model_name: str, video: bool) -> VideoJob:
