@@ -18,7 +18,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from numaov import NumaovError, __version__
 from numaov.console import ProgressLine, quiet_libraries
@@ -451,6 +451,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for param in ("reasoning_parser", "tool_call_parser"):
             if getattr(chat, param) is not None:
                 check_parser_tags(tokenizer, getattr(chat, param), param)
+        chat = _family_tool_call_parser(chat, lm_dir, tokenizer, say)
     options = ServiceOptions(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
@@ -587,6 +588,30 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _family_tool_call_parser(chat: Any, lm_dir: str, tokenizer: Any,
+                             say: Callable[[str], None]) -> Any:
+    """``chat`` with the served family's tool-call parser when ``--tool-call-parser`` was
+    not given (``LMFamily.tool_call_parser``: DeepSeek-V3's markers, Qwen's hermes JSON); left
+    off, with a line saying why, when the tokenizer does not write the parser's tags back."""
+    from dataclasses import replace
+
+    from numaov.models.families import family_named
+    from numaov.runtime.manifest_reader import read_manifest
+    from numaov.runtime.service.chat_output import check_parser_tags
+
+    if chat.tool_call_parser is not None:
+        return chat
+    parser = family_named(str(read_manifest(lm_dir).record.family)).tool_call_parser
+    if parser is None:
+        return chat
+    try:
+        check_parser_tags(tokenizer, parser, "tool_call_parser")
+    except NumaovError as exc:
+        say(f"tool calls not read: the family's parser {parser} cannot be used ({exc})")
+        return chat
+    return replace(chat, tool_call_parser=parser)
 
 
 def _json_object(text: str) -> dict:

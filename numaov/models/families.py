@@ -63,6 +63,9 @@ class LMFamily:
     name: str = ""
     title: str = ""
     model_types: tuple[str, ...] = ()
+    #: How the family's chat models write tool calls: the ``numaov serve`` tool-call parser
+    #: (vLLM's name) used when ``--tool-call-parser`` is not given; None: no default.
+    tool_call_parser: str | None = None
 
     def read_config(self, checkpoint_dir: str | Path) -> Any:
         """The family's config from ``checkpoint_dir/config.json``, checked."""

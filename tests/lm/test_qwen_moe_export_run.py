@@ -64,3 +64,25 @@ def test_export_and_run_match_transformers_at_dp1_and_dp2(
         tokens[dp] = result.tokens
     assert tokens[1] == exported["reference"], "dp=1 greedy tokens differ from transformers'"
     assert tokens[2] == tokens[1], "dp=2 greedy tokens differ from dp=1's"
+
+
+def test_serve_reads_tool_calls_with_the_familys_parser(exported: dict[str, Any],
+                                                        tmp_path) -> None:
+    """Without --tool-call-parser, a Qwen export's calls are read with hermes (Qwen's
+    format); a tokenizer that cannot write hermes' tags back leaves it off, saying why."""
+    from support.deepseek_harness import tiny_tokenizer
+    from support.service_harness import template_tokenizer
+
+    from numaov.cli import _family_tool_call_parser
+    from numaov.runtime.service.lm_requests import ChatOptions
+
+    said: list[str] = []
+    qwen = template_tokenizer(tmp_path / "qwen", "qwen3")
+    chat = _family_tool_call_parser(ChatOptions(), str(exported[1]), qwen, said.append)
+    assert chat.tool_call_parser == "hermes" and not said
+    chosen = ChatOptions(tool_call_parser="deepseek_v3")  # the flag wins
+    assert _family_tool_call_parser(chosen, str(exported[1]), qwen, said.append) is chosen
+    plain = _family_tool_call_parser(ChatOptions(), str(exported[1]),
+                                     tiny_tokenizer(tmp_path / "plain"), said.append)
+    assert plain.tool_call_parser is None
+    assert len(said) == 1 and "family's parser hermes cannot be used" in said[0]

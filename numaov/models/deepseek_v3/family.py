@@ -12,6 +12,7 @@ class DeepseekV3Family(CausalLMFamily):
     name = "deepseek_v3"
     title = "DeepSeek-V3"
     model_types = ("deepseek_v3", "kimi_k2")
+    tool_call_parser = "deepseek_v3"
     model_class = "numaov.models.deepseek_v3.causal_lm:DeepseekV3"
     step_class = "numaov.models.deepseek_v3.causal_lm:DeepseekV3Step"
 

@@ -11,6 +11,7 @@ class QwenMoeFamily(CausalLMFamily):
     name = "qwen_moe"
     title = "Qwen-MoE"
     model_types = ("qwen3_moe", "qwen2_moe")
+    tool_call_parser = "hermes"
     model_class = "numaov.models.qwen_moe.causal_lm:QwenMoe"
     step_class = "numaov.models.qwen_moe.causal_lm:QwenMoeStep"
 
