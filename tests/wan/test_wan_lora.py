@@ -196,6 +196,7 @@ def test_lora_2_needs_a_second_expert(checkpoint: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # five CLI processes, each importing torch and diffusers (~12 s)
 def test_cli_refusals_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

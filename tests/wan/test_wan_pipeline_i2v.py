@@ -173,6 +173,7 @@ def test_bad_inputs_are_one_line_errors(i2v: dict, wan_pipeline_exported: dict,
 # -- checks before any export work (the files the index check reads, in the real layout) ------
 
 
+@pytest.mark.slow  # the i2v fixture's export (about a minute) and a server
 def test_served_image_to_video_asks_for_input_reference(i2v: dict) -> None:
     """`numaov serve` on an export that needs an image refuses requests without one, naming
     the field and where the image goes, before anything runs."""
