@@ -261,6 +261,17 @@ def greedy_check(checkpoint: Path) -> dict[str, Any]:
 # -- the KV-cache candidates ------------------------------------------------------------------
 
 
+def timed(run: Any, reps: int = 10) -> float:
+    """Median milliseconds of ``run()`` over ``reps`` calls, after one warm-up call."""
+    run()
+    seconds = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(seconds)
+
+
 def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[str, Any]:
     """One decode step of one sequence per candidate at each context, dp=1, 2 threads, at
     inference ``precision`` (the explicit-cache graph's weights stored at it too)."""
@@ -277,15 +288,6 @@ def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[st
     results: dict[str, Any] = {"pool": {}, "pool_8x_capacity": {}, "whole_cache_in_out": {},
                                "stateful": {}, "paged_attention": None,
                                "paged_attention_pooled_graph": None}
-
-    def timed(run, reps: int = 10) -> float:
-        run()
-        seconds = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(seconds)
 
     # 1. numaov's pool, bound once over shared memory
     compiled = compile_ir(numaov_dir / "rank_0" / "model.xml", precision, props).model
@@ -607,15 +609,6 @@ _OPTIMUM_PAGED = textwrap.dedent('''
     core = ov.Core()
     props = {"INFERENCE_NUM_THREADS": 2, "INFERENCE_PRECISION_HINT": precision,
              "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY"}
-
-    def timed(run, reps=10):
-        run()
-        seconds = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - start)
-        return 1e3 * statistics.median(seconds)
 
     out = {"stateful": {}, "paged": {}}
     rng = np.random.default_rng(0)

@@ -428,21 +428,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served_models = _served_models(args.model_dir, args.model_name or [])
     lm_dir, name = served_models.get("lm", (None, ""))
     video_dir, video_name = served_models.get("video", (None, ""))
-    chat_flags = [flag for flag, value in (("--chat-template-kwargs", args.chat_template_kwargs),
-                                           ("--reasoning-parser", args.reasoning_parser),
-                                           ("--tool-call-parser", args.tool_call_parser))
-                  if value is not None]
-    if lm_dir is None and chat_flags:
-        raise NumaovError(f"{', '.join(chat_flags)} shape a language model's chat answers, and "
-                          "no language model is served; expected a `numaov export lm` "
-                          "directory among --model-dir", parameter="model_dir")
-    video_flags = [flag for flag, value in (("--sync-videos", args.sync_videos or None),
-                                            ("--video-memory", args.video_memory))
-                   if value is not None]
-    if video_dir is None and video_flags:
-        raise NumaovError(f"{', '.join(video_flags)} shape the Wan pipeline's jobs, and no Wan "
-                          "pipeline is served; expected a Wan pipeline export among "
-                          "--model-dir", parameter="model_dir")
+    _refuse_flags_without(lm_dir, "a language model's chat answers",
+                          "a `numaov export lm` directory",
+                          ("--chat-template-kwargs", args.chat_template_kwargs),
+                          ("--reasoning-parser", args.reasoning_parser),
+                          ("--tool-call-parser", args.tool_call_parser))
+    _refuse_flags_without(video_dir, "the Wan pipeline's jobs", "a Wan pipeline export",
+                          ("--sync-videos", args.sync_videos or None),
+                          ("--video-memory", args.video_memory))
     tokenizer = template = None
     if lm_dir is not None:
         tokenizer_dir = _tokenizer_dir(args.tokenizer, lm_dir)
@@ -588,6 +581,15 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _refuse_flags_without(served: str | None, shaping: str, expected: str,
+                          *flags: tuple[str, Any]) -> None:
+    """One line naming the ``flags`` given (value not None) that shape what is not served."""
+    given = [flag for flag, value in flags if value is not None]
+    if served is None and given:
+        raise NumaovError(f"{', '.join(given)} shape {shaping}, and none is served; expected "
+                          f"{expected} among --model-dir", parameter="model_dir")
 
 
 def _family_tool_call_parser(chat: Any, lm_dir: str, tokenizer: Any,
