@@ -136,6 +136,26 @@ def test_create_poll_download_list_delete_with_the_openai_client(served) -> None
 
 
 @slow
+def test_a_guidance_free_few_step_job_takes_the_scheduler_and_shift(served) -> None:
+    """As `run wan --guidance 1 --scheduler euler --shift 5` (a distilled LoRA's recipe):
+    the job runs with them and says so; the settings are checked at creation."""
+    from openai import BadRequestError
+
+    client = served["openai"]
+    created = client.videos.create(prompt=PROMPT, size="48x32", seconds="1", extra_body={
+        "steps": 2, "guidance": 1, "scheduler": "euler", "shift": 5.0, "seed": 3})
+    video = _finished(client, created.id)
+    assert video.status == "completed", video.error
+    assert (video.model_extra["scheduler"], video.model_extra["shift"]) == ("euler", 5.0)
+    assert video.model_extra["guidance"] == 1
+    for extra, param in (({"scheduler": "ddim"}, "scheduler"), ({"shift": 0}, "shift"),
+                         ({"guidance": 1, "negative_prompt": "blur"}, "negative_prompt")):
+        with pytest.raises(BadRequestError) as caught:
+            client.videos.create(prompt=PROMPT, size="48x32", seconds="1", extra_body=extra)
+        assert caught.value.body["param"] == param, caught.value.body
+
+
+@slow
 def test_a_form_upload_is_read_as_openai_sends_it(served) -> None:
     from openai import BadRequestError
     from PIL import Image

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from numaov.runtime.service.errors import RequestError
+from numaov.runtime.wan.request import SamplerInputError
+from numaov.runtime.wan.schedules import check_sampler, check_shift
 from numaov.runtime.wan.video_output import DEFAULT_FPS
 
 MAX_IMAGES = 4
@@ -57,6 +59,10 @@ class VideoJob:
     image: bytes | None = None  # input_reference's file
     # input_reference's pixels (check_video_job decodes them once, before the job queues)
     pixels: np.ndarray | None = None
+    # the sampler and its flow shift (None: the pipeline scheduler's own), as `run wan`'s
+    # --scheduler and --shift: the few-step recipes of distilled LoRAs
+    scheduler: str | None = None
+    shift: float | None = None
 
     @property
     def output(self) -> tuple[str, str]:
@@ -144,6 +150,19 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
     if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or guidance < 1:
         raise RequestError(f"guidance is {json.dumps(guidance)}; expected a number >= 1 (1: no "
                            "guidance; Wan uses 5)", "guidance")
+    if guidance == 1 and negative:
+        raise RequestError("negative_prompt is set at guidance 1, which runs the conditional "
+                           "branch alone; expected no negative_prompt, or guidance above 1",
+                           "negative_prompt")
+    scheduler, shift = body.get("scheduler"), body.get("shift")
+    if isinstance(shift, bool):
+        raise RequestError(f"shift is {json.dumps(shift)}; expected a positive number", "shift")
+    try:
+        check_sampler(scheduler)
+        check_shift(shift)
+    except SamplerInputError as exc:
+        raise RequestError(str(exc), "scheduler" if exc.parameter == "sampler"
+                           else exc.parameter) from None
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(62)
@@ -188,18 +207,18 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
              else _input_reference(body["input_reference"]))
     return VideoJob(prompt, negative, width, height, frames, steps, float(guidance),
                     [(seed + j) % 2**62 for j in range(n)], kind, response_format == "url",
-                    image)
+                    image, scheduler=scheduler, shift=None if shift is None else float(shift))
 
 
 IMAGE_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
-                "steps", "guidance", "user", "quality", "style")
+                "steps", "guidance", "scheduler", "shift", "user", "quality", "style")
 # A video job (POST /v1/videos) makes one video, fetched from its content route.
 VIDEO_FIELDS = ("model", "prompt", "negative_prompt", "size", "seed", "steps", "guidance",
-                "frames", "seconds", "format", "input_reference", "user")
+                "scheduler", "shift", "frames", "seconds", "format", "input_reference", "user")
 # --sync-videos: the answer carries the videos, n of them, as base64 or URLs.
 SYNC_VIDEO_FIELDS = (*VIDEO_FIELDS, "n", "response_format")
 _FORM_INTEGERS = ("n", "seed", "steps", "frames")
-_FORM_NUMBERS = ("guidance",)
+_FORM_NUMBERS = ("guidance", "shift")
 
 
 def form_values(body: Any) -> Any:
