@@ -190,12 +190,18 @@ class CacheManager:
         """How many of ``prompt``'s tokens this rank would read from its cache."""
         return len(self._match(prompt)) * PREFIX_BLOCK
 
-    def can_hold(self, tokens: int, prompt: Seq[int] = ()) -> bool:
-        """Whether a sequence of ``tokens`` slots, starting with ``prompt``, fits now."""
+    def fits(self, tokens: int, prompt: Seq[int] = ()) -> int | None:
+        """How many of ``prompt``'s tokens a sequence of ``tokens`` slots starting with it
+        would read from the cache, when it fits now; None when it does not (one match of the
+        prompt answers both, for the scheduler's choice of rank)."""
         found = self._match(prompt)
         idle_found = sum(1 for b in found if b.refs == 0) * PREFIX_BLOCK
-        need = tokens - len(found) * PREFIX_BLOCK
-        return need <= len(self._free) + self.reusable - idle_found
+        cached = len(found) * PREFIX_BLOCK
+        return cached if tokens - cached <= len(self._free) + self.reusable - idle_found else None
+
+    def can_hold(self, tokens: int, prompt: Seq[int] = ()) -> bool:
+        """Whether a sequence of ``tokens`` slots, starting with ``prompt``, fits now."""
+        return self.fits(tokens, prompt) is not None
 
     def allocate(self, request_id: int, tokens: int, prompt: Seq[int] = ()) -> tuple[np.ndarray,
                                                                                     int]:

@@ -119,13 +119,12 @@ class Scheduler:
         if not self.waiting:
             return None
         seq = self.waiting[0]
-        ranks = [r for r in range(self.world_size)
-                 if len(self.running[r]) < self.max_running
-                 and self.caches[r].can_hold(seq.reserved_tokens, seq.prompt)]
+        cached = {r: self.caches[r].fits(seq.reserved_tokens, seq.prompt)
+                  for r in range(self.world_size) if len(self.running[r]) < self.max_running}
+        ranks = [r for r, found in cached.items() if found is not None]
         if not ranks:
             return None
         least = min(ranks, key=lambda r: (len(self.running[r]), self.caches[r].used, r))
-        cached = {r: self.caches[r].cached_prefix(seq.prompt) for r in ranks}
         best = max(ranks, key=lambda r: (cached[r], -len(self.running[r]), -r))
         if cached[best] and (len(self.running[best]) - len(self.running[least])
                              <= PREFIX_ROUTING_SLACK):
