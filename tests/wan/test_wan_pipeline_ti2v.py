@@ -204,7 +204,8 @@ def test_served_videos_take_the_first_frame_as_input_reference(ti2v: dict, tmp_p
         webp = Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"])))
         return np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(webp)])
 
-    server, url = start_server(ti2v["export"], "")
+    # the synchronous form: the answer carries the frames compared below
+    server, url = start_server(ti2v["export"], "", "--sync-videos")
     try:
         with httpx.Client(base_url=url, timeout=600) as client:
             wrapped = "\n".join(encoded[i:i + 76] for i in range(0, len(encoded), 76))
