@@ -169,7 +169,8 @@ def _measure(rank: int, world: int, args: dict, gate: Any) -> dict:
     dcomm = _join(rank, world, args)
     ours = ShmCommunicator(args["group"], rank, world, job_id=args["group"])
     gloo = GlooCommunicator(args["group"] + "-gloo", dist.group.WORLD)
-    anchors = {op: ("gloo", gloo) for op in args["ops"]}
+    # all_reduce always: the agreement check below reads its anchor whatever --ops says.
+    anchors = {op: ("gloo", gloo) for op in {*args["ops"], "all_reduce"}}
     if dcomm is not None:
         anchors["all_reduce"] = ("deepspeed", _DeepSpeedAllReduce(dcomm))
 

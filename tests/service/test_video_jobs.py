@@ -30,11 +30,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning"
 
 PROMPT = "a w1 w2 b"
 SMALL = {"prompt": PROMPT, "size": "48x32", "frames": 5, "steps": 2, "seed": 3}
-# About 0.7 GiB by the estimate, most of it the VAE's caches and the decoded frames: the
+# About 1.4 GiB by the estimate, most of it the VAE's caches, working memory and frames: the
 # worker's memory grows by hundreds of MB while the VAE decodes (10 s or more here).
 LONG = {"prompt": PROMPT, "size": "512x512", "frames": 33, "steps": 4, "seed": 1}
 RESULTS = 3
-BUDGET = "1G"
+BUDGET = "2G"
 
 
 def _openai(url: str) -> Any:
@@ -207,7 +207,7 @@ def test_a_job_above_the_memory_budget_is_refused_with_the_numbers(served) -> No
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "size" and error["code"] == "insufficient_memory"
-    assert "GiB" in error["message"] and "1.00 GiB (--video-memory)" in error["message"], error
+    assert "GiB" in error["message"] and "2.00 GiB (--video-memory)" in error["message"], error
 
 
 @slow
@@ -446,3 +446,24 @@ def test_a_long_prompt_is_refused_from_a_prefix() -> None:
         encode_bounded(encode, text, 511, "prompt")
     assert seen == [511 * PREFIX_CHARS_PER_TOKEN]  # only the prefix was tokenized
     assert encode_bounded(encode, "w1 w2", 511, "prompt") == [1, 1]
+
+
+def test_a_prompt_of_long_tokens_is_refused_from_growing_prefixes() -> None:
+    """More characters a token than the first prefix allows for (a run of 100-character
+    "words", each one token): the prefix doubles until it holds too many tokens, and the
+    4 MB text is never tokenized whole."""
+    from numaov.runtime.service.errors import RequestError
+    from numaov.runtime.service.lm_requests import PREFIX_CHARS_PER_TOKEN, encode_bounded
+
+    seen = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(len(text))
+        return [1] * len(text.split())
+
+    text = ("x" * 99 + " ") * 40_000  # 4 MB, 40,000 tokens of 100 characters
+    with pytest.raises(RequestError, match="more than 511 tokens"):
+        encode_bounded(encode, text, 511, "prompt")
+    first = 511 * PREFIX_CHARS_PER_TOKEN
+    assert seen == [first, 2 * first, 4 * first]
+    assert encode_bounded(encode, "x" * 99 + " w2", 511, "prompt") == [1, 1]

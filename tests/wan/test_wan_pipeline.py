@@ -226,3 +226,19 @@ def test_vae_caches_pass_as_bf16_tensors_at_bf16(pipeline: dict) -> None:
     error = float(np.max(np.abs(bf16 - f32)) / np.max(np.abs(f32)))
     print(f"bf16 caches: max relative difference from the f32 decode {error:.3g}")
     assert 0 < error <= 0.1  # the export's bf16 VAE tolerance; 0: bf16 did not run
+
+
+def test_memory_estimate_is_within_a_quarter_of_the_measured_growth(pipeline: dict,
+                                                                   tmp_path: Path) -> None:
+    """The estimate run_wan_pipeline checks and the service admits jobs by, against what a run
+    adds to a warm process's anonymous resident memory (sampled every 10 ms). At 512x512 the
+    VAE decoder's caches and working memory are most of it, as in a real video."""
+    probe = Path(__file__).parents[1] / "support" / "wan_memory_probe.py"
+    proc = subprocess.run([sys.executable, str(probe), str(pipeline["export"]), "512", "512",
+                           "17", str(tmp_path / "video.mp4")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(figures)
+    assert figures["described"].startswith("5,120 video tokens, about")
+    assert abs(figures["estimate"] - figures["growth"]) <= 0.25 * figures["growth"], figures

@@ -300,15 +300,17 @@ def prompt_limit(config: Mapping[str, Any], limits: Limits) -> int:
 def encode_bounded(encode: Callable[[str], list[int]], text: str, limit: int,
                    param: str) -> list[int]:
     """``encode(text)``, except that a text longer than ``limit`` tokens could take is
-    refused from a bounded prefix: only its first ``limit * PREFIX_CHARS_PER_TOKEN``
-    characters are tokenized, and more than ``limit`` tokens among them refuse it. Tokenizing
+    refused from bounded prefixes: its first ``limit * PREFIX_CHARS_PER_TOKEN`` characters,
+    then twice as many, and so on, each refusing it once it holds more than ``limit`` tokens;
+    so a text of long tokens costs a few times the first prefix, not the whole text. Tokenizing
     holds the GIL (a 4 MB prompt: 3 s of the event loop's time); this costs milliseconds."""
     cut = limit * PREFIX_CHARS_PER_TOKEN
-    if len(text) > cut:
+    while len(text) > cut:
         head = encode(text[:cut])
         if len(head) > limit:
             raise _refuse(f"the prompt has more than {limit} tokens ({len(head)} in its first "
                           f"{cut} of {len(text)} characters); expected at most {limit}", param)
+        cut *= 2
     return encode(text)
 
 

@@ -128,31 +128,18 @@ def _gib(value: int) -> str:
 
 
 def estimate_job_memory(pipeline: Any, job: VideoJob) -> MemoryEstimate:
-    """What ``run_wan_pipeline`` estimates for one choice of ``job`` on ``pipeline`` (a
-    ``WanPipelineExport``), on one worker: the transformers' weights and activations, the
-    latents, the VAE's caches and the decoded video (and the image encoder's caches for an
-    I2V export with an image). Raises the pipeline's own error for a size or a frame count it
-    does not take."""
-    from numaov.runtime.wan.memory import estimate_memory
-    from numaov.runtime.wan.pipeline import (
-        MAX_TEXT_TOKENS,
-        TRANSFORMER,
-        VAE_ENCODER_NEXT,
-        VAE_FIRST_FRAME,
-        VAE_NEXT_FRAME,
-    )
+    """What ``run_wan_pipeline`` estimates for ``job`` on ``pipeline`` (a
+    ``WanPipelineExport``) on one worker. Raises the pipeline's own error for a size or a
+    frame count it does not take."""
+    from numaov.runtime.wan.pipeline import TRANSFORMER, VAE_FIRST_FRAME, estimate_pipeline_memory
     from numaov.runtime.wan.request import latent_shape
-    from numaov.runtime.wan.vae import VaeGeometry, vae_memory
+    from numaov.runtime.wan.vae import VaeGeometry
 
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(pipeline.components[TRANSFORMER].config, job.frames, job.height,
                          job.width, geometry.spatial, geometry.temporal)
-    extra = vae_memory(pipeline.components[VAE_NEXT_FRAME], shape)
-    if job.image is not None and pipeline.condition_channels:
-        extra["vae_encoder_caches"] = vae_memory(pipeline.components[VAE_ENCODER_NEXT],
-                                                 shape)["vae_caches"]
-    return estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, 1, extra,
-                           branches=1 if job.guidance == 1 else 2)
+    return estimate_pipeline_memory(pipeline, shape, 1, 1 if job.guidance == 1 else 2,
+                                    conditioned=job.image is not None)
 
 
 # -- the worker process -----------------------------------------------------------------------

@@ -28,9 +28,38 @@ from numaov.runtime.wan.graph_runner import GraphRunner
 CACHE_PREFIXES = ("caches_", "cache_")
 
 
+class _Joined:
+    """Output 0 of every call joined along axis 2 as they come, into one array sized once
+    the first two calls give the first chunk's and every later chunk's length (a list of
+    results and a concatenation would hold the whole output twice)."""
+
+    def __init__(self, chunks: int) -> None:
+        self._chunks = chunks
+        self._first: np.ndarray | None = None
+        self._out: np.ndarray | None = None
+        self._at = 0
+
+    def add(self, result: np.ndarray) -> None:
+        if self._first is None:
+            self._first = np.array(result)  # a copy: an OpenVINO output is reused
+            return
+        if self._out is None:
+            first, self._first = self._first, np.empty(0)
+            shape = list(first.shape)
+            shape[2] += (self._chunks - 1) * result.shape[2]
+            self._out = np.empty(shape, first.dtype)
+            self._out[:, :, :first.shape[2]] = first
+            self._at = first.shape[2]
+        self._out[:, :, self._at:self._at + result.shape[2]] = result
+        self._at += result.shape[2]
+
+    def result(self) -> np.ndarray:
+        return self._first if self._out is None else self._out
+
+
 class ChunkLoop:
     """``first`` then ``following`` over a sequence of chunks; ``inputs`` names each graph's
-    chunk input. Returns output 0 of every call, in order."""
+    chunk input. Returns output 0 of the calls joined along axis 2 (time)."""
 
     def __init__(self, first: ModelManifest, following: ModelManifest, backend: str,
                  config: dict[str, Any] | None = None,
@@ -41,7 +70,7 @@ class ChunkLoop:
         else:
             self._run = _RunnerChunks(first, following, backend, config, inputs)
 
-    def __call__(self, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def __call__(self, chunks: Sequence[np.ndarray]) -> np.ndarray:
         return self._run(chunks)
 
 
@@ -54,15 +83,16 @@ class _RunnerChunks:
         self._following = GraphRunner(following, backend, config)
         self._inputs = inputs
 
-    def __call__(self, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def __call__(self, chunks: Sequence[np.ndarray]) -> np.ndarray:
         result, *caches = self._first({self._inputs[0]: np.ascontiguousarray(chunks[0])})
-        results = [result]
+        joined = _Joined(len(chunks))
+        joined.add(result)
         for chunk in chunks[1:]:
             feeds = {self._inputs[1]: np.ascontiguousarray(chunk)}
             feeds.update({f"caches_{i}": cache for i, cache in enumerate(caches)})
             result, *caches = self._following(feeds)
-            results.append(result)
-        return results
+            joined.add(result)
+        return joined.result()
 
 
 class _OpenVinoChunks:
@@ -76,12 +106,13 @@ class _OpenVinoChunks:
         self._caches = len(self._first.outputs) - 1
         self._inputs = inputs
 
-    def __call__(self, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def __call__(self, chunks: Sequence[np.ndarray]) -> np.ndarray:
         import openvino as ov
 
         previous = self._first.create_infer_request()
         previous.infer({self._inputs[0]: np.ascontiguousarray(chunks[0])})
-        results = [np.array(previous.get_output_tensor(0).data)]
+        joined = _Joined(len(chunks))
+        joined.add(previous.get_output_tensor(0).data)
         turns = [self._following.create_infer_request() for _ in range(min(2, len(chunks) - 1))]
         for k, chunk in enumerate(chunks[1:], start=1):
             request = turns[k % len(turns)]
@@ -89,6 +120,6 @@ class _OpenVinoChunks:
             for i in range(self._caches):
                 request.set_tensor(f"caches_{i}", previous.get_output_tensor(i + 1))
             request.infer()
-            results.append(np.array(request.get_output_tensor(0).data))
+            joined.add(request.get_output_tensor(0).data)
             previous = request
-        return results
+        return joined.result()

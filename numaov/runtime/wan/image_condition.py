@@ -75,7 +75,7 @@ class ImageEncoder:
         # chunk of zeros serves them all.
         zeros = np.zeros((*image.shape[:2], CHUNK_FRAMES, *image.shape[3:]), dtype=np.float32)
         chunks = [image, *[zeros] * ((frames - 1) // CHUNK_FRAMES)]
-        condition = np.concatenate(self._loop(chunks), axis=2)  # [1, C, F', h, w]
+        condition = self._loop(chunks)  # [1, C, F', h, w]
         mask = first_frame_mask(frames, self._temporal, *condition.shape[3:])
         return ImageCondition(channels=np.ascontiguousarray(
             np.concatenate([mask, condition], axis=1)))

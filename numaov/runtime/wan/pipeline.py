@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from numaov.runtime.placement.binding import check_bind_string, plan_for_ranks
 from numaov.runtime.wan.graph_runner import GraphRunner
 from numaov.runtime.wan.image_condition import ImageEncoder
 from numaov.runtime.wan.image_input import image_pixels
-from numaov.runtime.wan.memory import check_memory, estimate_memory
+from numaov.runtime.wan.memory import MemoryEstimate, check_memory, estimate_memory
 from numaov.runtime.wan.request import (
     SamplerInputError,
     WanSampleRequest,
@@ -272,6 +273,23 @@ class VideoResult:
                 f"worker(s) in {sum(self.seconds.values()):.2f} s ({parts})")
 
 
+def estimate_pipeline_memory(
+    pipeline: WanPipelineExport, shape: Sequence[int], workers: int, branches: int, *,
+    decode: bool = True, tiling: VaeTiling | None = None, conditioned: bool = False,
+) -> MemoryEstimate:
+    """What a run of ``shape`` latents holds (``run_wan_pipeline`` checks it; the service
+    admits a job by it): the transformers' weights and activations, the latents and, with
+    ``decode``, the VAE decoder's caches, working memory and the decoded video; with
+    ``conditioned`` (an image on an export whose transformers take condition channels), the
+    VAE encoder's over the condition video (its chunks come and go)."""
+    extra = vae_memory(pipeline.components[VAE_NEXT_FRAME], shape, tiling) if decode else {}
+    if conditioned and pipeline.condition_channels:
+        encoder = vae_memory(pipeline.components[VAE_ENCODER_NEXT], shape)
+        extra["vae_encoder"] = encoder["vae_caches"] + encoder["vae_work"]
+    return estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra,
+                           branches=branches)
+
+
 def run_wan_pipeline(
     model_dir: str | Path,
     request: WanSampleRequest,
@@ -322,14 +340,9 @@ def run_wan_pipeline(
     pixels = _conditioning_image(pipeline, image, request)
     token_ids, pad_id = tokenize(pipeline.directory / "tokenizer",
                          {"prompt": prompt, "negative_prompt": negative_prompt})
-    extra = ({} if kind == LATENTS_FORMAT
-             else vae_memory(pipeline.components[VAE_NEXT_FRAME], shape, vae_tiling))
-    if pixels is not None and pipeline.condition_channels:
-        # The encoder's caches over the condition video (its chunks come and go).
-        extra["vae_encoder_caches"] = vae_memory(pipeline.components[VAE_ENCODER_NEXT],
-                                                 shape)["vae_caches"]
-    estimate = estimate_memory(pipeline.experts, shape, MAX_TEXT_TOKENS, workers, extra,
-                               branches=request.branches)
+    estimate = estimate_pipeline_memory(pipeline, shape, workers, request.branches,
+                                        decode=kind != LATENTS_FORMAT, tiling=vae_tiling,
+                                        conditioned=pixels is not None)
     check_memory(estimate)
     report(f"{estimate.describe()}")
     scheduler = scheduler_config(request.sampler, request.shift, pipeline.scheduler_config)
@@ -395,6 +408,7 @@ def run_wan_pipeline(
         start = time.perf_counter()
         video = decode_video(decoder, latents, vae_tiling, geometry=geometry)
     frames = to_frames(video)
+    del video  # not held while the frames are encoded
     seconds["vae_decode"] = time.perf_counter() - start
     where = f"in tiles on {workers} worker(s)" if tiled else "whole"
     report(f"decoded {frames.shape[0]} frames ({where}) in {seconds['vae_decode']:.2f} s")

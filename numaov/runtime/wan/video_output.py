@@ -65,8 +65,12 @@ def output_format(path: str | Path) -> str:
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """``[F, H, W, 3]`` floats in [0, 1] as 8-bit frames (rounded, as PIL's conversion)."""
-    return np.clip(np.round(frames * 255.0), 0, 255).astype(np.uint8)
+    """``[F, H, W, 3]`` floats in [0, 1] as 8-bit frames (rounded, as PIL's conversion), a
+    frame at a time (temporaries of the whole video's size would double its memory)."""
+    pixels = np.empty(frames.shape, np.uint8)
+    for k, frame in enumerate(frames):
+        pixels[k] = np.clip(np.round(frame * 255.0), 0, 255)
+    return pixels
 
 
 def _pixels(frames: np.ndarray, fps: int) -> np.ndarray:
