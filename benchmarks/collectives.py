@@ -3,9 +3,10 @@
 The anchor is DeepSpeed's shared-memory all_reduce (``deepspeed.comm.inference_all_reduce``
 with ``DS_ACCELERATOR=cpu``: its JIT-built ``shm_comm`` op; install it with
 ``pip install --no-build-isolation -e ".[bench]"``). DeepSpeed has no shared-memory
-all_gather_into_tensor, reduce_scatter_tensor or broadcast (it runs them on gloo), so for
-those ops the anchor is gloo (``torch.distributed``). Without DeepSpeed the script says so and measures all_reduce against
-gloo as well. All competitors run in the same two processes.
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all or broadcast (it runs them on gloo),
+so for those ops the anchor is gloo (``torch.distributed``; for all_to_all its
+``all_to_all_single`` with equal splits). Without DeepSpeed the script says so and measures
+all_reduce against gloo as well. All competitors run in the same two processes.
 
 The script runs ``--rounds`` rounds. In each round, for every dtype, op and size, a barrier
 probe (the mean time of a numaov barrier, over many) tags the machine's state, then numaov and
@@ -21,7 +22,7 @@ dtype, every state seen); no size slower in the slow state than 2x its fast-stat
 all_gather_into_tensor and reduce_scatter_tensor at 16 MiB at least 60% of single-core memcpy.
 
 Size is the largest buffer of the call (the tensor for all_reduce and broadcast, the output of
-all_gather_into_tensor, the input of reduce_scatter_tensor).
+all_gather_into_tensor, the input of reduce_scatter_tensor, either buffer of all_to_all).
 
     python benchmarks/collectives.py [--dtypes float32,bfloat16] [--cpus 0,1] [--rounds 3]
                                      [--budget-s 0.1] [--ops all_reduce,...] [--max-size-mib 64]
@@ -44,7 +45,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "broadcast")
 SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB, 16 KiB, ..., 64 MiB
 OUT = Path(__file__).resolve().parent / "out"
 SAMPLE_S, MIN_SAMPLES, MAX_SAMPLES = 1e-3, 5, 200
@@ -98,6 +99,8 @@ def _buffers(torch: Any, op: str, size: int, dtype: Any, world: int) -> tuple[An
         return torch.empty(n, dtype=dtype), torch.zeros(n // world, dtype=dtype)
     if op == "reduce_scatter_tensor":
         return torch.empty(n // world, dtype=dtype), torch.zeros(n, dtype=dtype)
+    if op == "all_to_all":
+        return torch.empty(n, dtype=dtype), torch.zeros(n, dtype=dtype)
     return torch.zeros(n, dtype=dtype), None
 
 

@@ -8,6 +8,7 @@ from numaov.custom_ops.collective_ops import (
     OnnxRuntimeUnsupportedError,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all,
     check_onnxruntime_can_run,
     reduce_scatter_tensor,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "add_extension",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all",
     "check_onnxruntime_can_run",
     "compile_ir",
     "fuse_scale_shift",

@@ -1,5 +1,6 @@
 """Collectives as ops: the eager face (``torch.library`` ops) and the ONNX face (nodes in domain
-``numaov.collective``) of ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``.
+``numaov.collective``) of ``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``
+and ``all_to_all``.
 
 The third face, the OpenVINO ops that run those nodes, is C++ (``csrc/ops/collective_ops.cpp``,
 loaded with :func:`numaov.custom_ops.add_extension`). All three faces move data through the
@@ -46,6 +47,7 @@ __all__ = [
     "OnnxRuntimeUnsupportedError",
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all",
     "check_onnxruntime_can_run",
     "reduce_scatter_tensor",
 ]
@@ -174,6 +176,19 @@ def _(x: Tensor, group: str, world_size: int) -> Tensor:
     return x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
 
 
+@torch.library.custom_op("numaov::all_to_all", mutates_args=())
+def _all_to_all_op(x: Tensor, group: str, world_size: int) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty(x.shape)
+    _communicator("all_to_all", group, world_size).all_to_all(out, x)
+    return out
+
+
+@_all_to_all_op.register_fake
+def _(x: Tensor, group: str, world_size: int) -> Tensor:
+    return x.new_empty(x.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions: the ONNX node while torch.onnx.export traces, the torch op otherwise.
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +237,23 @@ def reduce_scatter_tensor(x: Tensor, group: str, world_size: int) -> Tensor:
         shape = (x.shape[0] // world_size, *x.shape[1:])
         return _onnx_node("ReduceScatterTensor", x, group, world_size, shape)
     return torch.ops.numaov.reduce_scatter_tensor(x, group, world_size)
+
+
+def all_to_all(x: Tensor, group: str, world_size: int) -> Tensor:
+    """Block j of dim 0 goes to rank j, and block i of the result comes from rank i:
+    ``[world_size*n, ...] -> [world_size*n, ...]`` (``all_to_all_single`` with equal splits).
+
+    Dim 0 must be a multiple of `world_size`; uneven splits are not supported. For Ulysses
+    sequence parallelism, a token split ``[s, heads, d]`` becomes a head split by moving the
+    head groups to dim 0 (``x.view(s, world_size, heads // world_size, d).transpose(0, 1)``):
+    the result ``[world_size, s, heads // world_size, d]`` holds every rank's tokens for this
+    rank's heads, in rank order; the reverse exchange is the same op.
+    """
+    _check_args("all_to_all", x, group, world_size, splits_dim0=True)
+    _check_divisible("all_to_all", x, world_size)
+    if torch.onnx.is_in_onnx_export():
+        return _onnx_node("AllToAll", x, group, world_size, x.shape)
+    return torch.ops.numaov.all_to_all(x, group, world_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,6 +338,7 @@ def collective_translation_table() -> dict[Any, Any]:
     all_reduce_node = node("AllReduce")
     all_gather_node = node("AllGatherIntoTensor")
     reduce_scatter_node = node("ReduceScatterTensor")
+    all_to_all_node = node("AllToAll")
 
     def all_reduce_onnx(x, group: str, world_size: int):
         return all_reduce_node(x, group=group, world_size=world_size)
@@ -316,9 +349,13 @@ def collective_translation_table() -> dict[Any, Any]:
     def reduce_scatter_onnx(x, group: str, world_size: int):
         return reduce_scatter_node(x, group=group, world_size=world_size)
 
+    def all_to_all_onnx(x, group: str, world_size: int):
+        return all_to_all_node(x, group=group, world_size=world_size)
+
     ops = torch.ops.numaov
     return {
         ops.all_reduce.default: all_reduce_onnx,
         ops.all_gather_into_tensor.default: all_gather_onnx,
         ops.reduce_scatter_tensor.default: reduce_scatter_onnx,
+        ops.all_to_all.default: all_to_all_onnx,
     }

@@ -17,7 +17,11 @@ a message naming the transport, never a silent "not found".
 
 Buffers are numpy arrays or CPU torch tensors, C-contiguous, of float32, bfloat16 or float16.
 Sums are computed in fp32 in rank order and rounded to nearest even, so every rank gets the same
-bits. Every wait is bounded by ``timeout_s`` (default ``$NUMAOV_COLL_TIMEOUT_S``, else 60 s).
+bits; the ops that only move data (all_gather_into_tensor, all_to_all, broadcast) copy bytes
+unchanged. all_to_all is ``torch.distributed.all_to_all_single`` with equal splits only: dim 0
+split into world_size equal blocks (Ulysses sequence parallelism needs no other).
+
+Every wait is bounded by ``timeout_s`` (default ``$NUMAOV_COLL_TIMEOUT_S``, else 60 s).
 Any error inside a shared-memory collective — a mismatch between ranks, a timeout, a dead peer,
 a bad argument, a bad input to one of OpenVINO's collective ops — is raised as
 :class:`CollectiveError` on every rank of the group, and the communicator refuses further calls:
@@ -123,11 +127,31 @@ def _check_pair(op: str, out: tuple[int, int, int], inp: tuple[int, int, int],
     if out[2] != inp[2]:
         raise CollectiveError(f"{op}: output and input dtypes differ; expected the same dtype")
     if out[1] * out_factor != inp[1] * in_factor:
+        expected = ("output world_size times the input" if in_factor > out_factor else
+                    "input world_size times the output" if out_factor > in_factor else
+                    "same number in both")
         raise CollectiveError(
-            f"{op}: output has {out[1]} elements and input {inp[1]}; expected the "
-            + ("output world_size times the input" if in_factor > 1 else
-               "input world_size times the output")
+            f"{op}: output has {out[1]} elements and input {inp[1]}; expected the {expected}"
         )
+
+
+def _check_blocks(op: str, t: Any, what: str, world_size: int) -> None:
+    """`t`'s dim 0 splits into world_size equal blocks (torch's all_to_all_single with equal
+    splits); uneven splits are not supported."""
+    if t.ndim == 0:
+        raise CollectiveError(f"{op}: {what} is a scalar; expected at least one dimension "
+                              "(dim 0 is split across ranks)")
+    if t.shape[0] % world_size != 0:
+        raise CollectiveError(f"{op}: {what} dim 0 is {t.shape[0]}; expected a multiple of "
+                              f"world_size {world_size} (equal splits only)")
+
+
+def _check_all_to_all(out: Any, inp: Any, o: tuple[int, int, int], i: tuple[int, int, int],
+                      world_size: int) -> None:
+    """What every transport's all_to_all asks of its buffers, checked before any data moves."""
+    _check_pair("all_to_all", o, i, 1, 1)
+    _check_blocks("all_to_all", inp, "input", world_size)
+    _check_blocks("all_to_all", out, "output", world_size)
 
 
 class Communicator(ABC):
@@ -151,6 +175,13 @@ class Communicator(ABC):
     @abstractmethod
     def reduce_scatter_tensor(self, out: Any, inp: Any) -> None:
         """`out` = sum over ranks of block `rank` of `inp` (world_size x out's elements)."""
+
+    @abstractmethod
+    def all_to_all(self, out: Any, inp: Any) -> None:
+        """torch's ``all_to_all_single(out, inp)`` with equal splits: `inp`'s dim 0 is split
+        into world_size equal blocks, block j going to rank j; block i of `out` (as many
+        elements as `inp`, dim 0 also a multiple of world_size) comes from rank i. Uneven
+        splits are not supported. `out` may be `inp` itself (in place)."""
 
     @abstractmethod
     def broadcast(self, t: Any, root: int) -> None:
@@ -254,7 +285,8 @@ class ShmCommunicator(Communicator):
         # The 16-bit limit is the f32 one over kOneshot16Divisor (csrc/communicator/shm_communicator.hpp).
         oneshot_bytes = self._comm.oneshot_bytes // (1 if code == _F32 else _ONESHOT_16_DIVISOR)
         limits = {"oneshot_elements": oneshot_bytes // (4 if code == _F32 else 2)}
-        for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast"):
+        for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all",
+                   "broadcast"):
             limits[f"{op}_chunk"] = self._comm.chunk_elements(op, code)
         return limits
 
@@ -295,6 +327,15 @@ class ShmCommunicator(Communicator):
             self._refuse(str(exc))
         self._comm.reduce_scatter_tensor(o[0], i[0], o[1], o[2])
 
+    def all_to_all(self, out: Any, inp: Any) -> None:
+        o = self._buffer(out, "all_to_all output", writable=True)
+        i = self._buffer(inp, "all_to_all input", writable=False)
+        try:
+            _check_all_to_all(out, inp, o, i, self.world_size)
+        except CollectiveError as exc:
+            self._refuse(str(exc))
+        self._comm.all_to_all(o[0], i[0], i[1] // self.world_size, i[2])
+
     def broadcast(self, t: Any, root: int) -> None:
         address, count, code = self._buffer(t, "broadcast tensor", writable=True)
         self._comm.broadcast(address, count, code, int(root))
@@ -332,13 +373,17 @@ class GlooCommunicator(Communicator):
                                   "failure")
 
     def _tensor(self, t: Any, what: str, writable: bool) -> Any:
+        return self._checked(t, what, writable)[0]
+
+    def _checked(self, t: Any, what: str, writable: bool) -> tuple[Any, tuple[int, int, int]]:
+        """`t` as a torch tensor, and _buffer's (address, elements, dtype code) of it."""
         self._check_live()
-        _buffer(t, what, writable)  # same checks and messages as the shared-memory transport
+        buffer = _buffer(t, what, writable)  # the shared-memory transport's checks and messages
         if isinstance(t, np.ndarray):
             import torch
 
-            return torch.from_numpy(t)  # shares memory: in-place results land in `t`
-        return t
+            t = torch.from_numpy(t)  # shares memory: in-place results land in `t`
+        return t, buffer
 
     def all_reduce(self, t: Any) -> None:
         self._dist.all_reduce(self._tensor(t, "all_reduce tensor", True), group=self._pg)
@@ -352,6 +397,14 @@ class GlooCommunicator(Communicator):
         o = self._tensor(out, "reduce_scatter_tensor output", True)
         i = self._tensor(inp, "reduce_scatter_tensor input", False)
         self._dist.reduce_scatter_single(o.view(-1), i.reshape(-1), group=self._pg)
+
+    def all_to_all(self, out: Any, inp: Any) -> None:
+        o, o_buffer = self._checked(out, "all_to_all output", True)
+        i, i_buffer = self._checked(inp, "all_to_all input", False)
+        _check_all_to_all(o, i, o_buffer, i_buffer, self.world_size)
+        if o_buffer[0] == i_buffer[0]:
+            i = i.clone()  # gloo's all_to_all_single reads blocks it has already overwritten
+        self._dist.all_to_all_single(o.view(-1), i.reshape(-1), group=self._pg)
 
     def broadcast(self, t: Any, root: int) -> None:
         tensor = self._tensor(t, "broadcast tensor", True)

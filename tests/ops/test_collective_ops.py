@@ -1,7 +1,8 @@
 """Collective ops' three faces: torch ops, ONNX nodes in domain numaov.collective, OpenVINO ops.
 
-One tiny DP-attention MoE step (own rows -> every rank's rows -> expert shard -> own rows) is
-exported once per dtype and used throughout: the ONNX nodes and their attributes, OpenVINO's
+One tiny DP-attention MoE step (own rows -> every rank's rows -> expert shard -> own rows, and
+the expert shards' partial sums exchanged all-to-all) is exported once per dtype and used
+throughout: the ONNX nodes and their attributes, OpenVINO's
 ONNX reading and IR round trip, shape inference, and two spawned ranks that run the IR and the
 eager torch ops over shared memory against plain float64 math. Last, two spawned ranks where one
 rank's OpenVINO op refuses its input: the other rank stops at once, not at the timeout.
@@ -28,6 +29,7 @@ from numaov.custom_ops import (
     add_extension,
     all_gather_into_tensor,
     all_reduce,
+    all_to_all,
     check_onnxruntime_can_run,
     library_path,
     reduce_scatter_tensor,
@@ -41,11 +43,15 @@ WORLD_SIZE = 2
 # from other runs by the per-run job id that run_on_ranks picks.
 GROUP = "collective-ops-test"
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-COLLECTIVE_TYPES = ("AllGatherIntoTensor", "ReduceScatterTensor", "AllReduce")
+COLLECTIVE_TYPES = ("AllGatherIntoTensor", "AllToAll", "ReduceScatterTensor", "AllReduce")
 
 
 class MoEStep(torch.nn.Module):
-    """One DP-attention MoE step; `gate` stands for this rank's expert shard."""
+    """One DP-attention MoE step; `gate` stands for this rank's expert shard.
+
+    The second output puts all_to_all where its result depends on every rank's input and on
+    the block order: rank r receives block r of every rank's partial sums.
+    """
 
     def __init__(self, dim: int, group: str, world_size: int) -> None:
         super().__init__()
@@ -54,17 +60,19 @@ class MoEStep(torch.nn.Module):
         self.up = torch.nn.Linear(dim, dim)
         self.expert = torch.nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # 1. own tokens: [n, d]
         h = self.up(x)
         # 2. every rank's tokens: [world_size * n, d]
         rows = all_gather_into_tensor(h, self.group, self.world_size)
         # 3. this rank's expert shard on all tokens: [world_size * n, d]
         partial = self.expert(rows) * gate
-        # 4. own tokens summed over the shards: [n, d]
+        # 4. own tokens' partial sums from every shard, in rank order: [world_size * n, d]
+        exchanged = all_to_all(partial, self.group, self.world_size)
+        # 5. own tokens summed over the shards: [n, d]
         mine = reduce_scatter_tensor(partial, self.group, self.world_size)
-        # 5. summed over ranks, plus a residual: [n, d]
-        return all_reduce(mine, self.group, self.world_size) + h
+        # 6. summed over ranks, plus a residual: [n, d]
+        return all_reduce(mine, self.group, self.world_size) + h, exchanged
 
 
 def _module(dtype: torch.dtype) -> MoEStep:
@@ -82,7 +90,8 @@ def _inputs(rows: int, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return xs, gates
 
 
-def _plain_math(xs: list[np.ndarray], gates: list[np.ndarray]) -> list[np.ndarray]:
+def _plain_math(xs: list[np.ndarray],
+                gates: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
     """MoEStep of every rank in float64 numpy, no collectives: the ground truth."""
     m = _module(torch.float32)
     w1, b1 = m.up.weight.double().detach().numpy(), m.up.bias.double().detach().numpy()
@@ -92,8 +101,10 @@ def _plain_math(xs: list[np.ndarray], gates: list[np.ndarray]) -> list[np.ndarra
     partials = [(rows @ w2.T + b2) * g.astype(np.float64) for g in gates]
     n = xs[0].shape[0]
     mine = [sum(p[r * n:(r + 1) * n] for p in partials) for r in range(WORLD_SIZE)]
+    exchanged = [np.concatenate([p[r * n:(r + 1) * n] for p in partials])
+                 for r in range(WORLD_SIZE)]
     total = sum(mine)
-    return [total + h for h in hs]
+    return [(total + h, e) for h, e in zip(hs, exchanged, strict=True)]
 
 
 def _to_ov(array: np.ndarray, dtype: str) -> ov.Tensor:
@@ -161,6 +172,25 @@ def test_export_writes_collective_nodes_with_attributes(exported) -> None:
     assert out_dims[0].dim_param and out_dims[1].dim_value == DIM
 
 
+def test_the_exporters_translation_table_writes_the_same_nodes(exported, tmp_path: Path) -> None:
+    # numaov's exporter captures with torch.export before torch.onnx.export sees the program,
+    # so its collectives reach ONNX through collective_translation_table, not _onnx_node.
+    from numaov.exporter.onnx_export import export_onnx
+
+    xs, gates = _inputs(rows=3, seed=SEED)
+    path = tmp_path / "moe_step.onnx"
+    export_onnx(_module(torch.float32), (torch.from_numpy(xs[0]), torch.from_numpy(gates[0])),
+                None, ({0: torch.export.Dim("rows")}, None), path)
+
+    def collective_nodes(onnx_path: Path) -> list:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        return [(n.op_type, {a.name: helper.get_attribute_value(a) for a in n.attribute})
+                for n in model.graph.node if n.domain == COLLECTIVE_DOMAIN]
+
+    assert collective_nodes(path) == collective_nodes(exported["f32"][0])
+    assert [op for op, _ in collective_nodes(path)] == list(COLLECTIVE_TYPES)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_openvino_reads_onnx_and_ir_round_trips(exported, dtype: str) -> None:
     onnx_path, xml_path = exported[dtype]
@@ -174,7 +204,7 @@ def test_openvino_reads_onnx_and_ir_round_trips(exported, dtype: str) -> None:
             assert op.get_output_element_type(0) == (ov.Type.f32 if dtype == "f32"
                                                      else ov.Type.bf16)
         shapes = [str(op.get_output_partial_shape(0)) for op in ops]
-        assert shapes == [f"[?,{DIM}]"] * 3
+        assert shapes == [f"[?,{DIM}]"] * 4
     assert xml_path.with_suffix(".bin").is_file()
     assert 'type="AllGatherIntoTensor" version="numaov"' in xml_path.read_text()
 
@@ -185,6 +215,7 @@ def test_shapes_follow_world_size_after_reshape(exported) -> None:
     shapes = {op.get_type_name(): op.get_output_partial_shape(0)
               for op in model.get_ordered_ops() if op.get_type_info().version_id == "numaov"}
     assert shapes == {"AllGatherIntoTensor": ov.PartialShape([10, DIM]),
+                      "AllToAll": ov.PartialShape([10, DIM]),
                       "ReduceScatterTensor": ov.PartialShape([5, DIM]),
                       "AllReduce": ov.PartialShape([5, DIM])}
     # An interval scales too: 2..5 rows per rank gather to 4..10.
@@ -214,8 +245,10 @@ def _single_node_onnx(path: Path, op_type: str, dims: list, world_size: int,
     ("AllReduce", [4, 3], "[4,3]"),
     ("AllGatherIntoTensor", [4, 3], "[12,3]"),
     ("ReduceScatterTensor", [6, 3], "[2,3]"),
+    ("AllToAll", [6, 3], "[6,3]"),
     ("AllGatherIntoTensor", ["n", 3], "[?,3]"),
     ("ReduceScatterTensor", ["n", 3], "[?,3]"),
+    ("AllToAll", ["n", 3], "[?,3]"),
     ("AllReduce", [], "[]"),
 ])
 def test_shape_inference_of_one_node(tmp_path: Path, op_type: str, dims: list,
@@ -226,7 +259,9 @@ def test_shape_inference_of_one_node(tmp_path: Path, op_type: str, dims: list,
 
 @pytest.mark.parametrize(("op_type", "dims", "message"), [
     ("ReduceScatterTensor", [4, 3], "input dim 0 is 4; expected a multiple of world_size 3"),
+    ("AllToAll", [4, 3], "input dim 0 is 4; expected a multiple of world_size 3"),
     ("AllGatherIntoTensor", [], "input is a scalar"),
+    ("AllToAll", [], "input is a scalar"),
 ])
 def test_shape_errors_name_the_problem(tmp_path: Path, op_type: str, dims: list,
                                        message: str) -> None:
@@ -246,6 +281,7 @@ def test_fake_kernels_keep_the_row_count_symbolic() -> None:
     rows = program.graph_signature.user_inputs[0]
     rows = next(n for n in program.graph.nodes if n.name == rows).meta["val"].shape[0]
     assert shapes == {"numaov.all_gather_into_tensor.default": (2 * rows, DIM),
+                      "numaov.all_to_all.default": (2 * rows, DIM),
                       "numaov.reduce_scatter_tensor.default": (rows, DIM),
                       "numaov.all_reduce.default": (rows, DIM)}
 
@@ -254,6 +290,10 @@ def test_fake_kernels_keep_the_row_count_symbolic() -> None:
     (lambda: all_reduce(torch.ones(4, dtype=torch.int64), GROUP, 2), "dtype is torch.int64"),
     (lambda: reduce_scatter_tensor(torch.ones(5, 2), GROUP, 2),
      "dim 0 is 5; expected a multiple of world_size 2"),
+    (lambda: all_to_all(torch.ones(5, 2), GROUP, 2),
+     "all_to_all: dim 0 is 5; expected a multiple of world_size 2"),
+    (lambda: all_to_all(torch.ones(()), GROUP, 2), "tensor is a scalar"),
+    (lambda: all_to_all(torch.ones(4, dtype=torch.int32), GROUP, 2), "dtype is torch.int32"),
     (lambda: all_gather_into_tensor(torch.ones(()), GROUP, 2), "tensor is a scalar"),
     (lambda: all_reduce(torch.ones(2), "", 2), "expected a non-empty group name"),
     (lambda: all_reduce(torch.ones(2), GROUP, 0), "world_size is 0"),
@@ -267,7 +307,8 @@ def test_onnxruntime_refusal_is_clear(exported, tmp_path: Path) -> None:
     onnx_path = exported["f32"][0]
     with pytest.raises(OnnxRuntimeUnsupportedError,
                        match=r"ONNX Runtime cannot run numaov\.collective nodes "
-                             r"\(AllGatherIntoTensor, AllReduce, ReduceScatterTensor\) in .*"
+                             r"\(AllGatherIntoTensor, AllReduce, AllToAll, ReduceScatterTensor\) "
+                             r"in .*"
                              r"use OpenVINO with the numaov extension"):
         check_onnxruntime_can_run(onnx_path)
     with pytest.raises(OnnxRuntimeUnsupportedError, match="AllReduce"):
@@ -316,7 +357,7 @@ def test_world_size_one_runs_in_openvino_and_eager(tmp_path: Path, solo_group,
     # With one rank every collective is the identity: exact.
     np.testing.assert_array_equal(compiled(x)[0], x)
     eager = {"AllReduce": all_reduce, "AllGatherIntoTensor": all_gather_into_tensor,
-             "ReduceScatterTensor": reduce_scatter_tensor}[op_type]
+             "ReduceScatterTensor": reduce_scatter_tensor, "AllToAll": all_to_all}[op_type]
     np.testing.assert_array_equal(eager(torch.from_numpy(x), group, 1).numpy(), x)
 
 
@@ -398,10 +439,12 @@ def _run_rank(context, job: dict) -> dict:
         for case, (x, gate) in enumerate(job["inputs"]):
             with torch.no_grad():
                 eager = module(torch.from_numpy(x).to(DTYPES[dtype]),
-                               torch.from_numpy(gate).to(DTYPES[dtype])).float().numpy()
+                               torch.from_numpy(gate).to(DTYPES[dtype]))
             request = compiled.create_infer_request()
             request.infer([_to_ov(x, dtype), _to_ov(gate, dtype)])
-            results[(dtype, case)] = (eager, _from_ov(request.get_output_tensor(0)))
+            for output in range(2):  # the step's result, the exchanged partial sums
+                results[(dtype, case, output)] = (eager[output].float().numpy(),
+                                                  _from_ov(request.get_output_tensor(output)))
     return results
 
 
@@ -428,19 +471,22 @@ def test_two_ranks_openvino_matches_eager_and_plain_math(exported, two_cpus) -> 
     # ops round in a row: up to 0.027 absolute seen against float64; atol 0.05 + rtol 2^-6
     # (two bf16 ulps) bounds that. OpenVINO and eager may round at different points, so they
     # are held to the same bound.
+    # The exchanged partial sums (all_to_all's output) went through fewer ops: the same bounds.
     tolerance = {"f32": {"rtol": 1e-5, "atol": 1e-5}, "bf16": {"rtol": 2.0**-6, "atol": 5e-2}}
     for case, (xs, gates) in enumerate(cases):
         truth = _plain_math(xs, gates)
+        rows = xs[0].shape[0]
         for dtype, tol in tolerance.items():
             for rank in range(WORLD_SIZE):
-                eager, openvino = per_rank[rank][(dtype, case)]
-                assert openvino.shape == truth[rank].shape == (xs[0].shape[0], DIM)
-                np.testing.assert_allclose(openvino, truth[rank], **tol,
-                                           err_msg=f"{dtype} case {case} rank {rank} OV")
-                np.testing.assert_allclose(eager, truth[rank], **tol,
-                                           err_msg=f"{dtype} case {case} rank {rank} eager")
-                np.testing.assert_allclose(openvino, eager, **tol,
-                                           err_msg=f"{dtype} case {case} rank {rank} OV/eager")
+                for output, shape in enumerate([(rows, DIM), (WORLD_SIZE * rows, DIM)]):
+                    eager, openvino = per_rank[rank][(dtype, case, output)]
+                    want = truth[rank][output]
+                    where = f"{dtype} case {case} rank {rank} output {output}"
+                    assert openvino.shape == want.shape == shape, where
+                    np.testing.assert_allclose(openvino, want, **tol, err_msg=f"{where} OV")
+                    np.testing.assert_allclose(eager, want, **tol, err_msg=f"{where} eager")
+                    np.testing.assert_allclose(openvino, eager, **tol,
+                                               err_msg=f"{where} OV/eager")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +501,7 @@ LATE_S = 0.5
 # for, whether rank 1's model names a group this process does not have). Rank 1 is the faulty one.
 FAILURES = {
     "shape": ("ReduceScatterTensor", (4, 5), (2, 2), False),   # 5 rows do not split over 2 ranks
+    "a2a-shape": ("AllToAll", (4, 5), (2, 2), False),          # nor do they for an all-to-all
     "world-size": ("AllReduce", (4, 4), (2, 3), False),        # rank 1's model is for 3 ranks
     "unknown-group": ("AllGatherIntoTensor", (4, 4), (2, 2), True),
 }
@@ -511,6 +558,8 @@ def test_an_openvino_op_error_on_one_rank_fails_the_peers_at_once(tmp_path: Path
     # The faulty rank names its op and what was wrong, at once.
     assert "ReduceScatterTensor 'y': input dim 0 is 5; expected a multiple of world_size 2" in (
         faulty["shape"]), faulty["shape"]
+    assert "AllToAll 'y': input dim 0 is 5; expected a multiple of world_size 2" in (
+        faulty["a2a-shape"]), faulty["a2a-shape"]
     assert "exported for world_size 3 but communicator group" in faulty["world-size"], faulty
     assert "AllGatherIntoTensor 'y'" in faulty["unknown-group"], faulty["unknown-group"]
     assert f"collective group '{prefix}-nowhere' not found" in faulty["unknown-group"]
@@ -518,7 +567,8 @@ def test_an_openvino_op_error_on_one_rank_fails_the_peers_at_once(tmp_path: Path
     for name in FAILURES:
         assert results[1][name][1] < 2.0, (name, results[1][name])
     # A known group is failed before the error is thrown: the waiting peer quotes it.
-    assert "group failed" in peer["shape"] and "input dim 0 is 5" in peer["shape"], peer
+    for name in ("shape", "a2a-shape"):
+        assert "group failed" in peer[name] and "input dim 0 is 5" in peer[name], peer
     assert "group failed" in peer["world-size"] and "world_size 3" in peer["world-size"], peer
     # An unknown group has nothing to fail; the peer stops when the faulty rank closes its own.
     assert "rank 1 closed its communicator" in peer["unknown-group"], peer["unknown-group"]

@@ -1,8 +1,9 @@
 """The shared-memory collectives when things go wrong: every rank raises, nothing hangs, and
 /dev/shm is left clean.
 
-Mismatched ops, sizes, dtypes and roots; a rank that never arrives (timeout) or arrives late
-(no error); a bad argument on one rank; a rank killed in the middle of a collective; a segment
+Mismatched ops, sizes, dtypes and roots (all_to_all among them); a rank that never arrives
+(timeout) or arrives late (no error); a bad argument on one rank (an all_to_all input that does
+not split evenly); a rank killed in the middle of an all_reduce or an all_to_all; a segment
 left by a killed run (reclaimed) or held by a live one (refused); a full /dev/shm; ranks that
 never attach. Ranks are spawned processes; all timeouts are short so the file stays fast.
 """
@@ -71,6 +72,26 @@ def _bad_argument(comm: Any, rank: int) -> None:
     comm.all_reduce(np.ones(1000, np.int64 if rank == 1 else np.float32))
 
 
+def _all_to_all_op_mismatch(comm: Any, rank: int) -> None:
+    # The same buffers as a reduce_scatter_tensor's: only the op differs.
+    x = np.ones(3000, np.float32)
+    if rank == 0:
+        comm.all_to_all(np.empty(3000, np.float32), x)
+    else:
+        comm.reduce_scatter_tensor(np.empty(1000, np.float32), x)
+
+
+def _all_to_all_size_mismatch(comm: Any, rank: int) -> None:
+    n = 3003 if rank == 2 else 3000
+    comm.all_to_all(np.empty(n, np.float32), np.ones(n, np.float32))
+
+
+def _all_to_all_uneven(comm: Any, rank: int) -> None:
+    # Rank 1's dim 0 (4 rows) does not split over 3 ranks: refused before any data moves.
+    rows = 4 if rank == 1 else 3
+    comm.all_to_all(np.empty((rows, 5), np.float32), np.ones((rows, 5), np.float32))
+
+
 SCENARIOS = {
     "op": _op_mismatch,
     "size": _size_mismatch,
@@ -79,6 +100,9 @@ SCENARIOS = {
     "timeout": _never_arrives,
     "late": _arrives_late,
     "argument": _bad_argument,
+    "a2a-op": _all_to_all_op_mismatch,
+    "a2a-size": _all_to_all_size_mismatch,
+    "a2a-uneven": _all_to_all_uneven,
 }
 
 
@@ -121,7 +145,9 @@ def test_mismatches_timeouts_and_bad_arguments_raise_on_every_rank() -> None:
     for name, left, right in (("op", "all_reduce", "all_gather_into_tensor"),
                               ("size", "count=1000", "count=1001"),
                               ("dtype", "dtype=f32", "dtype=f16"),
-                              ("root", "root=1", "root=2")):
+                              ("root", "root=1", "root=2"),
+                              ("a2a-op", "all_to_all", "reduce_scatter_tensor"),
+                              ("a2a-size", "all_to_all(count=1000", "all_to_all(count=1001")):
         for rank, message in enumerate(errors[name]):
             assert "mismatch" in message and left in message and right in message, (
                 name, rank, message)
@@ -139,6 +165,14 @@ def test_mismatches_timeouts_and_bad_arguments_raise_on_every_rank() -> None:
     for rank in (0, 2):
         assert "group failed" in errors["argument"][rank], errors["argument"][rank]
         assert "int64" in errors["argument"][rank], errors["argument"][rank]
+    # So does an uneven all_to_all split on rank 1: equal splits only.
+    uneven = "input dim 0 is 4; expected a multiple of world_size 3 (equal splits only)"
+    assert uneven in errors["a2a-uneven"][1], errors["a2a-uneven"][1]
+    for rank in (0, 2):
+        assert "group failed" in errors["a2a-uneven"][rank], errors["a2a-uneven"][rank]
+        assert uneven in errors["a2a-uneven"][rank], errors["a2a-uneven"][rank]
+    for name, messages in errors.items():
+        assert all("\n" not in m for m in messages), (name, messages)  # one line each
     for name in SCENARIOS.keys() - {"late"}:
         for message in afters[name]:
             assert "failed earlier" in message, (name, message)
@@ -150,42 +184,58 @@ def test_mismatches_timeouts_and_bad_arguments_raise_on_every_rank() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _looping_worker(rank: int, world: int, args: dict) -> str:
+def _looping_worker(rank: int, world: int, args: dict) -> tuple[str, float]:
+    """The error that stopped this rank, and when (time.monotonic(): one clock for every
+    process of the machine)."""
     from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 
     comm = ShmCommunicator(args["group"], rank, world, job_id=args["group"],
                            timeout_s=args["timeout"])
-    x = np.ones(4 << 20, np.float32)  # 16 MiB: many chunks per call, so a kill lands inside one
+    # 16 MiB (all_to_all: 4 MiB per rank): many chunks per call, so a kill lands inside one.
+    x = np.ones((world, 1 << 20) if args["op"] == "all_to_all" else 4 << 20, np.float32)
     try:
         for i in range(100_000):
-            comm.all_reduce(x)
-            x[:] = 1.0
+            if args["op"] == "all_to_all":
+                comm.all_to_all(x, x)  # in place: a copy, nothing to reset
+            else:
+                comm.all_reduce(x)
+                x[:] = 1.0
             if i == 2:
                 args["running"][rank].set()
     except CollectiveError as exc:
-        return str(exc)
+        return str(exc), time.monotonic()
     finally:
         comm.close()
-    return "no error"
+    return "no error", time.monotonic()
 
 
-def test_a_killed_rank_stops_the_others_and_leaves_nothing_in_dev_shm() -> None:
+@pytest.mark.parametrize("op", ["all_reduce", "all_to_all"])
+def test_a_killed_rank_stops_the_others_and_leaves_nothing_in_dev_shm(op: str) -> None:
     import multiprocessing as mp
 
-    group = unique_name("killed")
+    group = unique_name(f"killed-{op}")
     ctx = mp.get_context("spawn")
     running = [ctx.Event() for _ in range(3)]
     # A generous timeout: the survivors must notice the death themselves, well before it.
-    ranks = RankGroup(3, _looping_worker, {"group": group, "timeout": 60.0, "running": running})
+    timeout_s = 60.0
+    ranks = RankGroup(3, _looping_worker,
+                      {"group": group, "timeout": timeout_s, "running": running, "op": op})
     for event in running:
         assert event.wait(120), "ranks did not start looping"
     time.sleep(0.2)
+    killed = time.monotonic()
     ranks.kill(1)
     results = ranks.collect(60)
+    stopped_s = max(results[rank][1] for rank in (0, 2)) - killed
+    print(f"{op}: the survivors raised {stopped_s:.3f} s after the kill (timeout {timeout_s} s)")
     for rank in (0, 2):
-        message = results[rank]
+        message = results[rank][0]
         assert "rank 1" in message and ("exited" in message or "failed" in message), message
-        assert "timed out" not in message, message
+        assert op in message, message
+        assert "timed out" not in message and "\n" not in message, message
+    # Waits check the peer's process every 20 ms; the rest is the kill itself and scheduling
+    # on a loaded machine.
+    assert stopped_s < 5.0 < timeout_s, stopped_s
     assert shm_leftovers(group) == []
 
 

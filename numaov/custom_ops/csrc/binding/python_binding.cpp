@@ -102,7 +102,8 @@ PYBIND11_MODULE(_native, m) {
             "chunk_elements",
             [](const ShmCommunicator& c, const std::string& op, uint32_t dtype) {
                 for (auto o : {numaov::Op::all_reduce, numaov::Op::all_gather_into_tensor,
-                               numaov::Op::reduce_scatter_tensor, numaov::Op::broadcast}) {
+                               numaov::Op::reduce_scatter_tensor, numaov::Op::all_to_all,
+                               numaov::Op::broadcast}) {
                     if (op == numaov::op_name(o))
                         return c.chunk_elements(o, dtype_from_code(dtype));
                 }
@@ -127,6 +128,13 @@ PYBIND11_MODULE(_native, m) {
             [](ShmCommunicator& c, uintptr_t out, uintptr_t in, uint64_t count, uint32_t dtype) {
                 c.reduce_scatter_tensor(address<void>(out), address<const void>(in), count,
                                         dtype_from_code(dtype));
+            },
+            Release())
+        .def(
+            "all_to_all",
+            [](ShmCommunicator& c, uintptr_t out, uintptr_t in, uint64_t count, uint32_t dtype) {
+                c.all_to_all(address<void>(out), address<const void>(in), count,
+                             dtype_from_code(dtype));
             },
             Release())
         .def(

@@ -153,6 +153,7 @@ const char* op_name(Op op) {
         case Op::all_gather_into_tensor: return "all_gather_into_tensor";
         case Op::reduce_scatter_tensor: return "reduce_scatter_tensor";
         case Op::broadcast: return "broadcast";
+        case Op::all_to_all: return "all_to_all";
     }
     return "unknown";
 }
@@ -400,7 +401,8 @@ uint64_t ShmCommunicator::chunk_elements(Op op, DType dtype) const {
             const uint64_t chunk = buffer_bytes_ / es * world / (world + 1);
             return chunk - chunk % (line * world);
         }
-        case Op::reduce_scatter_tensor: {
+        case Op::reduce_scatter_tensor:
+        case Op::all_to_all: {
             // One slot per destination rank.
             const uint64_t chunk = buffer_bytes_ / world / es;
             return chunk - chunk % line;
@@ -583,6 +585,61 @@ void ShmCommunicator::all_gather_into_tensor(void* output, const void* input, ui
                 if (p == rank_) continue;
                 kernels::copy(out + (uint64_t(p) * count + j * chunk) * es, peer_half(p), n * es,
                               stream);
+            }
+            if (j + 1 < chunks) produce(j + 1);
+        }
+    });
+}
+
+// My half holds one slot per destination rank, as reduce_scatter_tensor's:
+// round j carries chunk j of every block I send, and each rank copies its
+// own slot out of every peer's half.
+//
+//   my half, round j:  | to rank 0 | to rank 1 | ... | to rank w-1 |   (my own slot unused)
+//                      0         chunk * es
+//
+// A copy, not a sum: every rank receives its peers' bytes unchanged, so the
+// result is bit-identical to any transport's. My own block goes straight from
+// input to output. In place (output == input) is safe: chunk j of every
+// block is copied into my half before round j is published, and round j
+// overwrites only chunk j of the output's blocks, which is chunk j of the
+// input's.
+void ShmCommunicator::all_to_all(void* output, const void* input, uint64_t count,
+                                 DType dtype) {
+    run(Op::all_to_all, dtype, count, 0, [&](const Call& call) {
+        const uint64_t es = dtype_size(dtype);
+        const uint64_t block_bytes = count * es;
+        const uint64_t total = block_bytes * uint64_t(world_);
+        auto* out = static_cast<uint8_t*>(output);
+        const auto* in = static_cast<const uint8_t*>(input);
+        if (out != in && overlaps(out, total, in, total)) {
+            throw error("all_to_all output overlaps its input at " + where(call) +
+                        "; expected separate buffers or the very same buffer (in place)");
+        }
+        const uint64_t mine = uint64_t(rank_) * block_bytes;
+        const bool stream = streams(total);
+        if (out != in) kernels::copy(out + mine, in + mine, block_bytes, stream);
+        if (world_ == 1) return;
+        const uint64_t chunk = chunk_elements(Op::all_to_all, dtype);
+        const uint64_t chunks = chunk_count(count, chunk);
+        auto produce = [&](uint64_t j) {
+            const uint64_t n = chunk_length(count, chunk, j);
+            uint8_t* half = next_half();
+            for (int d = 0; d < world_; ++d) {
+                if (d == rank_) continue;
+                kernels::copy(half + uint64_t(d) * chunk * es,
+                              in + uint64_t(d) * block_bytes + j * chunk * es, n * es, false);
+            }
+        };
+        produce(0);
+        for (uint64_t j = 0; j < chunks; ++j) {
+            publish(call);
+            wait_all(call);
+            const uint64_t n = chunk_length(count, chunk, j);
+            for (int p = 0; p < world_; ++p) {
+                if (p == rank_) continue;
+                kernels::copy(out + uint64_t(p) * block_bytes + j * chunk * es,
+                              peer_half(p) + uint64_t(rank_) * chunk * es, n * es, stream);
             }
             if (j + 1 < chunks) produce(j + 1);
         }

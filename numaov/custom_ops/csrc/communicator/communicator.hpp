@@ -31,6 +31,12 @@ public:
     // sum over ranks of input[rank * count : (rank + 1) * count].
     virtual void reduce_scatter_tensor(void* output, const void* input, uint64_t count,
                                        DType dtype) = 0;
+    // input and output hold world_size * count elements each, in world_size
+    // blocks of count: block j of input goes to rank j, and block i of output
+    // comes from rank i (its input's block `rank`). Equal blocks only: every
+    // rank sends and receives count elements per peer. In place (output ==
+    // input) is fine.
+    virtual void all_to_all(void* output, const void* input, uint64_t count, DType dtype) = 0;
     // data holds count elements, overwritten on every rank by root's.
     virtual void broadcast(void* data, uint64_t count, DType dtype, int root) = 0;
     virtual void barrier() = 0;

@@ -22,6 +22,7 @@ enum class Op : uint32_t {
     all_gather_into_tensor = 3,
     reduce_scatter_tensor = 4,
     broadcast = 5,
+    all_to_all = 6,
 };
 const char* op_name(Op op);
 
@@ -54,6 +55,7 @@ public:
                                 DType dtype) override;
     void reduce_scatter_tensor(void* output, const void* input, uint64_t count,
                                DType dtype) override;
+    void all_to_all(void* output, const void* input, uint64_t count, DType dtype) override;
     void broadcast(void* data, uint64_t count, DType dtype, int root) override;
     void barrier() override;
 

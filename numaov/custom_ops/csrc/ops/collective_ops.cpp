@@ -65,6 +65,19 @@ ov::PartialShape CollectiveOp::validate_common(bool splits_dim0) {
     return shape;
 }
 
+// At run time the CPU plugin infers a dynamic extension op's shapes by
+// calling validate_and_infer_types() on a clone whose inputs are Constants
+// holding the run-time tensors. A check failing there would throw before
+// evaluate() can mark the group failed, leaving the peers to time out; so
+// behind a Constant (run-time shapes, or a literal in the model) the check is
+// evaluate()'s (block_elements), and everywhere else (reading, reshaping,
+// compiling) it is made here.
+void CollectiveOp::validate_blocks(const ov::Dimension& dim0) {
+    const bool checked_by_evaluate = ov::is_type<ov::op::v0::Constant>(get_input_node_ptr(0));
+    NODE_VALIDATION_CHECK(this, checked_by_evaluate || dim0.is_dynamic() || dim0.get_length() % m_world_size == 0,
+                          "input dim 0 is ", dim0, "; expected a multiple of world_size ", m_world_size);
+}
+
 void CollectiveOp::Call::refuse(const std::string& text) const {
     comm->fail(text);
     throw CollectiveError(text);
@@ -101,6 +114,18 @@ CollectiveOp::Call CollectiveOp::begin_call(const ov::Tensor& input) const {
         call.refuse(describe(*this) + ": " + e.what());
     }
     return call;
+}
+
+size_t CollectiveOp::block_elements(const Call& call, const ov::Tensor& input) const {
+    const ov::Shape& shape = input.get_shape();
+    const auto ranks = static_cast<size_t>(m_world_size);
+    if (shape.at(0) % ranks != 0) {
+        std::ostringstream msg;
+        msg << describe(*this) << ": input dim 0 is " << shape[0] << "; expected a multiple of world_size "
+            << m_world_size;
+        call.refuse(msg.str());
+    }
+    return input.get_size() / ranks;
 }
 
 // ---------------------------------------------------------------- AllReduce
@@ -171,18 +196,9 @@ void ReduceScatterTensor::validate_and_infer_types() {
     auto shape = validate_common(true);
     // [world_size * n, ...] -> [n, ...]; a dynamic dim 0 stays dynamic and
     // its divisibility is checked by evaluate().
-    //
-    // At run time the CPU plugin infers a dynamic extension op's shapes by
-    // calling this on a clone whose inputs are Constants holding the run-time
-    // tensors. A check failing there would throw before evaluate() can mark
-    // the group failed, leaving the peers to time out; so behind a Constant
-    // (run-time shapes, or a literal in the model) the check is evaluate()'s,
-    // and everywhere else (reading, reshaping, compiling) it is made here.
     if (shape.rank().is_static()) {
         auto& dim0 = shape[0];
-        const bool checked_by_evaluate = ov::is_type<ov::op::v0::Constant>(get_input_node_ptr(0));
-        NODE_VALIDATION_CHECK(this, checked_by_evaluate || dim0.is_dynamic() || dim0.get_length() % m_world_size == 0,
-                              "input dim 0 is ", dim0, "; expected a multiple of world_size ", m_world_size);
+        validate_blocks(dim0);
         // A static dim 0 is divided exactly (rounded down when evaluate() is to refuse it).
         dim0 = dim0.is_static() ? ov::Dimension(dim0.get_length() / m_world_size) : dim0 / m_world_size;
     }
@@ -197,17 +213,42 @@ bool ReduceScatterTensor::evaluate(ov::TensorVector& outputs, const ov::TensorVe
     const auto& in = inputs[0];
     auto& out = outputs[0];
     const auto call = begin_call(in);
+    const size_t count = block_elements(call, in);
     ov::Shape shape = in.get_shape();
-    const auto ranks = static_cast<size_t>(m_world_size);
-    if (shape.at(0) % ranks != 0) {
-        std::ostringstream msg;
-        msg << describe(*this) << ": input dim 0 is " << shape[0] << "; expected a multiple of world_size "
-            << m_world_size;
-        call.refuse(msg.str());
-    }
-    shape[0] /= ranks;
+    shape[0] /= static_cast<size_t>(m_world_size);
     out.set_shape(shape);
-    call.comm->reduce_scatter_tensor(out.data(), in.data(), out.get_size(), call.dtype);
+    call.comm->reduce_scatter_tensor(out.data(), in.data(), count, call.dtype);
+    return true;
+}
+
+// ---------------------------------------------------------------- AllToAll
+
+AllToAll::AllToAll(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size)
+    : CollectiveOp(arg, std::move(group), world_size) {
+    constructor_validate_and_infer_types();
+}
+
+void AllToAll::validate_and_infer_types() {
+    // [world_size * n, ...] -> [world_size * n, ...]: the shape is kept; a
+    // dynamic dim 0 stays dynamic and its divisibility is checked by evaluate().
+    const auto shape = validate_common(true);
+    if (shape.rank().is_static()) validate_blocks(shape[0]);
+    set_output_type(0, get_input_element_type(0), shape);
+}
+
+std::shared_ptr<ov::Node> AllToAll::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    return clone_as<AllToAll>(new_args);
+}
+
+bool AllToAll::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const auto& in = inputs[0];
+    auto& out = outputs[0];
+    const auto call = begin_call(in);
+    const size_t count = block_elements(call, in);
+    out.set_shape(in.get_shape());
+    // The communicator also runs in place, should the plugin have placed the
+    // output on the input's memory.
+    call.comm->all_to_all(out.data(), in.data(), count, call.dtype);
     return true;
 }
 

@@ -1,5 +1,5 @@
 // OpenVINO extension ops for the numaov collectives: AllReduce,
-// AllGatherIntoTensor and ReduceScatterTensor.
+// AllGatherIntoTensor, ReduceScatterTensor and AllToAll.
 //
 // Each op carries two attributes, `group` (the communicator's name) and
 // `world_size`, and nothing else: the communicator itself lives in the
@@ -33,7 +33,7 @@
 
 namespace numaov {
 
-// Shared by the three ops: the attributes, their IR/ONNX names, type checks
+// Shared by the four ops: the attributes, their IR/ONNX names, type checks
 // and the refusal to be constant-folded.
 class CollectiveOp : public ov::op::Op {
 public:
@@ -56,9 +56,14 @@ public:
 
 protected:
     // Checks the attributes and the input element type; returns the input's
-    // partial shape for the op to transform. `splits_dim0`: the gather and
-    // scatter ops split dim 0 across ranks, so the input needs one.
+    // partial shape for the op to transform. `splits_dim0`: the gather,
+    // scatter and all-to-all ops split dim 0 across ranks, so the input needs one.
     ov::PartialShape validate_common(bool splits_dim0);
+    // For the ops whose input dim 0 holds world_size equal blocks
+    // (ReduceScatterTensor, AllToAll): refuses a static dim 0 that world_size
+    // does not divide, except behind a Constant, where evaluate() checks it
+    // (see collective_ops.cpp, validate_blocks).
+    void validate_blocks(const ov::Dimension& dim0);
 
     template <class Concrete>
     std::shared_ptr<ov::Node> clone_as(const ov::OutputVector& new_args) const {
@@ -77,6 +82,10 @@ protected:
         [[noreturn]] void refuse(const std::string& text) const;
     };
     Call begin_call(const ov::Tensor& input) const;
+    // evaluate()'s side of validate_blocks: the elements of one of the
+    // world_size blocks of `input` along dim 0; refuses (failing the group)
+    // a dim 0 that world_size does not divide.
+    size_t block_elements(const Call& call, const ov::Tensor& input) const;
 
     std::string m_group;
     int64_t m_world_size = 1;
@@ -115,6 +124,21 @@ public:
 
     ReduceScatterTensor() = default;
     ReduceScatterTensor(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size);
+    void validate_and_infer_types() override;
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override;
+};
+
+// Block j of dim 0 goes to rank j; block i of the output comes from rank i
+// (torch.distributed's all_to_all_single with equal splits): the output has
+// the input's shape, whose dim 0 world_size must divide. Uneven splits are
+// not supported (the communicator moves equal blocks only).
+class AllToAll : public CollectiveOp {
+public:
+    OPENVINO_OP("AllToAll", "numaov", CollectiveOp);
+
+    AllToAll() = default;
+    AllToAll(const ov::Output<ov::Node>& arg, std::string group, int64_t world_size);
     void validate_and_infer_types() override;
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override;

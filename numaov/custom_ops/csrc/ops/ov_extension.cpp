@@ -47,6 +47,8 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<numaov::AllGatherIntoTensor>>(),
     // IR: the reduce-scatter of DP attention (each rank keeps its own rows).
     std::make_shared<ov::OpExtension<numaov::ReduceScatterTensor>>(),
+    // IR: the all-to-all of sequence parallelism (a token split becomes a head split and back).
+    std::make_shared<ov::OpExtension<numaov::AllToAll>>(),
     // IR: flash attention on AMX, put in place of ScaledDotProductAttention by
     // the runtime before compiling (never written by the exporter).
     std::make_shared<ov::OpExtension<numaov::FlashAttention>>(),
@@ -59,6 +61,9 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     // ONNX: numaov.collective::ReduceScatterTensor nodes become ReduceScatterTensor.
     std::make_shared<ov::frontend::onnx::OpExtension<numaov::ReduceScatterTensor>>(
         "ReduceScatterTensor", NUMAOV_COLLECTIVE_DOMAIN),
+    // ONNX: numaov.collective::AllToAll nodes become AllToAll.
+    std::make_shared<ov::frontend::onnx::OpExtension<numaov::AllToAll>>(
+        "AllToAll", NUMAOV_COLLECTIVE_DOMAIN),
     // IR: the routed experts of a MoE layer (grouped by expert, weights as inputs).
     std::make_shared<ov::OpExtension<numaov::MoeExperts>>(),
     // ONNX: numaov.moe::MoeExperts nodes written by the exporter become MoeExperts
