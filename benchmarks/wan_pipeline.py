@@ -20,8 +20,14 @@ and its timers see only the forward calls; "total" is each run's whole wall time
 ``--large`` the VAE decode also runs tiled (diffusers' tiling defaults) on one worker and on
 two workers of the binding plan (on a one-node machine the cores are split between them).
 
+With ``--cache first-block:THRESHOLD`` each configuration also times the denoising of numaov
+and diffusers each without and with First Block Cache (numaov's ``--cache``, diffusers'
+``enable_cache``) in alternating rounds, with the evaluations skipped and each side's largest
+frame change from its uncached run; ``--layers`` sets the transformer's blocks (the cache
+saves all but the first, so it needs more than the default 2 to show).
+
     python benchmarks/wan_pipeline.py [--steps 2] [--rounds 2] [--large | --configs NAMES]
-        [--work DIR]
+        [--work DIR] [--layers N] [--cache first-block:THRESHOLD]
 
 Writes benchmarks/out/wan_pipeline.json. A benchmark, not a test: it asserts nothing.
 """
@@ -56,7 +62,7 @@ PROMPT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 CONFIGS = {"17x256x256": (17, 256, 256), "33x480x832": (33, 480, 832)}
 
 
-def build(directory: Path):
+def build(directory: Path, layers: int = 2):
     from diffusers import (
         AutoencoderKLWan,
         UniPCMultistepScheduler,
@@ -82,7 +88,7 @@ def build(directory: Path):
     vae = AutoencoderKLWan().eval()
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
-        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=2,
+        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=layers,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads").eval()
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
@@ -108,7 +114,14 @@ class _Timer:
         return timed
 
 
-def run_diffusers(pipe, size, steps: int) -> dict[str, float]:
+def run_diffusers(pipe, size, steps: int, cache: str | None = None,
+                  frames: dict | None = None) -> dict[str, float]:
+    """diffusers' run, timed per component; ``cache`` ("first-block:THRESHOLD") turns on its
+    First Block Cache for the run; ``frames`` (a dict) receives the frames."""
+    if cache is not None:
+        from diffusers.hooks import FirstBlockCacheConfig
+
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=float(cache.split(":")[1])))
     timers = {"text_encoder": _Timer(), "denoise": _Timer(), "vae_decode": _Timer()}
     originals = (pipe.text_encoder.forward, pipe.transformer.forward, pipe.vae.decode)
     pipe.text_encoder.forward = timers["text_encoder"].wrap(originals[0])
@@ -117,21 +130,67 @@ def run_diffusers(pipe, size, steps: int) -> dict[str, float]:
     try:
         start = time.perf_counter()
         with torch.inference_mode():
-            pipe(PROMPT, num_frames=size[0], height=size[1], width=size[2],
-                 num_inference_steps=steps, guidance_scale=5.0,
-                 generator=torch.Generator().manual_seed(SEED), output_type="np")
+            video = pipe(PROMPT, num_frames=size[0], height=size[1], width=size[2],
+                         num_inference_steps=steps, guidance_scale=5.0,
+                         generator=torch.Generator().manual_seed(SEED), output_type="np")
         total = time.perf_counter() - start
     finally:
         pipe.text_encoder.forward, pipe.transformer.forward, pipe.vae.decode = originals
+        if cache is not None:
+            pipe.transformer.disable_cache()
+    if frames is not None:
+        frames["frames"] = video.frames[0]
     return {**{k: t.seconds for k, t in timers.items()}, "total": total}
 
 
-def run_numaov(export: Path, size, steps: int, out: Path) -> dict[str, float]:
+def run_numaov(export: Path, size, steps: int, out: Path | None, cache: str | None = None,
+               frames: dict | None = None) -> dict[str, float]:
     request = WanSampleRequest(frames=size[0], height=size[1], width=size[2], steps=steps,
-                               guidance=5.0, seed=SEED)
+                               guidance=5.0, seed=SEED, cache=cache)
     start = time.perf_counter()
     result = run_wan_pipeline(export, request, PROMPT, out)
+    if frames is not None:
+        frames["frames"], frames["skipped"] = result.frames, result.sample.skipped
     return {**result.seconds, "total": time.perf_counter() - start}
+
+
+def cached_rounds(export: Path, pipe, size, steps: int, rounds: int, cache: str) -> dict:
+    """numaov and diffusers, each without and with the step cache, in alternating rounds:
+    denoising seconds (medians and ranges), each side's cached speed-up, the evaluations
+    numaov skipped and how far each side's cached frames are from its uncached ones."""
+    runs: dict[str, list[float]] = {k: [] for k in ("numaov", "numaov_cached", "diffusers",
+                                                    "diffusers_cached")}
+    frames: dict[str, dict] = {k: {} for k in runs}
+    for r in range(rounds):
+        print(f"step cache {cache}: round {r + 1}/{rounds}", file=sys.stderr)
+        runs["numaov"].append(run_numaov(export, size, steps, None, None,
+                                         frames["numaov"])["denoise"])
+        runs["numaov_cached"].append(run_numaov(export, size, steps, None, cache,
+                                                frames["numaov_cached"])["denoise"])
+        runs["diffusers"].append(run_diffusers(pipe, size, steps, None,
+                                               frames["diffusers"])["denoise"])
+        runs["diffusers_cached"].append(run_diffusers(pipe, size, steps, cache,
+                                                      frames["diffusers_cached"])["denoise"])
+    median = {k: float(np.median(v)) for k, v in runs.items()}
+    entry = {
+        "cache": cache, "denoise_median_seconds": median,
+        "denoise_range_seconds": {k: [min(v), max(v)] for k, v in runs.items()},
+        "evaluations": 2 * steps, "numaov_skipped": frames["numaov_cached"]["skipped"],
+        "cache_speedup": {"numaov": median["numaov"] / median["numaov_cached"],
+                          "diffusers": median["diffusers"] / median["diffusers_cached"]},
+        "numaov_cached_vs_diffusers_cached": median["diffusers_cached"]
+        / median["numaov_cached"],
+        "max_frame_change": {side: float(np.abs(frames[f"{side}_cached"]["frames"]
+                                                - frames[side]["frames"]).max())
+                             for side in ("numaov", "diffusers")},
+    }
+    print(f"  step cache {cache}: denoise medians {median}; numaov skipped "
+          f"{entry['numaov_skipped']} of {2 * steps}; cached speed-up numaov "
+          f"{entry['cache_speedup']['numaov']:.2f}x, diffusers "
+          f"{entry['cache_speedup']['diffusers']:.2f}x; numaov cached "
+          f"{entry['numaov_cached_vs_diffusers_cached']:.2f}x diffusers cached; largest frame "
+          f"change from uncached: {entry['max_frame_change']}")
+    return entry
 
 
 def vae_workers(export: Path, size) -> dict[str, float]:
@@ -167,6 +226,11 @@ def main() -> int:
                         + " (default: the first, with --large both)")
     parser.add_argument("--work", type=Path, help="keep the pipeline and its export here "
                         "(reused when present; default: a temporary directory)")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="transformer blocks (default 2; Wan 2.1 1.3B has 30)")
+    parser.add_argument("--cache", metavar="first-block:THRESHOLD",
+                        help="also time both sides with this step cache (numaov's --cache, "
+                        "diffusers' enable_cache), denoising only, and compare the frames")
     args = parser.parse_args()
     names = (args.configs.split(",") if args.configs
              else list(CONFIGS) if args.large else ["17x256x256"])
@@ -176,12 +240,12 @@ def main() -> int:
     configs = {n: CONFIGS[n] for n in names}
     results: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
-        "steps": args.steps, "rounds": args.rounds, "configs": {},
+        "steps": args.steps, "rounds": args.rounds, "layers": args.layers, "configs": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = args.work or Path(tmp)
         print("building and exporting the pipeline (bf16)", file=sys.stderr)
-        pipe = build(root / "pipeline")
+        pipe = build(root / "pipeline", args.layers)
         if not (root / "export" / "manifest.json").is_file():
             start = time.perf_counter()
             export_wan(root / "pipeline", root / "export", precision="bf16")
@@ -208,6 +272,9 @@ def main() -> int:
                 if k in median["diffusers"]}}
             if name == "33x480x832":
                 entry["vae_workers"] = vae_workers(root / "export", size)
+            if args.cache:
+                entry["step_cache"] = cached_rounds(root / "export", pipe, size, args.steps,
+                                                    args.rounds, args.cache)
             results["configs"][name] = entry
             print(f"{name}:")
             for key, ratio in entry["speedup"].items():

@@ -171,7 +171,7 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
     request = WanSampleRequest(frames=args.frames, height=args.height, width=args.width,
                                steps=args.steps, guidance=args.guidance, seed=args.seed,
                                guidance_2=args.guidance_2, shift=args.shift,
-                               sampler=args.sampler)
+                               sampler=args.sampler, cache=args.cache)
     if args.prompt is not None:
         from numaov.runtime.wan.pipeline import run_wan_pipeline
         from numaov.runtime.wan.vae import VaeTiling
@@ -246,6 +246,11 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="timestep shift (flow_shift): default with --prompt the pipeline's "
                    "scheduler config's, with --text-embeddings 5.0 (Wan 2.1 T2V; 3.0 for "
                    "480p; distilled LoRAs: 5.0)")
+    p.add_argument("--cache", metavar="first-block[:THRESHOLD]",
+                   help="step caching as diffusers' FirstBlockCache (enable_cache): a "
+                   "branch whose first block's residual changed by at most THRESHOLD "
+                   "(relative, default 0.05) since its last full evaluation skips the other "
+                   "blocks; openvino backend")
     _add_common(p)
     p.set_defaults(func=cmd_run_wan)
 

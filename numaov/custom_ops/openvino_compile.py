@@ -38,6 +38,59 @@ class CompileError(NumaovError):
 
 
 @dataclass(frozen=True)
+class GraphPart:
+    """A part of a graph to compile on its own: the graph outputs ``outputs``, computed from
+    the graph's inputs and from the graph outputs named in ``feeds``, which become inputs of
+    the same name (their producers, and whatever only they need, are left out). A model that
+    exports its intermediate states as outputs can so run in pieces: the Wan transformer's
+    step cache runs its first block alone, then the rest, or only the output head."""
+
+    outputs: tuple[str, ...]
+    feeds: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        fed = f" from {', '.join(self.feeds)}" if self.feeds else ""
+        return f"the part giving {', '.join(self.outputs)}{fed}"
+
+    def of(self, model: Any) -> Any:
+        """The part as a new ``openvino.Model`` (``model`` is edited: pass a clone)."""
+        import openvino as ov
+
+        results = {name: result for result in model.get_results()
+                   for name in result.output(0).get_names()}
+        missing = [n for n in (*self.outputs, *self.feeds) if n not in results]
+        if missing:
+            raise ValueError(f"the graph has no output {', '.join(missing)} (it has "
+                             f"{', '.join(sorted(results))})")
+        fed = []
+        for name in self.feeds:
+            source = results[name].input_value(0)
+            parameter = ov.opset13.parameter(source.get_partial_shape(),
+                                             source.get_element_type(), name=name)
+            parameter.output(0).set_names({name})
+            for target in list(source.get_target_inputs()):
+                if target.get_node() is not results[name]:
+                    target.replace_source_output(parameter.output(0))
+            fed.append(parameter)
+        kept = [results[name] for name in self.outputs]
+        needed = _reachable(kept)
+        parameters = [p for p in model.get_parameters() if p in needed] + fed
+        return ov.Model(kept, parameters, model.get_friendly_name())
+
+
+def _reachable(results: list[Any]) -> set[Any]:
+    """Every node the ``results`` depend on."""
+    seen, stack = set(), list(results)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(value.get_node() for value in node.input_values())
+    return seen
+
+
+@dataclass(frozen=True)
 class CompiledIR:
     """A compiled model and the attention kernel its plain attention nodes run on."""
 
@@ -110,6 +163,7 @@ def compile_ir(
     properties: Mapping[str, Any] | None = None,
     attention: str | None = None,
     bf16_io: tuple[str, ...] = (),
+    part: GraphPart | None = None,
 ) -> CompiledIR:
     """Compile ``source`` (an ``.xml`` path, or an ``openvino.Model``, which is left as it
     is) for the CPU at inference ``precision`` (``"f32"`` / ``"bf16"``).
@@ -121,7 +175,7 @@ def compile_ir(
     and outputs exchanged as bf16 tensors when the effective precision is bf16 (state a loop
     passes from one call to the next, which then needs no conversion either way). Raises
     `CompileError` naming the file on any OpenVINO failure, and ``AttentionSettingError`` for
-    a bad attention setting.
+    a bad attention setting. ``part`` compiles a part of the graph (`GraphPart`).
     """
     import openvino as ov
 
@@ -145,7 +199,12 @@ def compile_ir(
     else:
         name = f"model {source.get_friendly_name()!r}"
         # the caller's model is left as it is: swapping and pre/post-processing edit a copy
-        model = source.clone() if kernel == "numaov" or bf16_io else source
+        model = source.clone() if kernel == "numaov" or bf16_io or part else source
+    if part is not None:
+        try:
+            model = part.of(model)
+        except Exception as exc:
+            raise CompileError(f"cannot take {part} of {name}: {_cause(exc)}") from exc
     swapped = swap_attention(model) if kernel == "numaov" else 0
     if bf16_io and effective == "bf16":
         try:

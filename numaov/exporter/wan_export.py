@@ -65,6 +65,7 @@ from numaov.exporter.wan_pipeline_export import (
     read_model_index,
 )
 from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
+from numaov.models.wan import BLOCK_OUTPUTS
 from numaov.models.wan.lora import LoraError, LoraSpec, WanLora
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ ONNX_NAME = "model.onnx"
 REFERENCE_SAMPLE_NAME = "reference_sample.npz"
 IR_NAME = "model.xml"
 OUTPUT_NAME = "sample"
+OUTPUT_NAMES = (OUTPUT_NAME, *BLOCK_OUTPUTS)
 # Example sizes the graph is traced with, as (batch, frame / height / width patches, text
 # length): all different from each other and from 0/1, which torch.export would specialise.
 EXAMPLE_SIZES = (2, 3, 4, 5, 11)
@@ -247,6 +249,7 @@ def _export_into(
            + (f" and merging {len(loras)} LoRA(s) in f32" if loras else ""))
     model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32, loras=loras)
     model.split_ffn_columns(FFN_COLUMN_BLOCK)
+    model.block_outputs = True  # the step cache's parts (runtime/wan/step_cache.py)
     config = model.config
     timings["load"] = time.perf_counter() - start
 
@@ -260,7 +263,7 @@ def _export_into(
         out_dir / ONNX_NAME,
         lowering,
         report,
-        output_names=[OUTPUT_NAME],
+        output_names=list(OUTPUT_NAMES),
     )
     timings["onnx_export"] = time.perf_counter() - start
 
@@ -283,11 +286,12 @@ def _export_into(
     figures = check_parity(
         input_sets,
         reference,
-        [OUTPUT_NAME],
+        list(OUTPUT_NAMES),
         graph.path,
         xml_path,
         openvino_precision=INFERENCE_PRECISION[precision],
         progress=report,
+        measured_outputs=[OUTPUT_NAME],
     )
     timings["parity"] = time.perf_counter() - start
 

@@ -80,23 +80,28 @@ class ModelManifest:
         self.record.verify_file(self.directory, files.ir_bin)
         return self.record.verify_file(self.directory, files.ir_xml)
 
+    @property
+    def output_names(self) -> list[str]:
+        return [spec.name for spec in self.record.outputs]
+
     def compile_rank(self, rank: int = 0, config: Mapping[str, Any] | None = None,
-                     bf16_io: tuple[str, ...] = ()) -> Any:
+                     bf16_io: tuple[str, ...] = (), part: Any = None) -> Any:
         """Rank ``rank``'s IR, checked and compiled the one way numaov compiles
         (``numaov.custom_ops.compile_ir``) at this export's inference precision, with
-        ``config``'s OpenVINO properties on top and ``bf16_io`` as there; returns a
-        ``CompiledIR``."""
+        ``config``'s OpenVINO properties on top and ``bf16_io`` and ``part`` (a
+        ``GraphPart``) as there; returns a ``CompiledIR``."""
         from numaov.custom_ops import compile_ir
 
         def compiled() -> Any:
             return compile_ir(self.checked_ir(rank), self.inference_precision, config,
-                              bf16_io=bf16_io)
+                              bf16_io=bf16_io, part=part)
 
         kept = _KEPT_COMPILED.get()
         if kept is None:
             return compiled()
         key = (str(self.rank(rank).ir_xml), self.inference_precision,
-               tuple(sorted((str(k), str(v)) for k, v in (config or {}).items())), bf16_io)
+               tuple(sorted((str(k), str(v)) for k, v in (config or {}).items())), bf16_io,
+               part)
         if key not in kept:
             kept[key] = compiled()
         return kept[key]

@@ -137,19 +137,23 @@ def test_create_poll_download_list_delete_with_the_openai_client(served) -> None
 
 
 @slow
-def test_a_guidance_free_few_step_job_takes_the_scheduler_and_shift(served) -> None:
-    """As `run wan --guidance 1 --scheduler euler --shift 5` (a distilled LoRA's recipe):
-    the job runs with them and says so; the settings are checked at creation."""
+def test_a_guidance_free_few_step_job_takes_the_scheduler_shift_and_cache(served) -> None:
+    """As `run wan --guidance 1 --scheduler euler --shift 5 --cache first-block:0.3` (a
+    distilled LoRA's recipe, cached): the job runs with them and says so; the settings are
+    checked at creation."""
     from openai import BadRequestError
 
     client = served["openai"]
     created = client.videos.create(prompt=PROMPT, size="48x32", seconds="1", extra_body={
-        "steps": 2, "guidance": 1, "scheduler": "euler", "shift": 5.0, "seed": 3})
+        "steps": 4, "guidance": 1, "scheduler": "euler", "shift": 5.0, "seed": 3,
+        "cache": "first-block:0.3"})
     video = _finished(client, created.id)
     assert video.status == "completed", video.error
     assert (video.model_extra["scheduler"], video.model_extra["shift"]) == ("euler", 5.0)
     assert video.model_extra["guidance"] == 1
+    assert video.model_extra["cache"] == "first-block:0.3"
     for extra, param in (({"scheduler": "ddim"}, "scheduler"), ({"shift": 0}, "shift"),
+                         ({"cache": "magcache"}, "cache"), ({"cache": 0.1}, "cache"),
                          ({"guidance": 1, "negative_prompt": "blur"}, "negative_prompt")):
         with pytest.raises(BadRequestError) as caught:
             client.videos.create(prompt=PROMPT, size="48x32", seconds="1", extra_body=extra)

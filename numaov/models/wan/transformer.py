@@ -552,6 +552,9 @@ class WanTransformer(nn.Module):
         # 4. Output norm & projection (rows: shift, scale)
         self.proj_out = nn.Linear(dim, config.output_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        # The exporter sets it: forward also returns the token states BLOCK_OUTPUTS names, so
+        # the runtime's step cache can run the graph in parts (runtime/wan/step_cache.py).
+        self.block_outputs = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -677,7 +680,9 @@ class WanTransformer(nn.Module):
             encoder_hidden_states: ``[B, S, text_dim]`` text embeddings.
 
         Returns:
-            ``[B, out_channels, F, H, W]`` in the model's compute dtype.
+            ``[B, out_channels, F, H, W]`` in the model's compute dtype; with
+            ``block_outputs``, also the ``[B, L, C]`` tokens into the first block, out of it
+            and out of the last (``BLOCK_OUTPUTS``).
         """
         self.check_inputs(hidden_states, timestep, encoder_hidden_states)
         dtype = self.dtype
@@ -699,8 +704,12 @@ class WanTransformer(nn.Module):
         )
 
         # 3. Transformer blocks
-        for block in self.blocks:
+        embedded = first_block = hidden_states
+        for index, block in enumerate(self.blocks):
             hidden_states = block(hidden_states, encoder_hidden_states, modulation, rotary)
+            if index == 0:
+                first_block = hidden_states
+        last_block = hidden_states
 
         # 4. Output norm, projection & unpatchify
         # temb [B, C] -> shift, scale [B, 1, C]; per-frame [B, F', C] -> [B, F', 1, C]
@@ -714,9 +723,12 @@ class WanTransformer(nn.Module):
         out_channels = self.config.output_channels
         hidden_states = hidden_states.reshape(batch, *grid, p_t, p_h, p_w, out_channels)
         hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, F', p_t, H', ...]
-        return hidden_states.reshape(
+        sample = hidden_states.reshape(
             batch, out_channels, grid[0] * p_t, grid[1] * p_h, grid[2] * p_w
         )
+        if self.block_outputs:
+            return sample, embedded, first_block, last_block
+        return sample
 
 
 def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -25,6 +25,7 @@ import numpy as np
 from numaov.runtime.service.errors import RequestError
 from numaov.runtime.wan.request import SamplerInputError
 from numaov.runtime.wan.schedules import check_sampler, check_shift
+from numaov.runtime.wan.step_cache import StepCacheSetting
 from numaov.runtime.wan.video_output import DEFAULT_FPS
 
 MAX_IMAGES = 4
@@ -63,6 +64,8 @@ class VideoJob:
     # --scheduler and --shift: the few-step recipes of distilled LoRAs
     scheduler: str | None = None
     shift: float | None = None
+    # the step cache ("first-block:THRESHOLD", as `run wan --cache`), None for none
+    cache: str | None = None
 
     @property
     def output(self) -> tuple[str, str]:
@@ -163,6 +166,15 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
     except SamplerInputError as exc:
         raise RequestError(str(exc), "scheduler" if exc.parameter == "sampler"
                            else exc.parameter) from None
+    cache = body.get("cache")
+    if cache is not None:
+        if not isinstance(cache, str):
+            raise RequestError(f"cache is {json.dumps(cache)}; expected a string such as "
+                               "\"first-block:0.05\"", "cache")
+        try:
+            cache = str(StepCacheSetting.parse(cache))
+        except SamplerInputError as exc:
+            raise RequestError(str(exc), "cache") from None
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(62)
@@ -207,14 +219,16 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
              else _input_reference(body["input_reference"]))
     return VideoJob(prompt, negative, width, height, frames, steps, float(guidance),
                     [(seed + j) % 2**62 for j in range(n)], kind, response_format == "url",
-                    image, scheduler=scheduler, shift=None if shift is None else float(shift))
+                    image, scheduler=scheduler, shift=None if shift is None else float(shift),
+                    cache=cache)
 
 
 IMAGE_FIELDS = ("model", "prompt", "negative_prompt", "n", "size", "response_format", "seed",
-                "steps", "guidance", "scheduler", "shift", "user", "quality", "style")
+                "steps", "guidance", "scheduler", "shift", "cache", "user", "quality", "style")
 # A video job (POST /v1/videos) makes one video, fetched from its content route.
 VIDEO_FIELDS = ("model", "prompt", "negative_prompt", "size", "seed", "steps", "guidance",
-                "scheduler", "shift", "frames", "seconds", "format", "input_reference", "user")
+                "scheduler", "shift", "cache", "frames", "seconds", "format", "input_reference",
+                "user")
 # --sync-videos: the answer carries the videos, n of them, as base64 or URLs.
 SYNC_VIDEO_FIELDS = (*VIDEO_FIELDS, "n", "response_format")
 _FORM_INTEGERS = ("n", "seed", "steps", "frames")

@@ -200,7 +200,8 @@ class VideoRoutes:
             "remixed_from_video_id": None, "size": f"{job.width}x{job.height}",
             "seconds": f"{(job.frames - 1) / DEFAULT_FPS:g}", "frames": job.frames,
             "fps": DEFAULT_FPS, "format": job.format, "seed": job.seeds[0], "steps": job.steps,
-            "guidance": job.guidance, "scheduler": job.scheduler, "shift": job.shift}
+            "guidance": job.guidance, "scheduler": job.scheduler, "shift": job.shift,
+            "cache": job.cache}
 
     # -- the routes -----------------------------------------------------------------------
 

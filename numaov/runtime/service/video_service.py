@@ -212,7 +212,8 @@ def _worker_main(conn: Any, model_dir: str, backend: str) -> None:
                     request = WanSampleRequest(frames=job.frames, height=job.height,
                                                width=job.width, steps=job.steps,
                                                guidance=job.guidance, seed=seed,
-                                               sampler=job.scheduler, shift=job.shift)
+                                               sampler=job.scheduler, shift=job.shift,
+                                               cache=job.cache)
                     result = run_wan_pipeline(model_dir, request, job.prompt, None,
                                               negative_prompt=job.negative_prompt,
                                               backend=backend, image=job.pixels,

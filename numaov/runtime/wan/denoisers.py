@@ -18,6 +18,7 @@ from numaov.runtime.manifest_reader import ModelManifest
 from numaov.runtime.wan.request import INPUT_NAMES, SamplerInputError, video_tokens
 
 BACKENDS = ("openvino", "onnxruntime", "torch")
+SAMPLE = "sample"  # the exported transformer's prediction
 
 
 class Denoiser:
@@ -41,12 +42,20 @@ class Denoiser:
 SINGLE_TOKEN_CONFIG = {"SNIPPETS_MODE": "DISABLE"}
 
 
+def sample_part(manifest: ModelManifest) -> Any:
+    """The part of an export's graph that gives its sample alone (None: the graph gives
+    nothing else): its block outputs (``BLOCK_OUTPUTS``) are for the step cache."""
+    from numaov.custom_ops.openvino_compile import GraphPart
+
+    return GraphPart((SAMPLE,)) if manifest.output_names != [SAMPLE] else None
+
+
 class OpenVINODenoiser(Denoiser):
     name = "openvino"
 
     def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
         self._manifest, self._config = manifest, dict(config or {})
-        self._compiled = manifest.compile_rank(0, config)
+        self._compiled = manifest.compile_rank(0, config, part=sample_part(manifest))
         # numaov's attention leaves no MHA snippet behind, so it needs no second compilation;
         # the compile says which kernel its attention nodes got.
         self.attention = self._compiled.attention
@@ -59,7 +68,8 @@ class OpenVINODenoiser(Denoiser):
         if video_tokens(self._manifest.config, hidden_states.shape) != 1:
             return self._request
         if self._single_token_request is None:
-            compiled = self._manifest.compile_rank(0, {**self._config, **SINGLE_TOKEN_CONFIG})
+            compiled = self._manifest.compile_rank(0, {**self._config, **SINGLE_TOKEN_CONFIG},
+                                                   part=sample_part(self._manifest))
             self._single_token_request = compiled.create_infer_request()
         return self._single_token_request
 
@@ -94,7 +104,7 @@ class OnnxRuntimeDenoiser(Denoiser):
         self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
     ) -> np.ndarray:
         (out,) = self._session.run(
-            None,
+            [SAMPLE],
             {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text},
         )
         return np.asarray(out, dtype=np.float32)

@@ -270,7 +270,8 @@ class VideoResult:
         what = (f"{self.frames.shape[0]} frames of {self.frames.shape[2]}x{self.frames.shape[1]}"
                 if self.frames is not None else f"latents {list(self.sample.latents.shape)}")
         return (f"wrote {out}: {what} on {self.sample.backend} with {self.sample.workers} "
-                f"worker(s) in {sum(self.seconds.values()):.2f} s ({parts})")
+                f"worker(s) in {sum(self.seconds.values()):.2f} s ({parts}"
+                f"{self.sample.cached()})")
 
 
 def estimate_pipeline_memory(
@@ -333,6 +334,11 @@ def run_wan_pipeline(
         check_bind_string("sampling with workers=1")
     kind = None if out is None else output_format(out)
     pipeline = read_pipeline(model_dir)
+    if request.cache is not None:
+        from numaov.runtime.wan.step_cache import check_block_outputs
+
+        for expert in pipeline.experts:
+            check_block_outputs(expert, request.cache)
     transformer = pipeline.components[TRANSFORMER]
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
@@ -387,11 +393,11 @@ def run_wan_pipeline(
     start = time.perf_counter()
     layout = (timestep_layout(transformer, shape) if condition is None else
               timestep_layout(transformer, shape, condition.first_frame, condition.channels))
-    latents, steps = denoise(pipeline.experts, plan, backend, text, negative, shape, request,
-                             layout, progress)
-    seconds["denoise"] = sum(steps)
-    seconds["load"] += time.perf_counter() - start - sum(steps)
-    sample = SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=steps)
+    sample = denoise(pipeline.experts, plan, backend, text, negative, shape, request, layout,
+                     progress)
+    latents = sample.latents
+    seconds["denoise"] = sum(sample.step_seconds)
+    seconds["load"] += time.perf_counter() - start - seconds["denoise"]
     if kind == LATENTS_FORMAT:
         np.save(out, latents)
         return VideoResult(sample=sample, frames=None, seconds=seconds)

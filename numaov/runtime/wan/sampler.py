@@ -158,6 +158,10 @@ class SampleResult:
     backend: str
     workers: int
     step_seconds: list[float] = field(default_factory=list)
+    skipped: int = 0  # transformer evaluations the step cache skipped
+    # Per transformer and guidance branch (cond, uncond), per evaluation: "C" every block
+    # ran, "." the step cache skipped them (``cache_counts``).
+    cache_decisions: list[str] = field(default_factory=list)
 
     def summary(self, out: str | Path | None = None) -> str:
         """One line for the CLI."""
@@ -166,8 +170,12 @@ class SampleResult:
         where = f"wrote {out}: " if out is not None else ""
         return (
             f"{where}latents {list(self.latents.shape)} from {len(self.step_seconds)} steps on "
-            f"{self.backend} with {self.workers} worker(s) in {total:.2f} s ({per_step:.3f} s/step)"
+            f"{self.backend} with {self.workers} worker(s) in {total:.2f} s ({per_step:.3f} s/step"
+            f"{self.cached()})"
         )
+
+    def cached(self) -> str:
+        return f", {self.skipped} evaluations skipped by the step cache" if self.skipped else ""
 
 
 @dataclass(frozen=True)
@@ -269,15 +277,37 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
     """Worker body: this rank's branch, every step joined with the other rank's."""
     from numaov.distributed.communicator import find_communicator
 
-    denoisers = [open_denoiser(read_manifest(d, expected_kind="wan"), job.backend,
-                               context.openvino_config()) for d in job.model_dirs]
+    denoisers = [open_transformer(read_manifest(d, expected_kind="wan"), job.backend,
+                                  job.request, context.openvino_config())
+                 for d in job.model_dirs]
     communicator = find_communicator(context.group)
     try:
         predictors = [GatheredGuidance(d, job.branch_text, communicator) for d in denoisers]
-        return sample(predictors, job.shape, job.request, layout=job.layout)
+        latents, seconds = sample(predictors, job.shape, job.request, layout=job.layout)
+        return latents, seconds, cache_counts(denoisers)
     finally:
         for denoiser in denoisers:
             denoiser.close()
+
+
+def open_transformer(manifest: ModelManifest, backend: str, request: WanSampleRequest,
+                     config: dict[str, Any] | None = None) -> Denoiser:
+    """The request's transformer: ``open_denoiser``'s, or with ``request.cache`` the step
+    cache's (``step_cache``)."""
+    if request.cache is None:
+        return open_denoiser(manifest, backend, config)
+    from numaov.runtime.wan.step_cache import open_cached_denoiser
+
+    return open_cached_denoiser(manifest, backend, request.cache, config)
+
+
+def cache_counts(denoisers: Sequence[Denoiser]) -> tuple[int, list[str]]:
+    """Transformer evaluations (one per branch and step) and the step cache's decisions, a
+    string per transformer and guidance branch: "C" where every block ran, "." where the
+    cache skipped them (none without a cache)."""
+    decisions = [d.decisions for d in denoisers if hasattr(d, "decisions")]
+    return (sum(getattr(d, "evaluations", 0) for d in denoisers),
+            ["".join("C" if c else "." for c in branch) for each in decisions for branch in each])
 
 
 def validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
@@ -299,6 +329,10 @@ def validate_request(request: WanSampleRequest, backend: str, workers: int) -> N
             )
     if not isinstance(request.seed, int) or not 0 <= request.seed < 2**63:
         raise SamplerInputError(f"seed={request.seed!r}; expected an integer in [0, 2**63)")
+    if request.cache is not None:
+        from numaov.runtime.wan.step_cache import check_cache
+
+        check_cache(request.cache, backend)
     if workers == MAX_WORKERS and request.unguided:
         raise SamplerInputError(
             f"workers={workers} runs the two guidance branches one per worker, but at guidance "
@@ -346,6 +380,10 @@ def run_wan(
     if plan is None:
         check_bind_string("sampling with workers=1")
     manifest = read_manifest(model_dir, expected_kind="wan")
+    if request.cache is not None:
+        from numaov.runtime.wan.step_cache import check_block_outputs
+
+        check_block_outputs(manifest, request.cache)
     config = manifest.config
     missing = [key for key in ("in_channels", "text_dim", "patch_size") if key not in config]
     if missing:
@@ -404,12 +442,11 @@ def run_wan(
                                  branches=request.branches))
     request = dataclasses.replace(request, scheduler=scheduler_config(request.sampler,
                                                                       request.shift, None))
-    latents, seconds = denoise([manifest], plan, backend, text, negative, shape, request, layout,
-                               progress)
+    result = denoise([manifest], plan, backend, text, negative, shape, request, layout, progress)
     if out_path is not None:
-        np.save(out_path, latents)
+        np.save(out_path, result.latents)
         report(f"wrote {out_path}")
-    return SampleResult(latents=latents, backend=backend, workers=workers, step_seconds=seconds)
+    return result
 
 
 def denoise(
@@ -422,7 +459,7 @@ def denoise(
     request: WanSampleRequest,
     layout: TimestepLayout,
     progress: Progress = None,
-) -> tuple[np.ndarray, list[float]]:
+) -> SampleResult:
     """The sampling loop on one worker (``plan`` None: in this process, both guidance
     branches in one batch) or on the plan's two workers (one branch each); ``experts`` are the
     transformers (one, or Wan 2.2's two). ``negative`` is None for an unguided request (every
@@ -438,7 +475,7 @@ def denoise(
     )
     if workers == 1:
         start = time.perf_counter()
-        denoisers = [open_denoiser(manifest, backend) for manifest in experts]
+        denoisers = [open_transformer(manifest, backend, request) for manifest in experts]
         attention = getattr(denoisers[0], "attention", None)
         report(
             f"loaded {len(denoisers)} transformer(s) on {backend}"
@@ -450,6 +487,7 @@ def denoise(
                 [BatchedGuidance(d, text, negative) for d in denoisers], shape, request,
                 progress, layout
             )
+            counts = cache_counts(denoisers)
         finally:
             for denoiser in denoisers:
                 denoiser.close()
@@ -461,7 +499,9 @@ def denoise(
                      request, layout)
             for branch in (text, negative)
         ]
-        (latents, seconds), (other, _) = run_on_ranks(plan, _guidance_rank, jobs)
+        (latents, seconds, counts), (other, _, other_counts) = run_on_ranks(
+            plan, _guidance_rank, jobs)
+        counts = (counts[0] + other_counts[0], counts[1] + other_counts[1])  # cond, uncond
         # Both ranks apply the same update to the same gathered predictions, so they must
         # agree exactly; a difference would mean the gather mixed up rows or steps.
         if not np.array_equal(latents, other):
@@ -470,4 +510,9 @@ def denoise(
                 "latents from the same gathered predictions"
             )
     report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
-    return latents, seconds
+    skipped = sum(branch.count(".") for branch in counts[1])
+    if request.cache is not None:
+        report(f"step cache {request.cache}: skipped {skipped} of {counts[0]} transformer "
+               f"evaluations (first block and output head only; {' '.join(counts[1])})")
+    return SampleResult(latents=latents, backend=backend, workers=workers,
+                        step_seconds=seconds, skipped=skipped, cache_decisions=counts[1])
