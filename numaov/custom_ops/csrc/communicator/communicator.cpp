@@ -144,6 +144,19 @@ bool overlaps(const void* a, uint64_t a_bytes, const void* b, uint64_t b_bytes) 
     return x < y + b_bytes && y < x + a_bytes;
 }
 
+// Chunk j of every peer's block of ``in`` (``world`` blocks of ``count`` elements of ``es``
+// bytes, in destination order) into the slot for that peer in ``half`` (slots of ``chunk``
+// elements): what reduce_scatter_tensor and all_to_all publish each round.
+void stage_blocks(uint8_t* half, const uint8_t* in, uint64_t count, uint64_t chunk,
+                  uint64_t j, uint64_t es, int world, int rank) {
+    const uint64_t n = chunk_length(count, chunk, j);
+    for (int d = 0; d < world; ++d) {
+        if (d == rank) continue;
+        kernels::copy(half + uint64_t(d) * chunk * es, in + (uint64_t(d) * count + j * chunk) * es,
+                      n * es, false);
+    }
+}
+
 }  // namespace
 
 const char* op_name(Op op) {
@@ -525,13 +538,7 @@ void ShmCommunicator::reduce_scatter_tensor(void* output, const void* input, uin
         const uint64_t chunk = chunk_elements(Op::reduce_scatter_tensor, dtype);
         const uint64_t chunks = chunk_count(count, chunk);
         auto produce = [&](uint64_t j) {
-            const uint64_t n = chunk_length(count, chunk, j);
-            uint8_t* half = next_half();
-            for (int d = 0; d < world_; ++d) {
-                if (d == rank_) continue;
-                kernels::copy(half + uint64_t(d) * chunk * es,
-                              in + (uint64_t(d) * count + j * chunk) * es, n * es, false);
-            }
+            stage_blocks(next_half(), in, count, chunk, j, es, world_, rank_);
         };
         produce(0);
         for (uint64_t j = 0; j < chunks; ++j) {
@@ -623,13 +630,7 @@ void ShmCommunicator::all_to_all(void* output, const void* input, uint64_t count
         const uint64_t chunk = chunk_elements(Op::all_to_all, dtype);
         const uint64_t chunks = chunk_count(count, chunk);
         auto produce = [&](uint64_t j) {
-            const uint64_t n = chunk_length(count, chunk, j);
-            uint8_t* half = next_half();
-            for (int d = 0; d < world_; ++d) {
-                if (d == rank_) continue;
-                kernels::copy(half + uint64_t(d) * chunk * es,
-                              in + uint64_t(d) * block_bytes + j * chunk * es, n * es, false);
-            }
+            stage_blocks(next_half(), in, count, chunk, j, es, world_, rank_);
         };
         produce(0);
         for (uint64_t j = 0; j < chunks; ++j) {
