@@ -24,15 +24,22 @@ eager f32 and bf16 (the op's eager face: the grouped loop), with ``n_routed_expe
 doubled to 128 at the same top-k, at 4 rows (decode) and 128 / 1,024 rows (prefill). Every
 competitor is sampled once per round, rounds alternate, medians and ranges are printed; bf16 is
 timed twice where AMX is usable, as the runtime runs it (AMX tiles for experts of two rows or
-more) and with ``NUMAOV_MOE_AMX=off`` (AVX512-BF16 only). The
-decode call is also set against the memory traffic it needs: the bytes of the experts its rows
-hit (in the format, with scales), the shared experts and the router, per second, as a share
-of a measured copy bandwidth (``fallback_ops.copy_bandwidth``: bytes read + written per second
-by torch's threaded copy of a 256 MiB tensor).
+more) and with ``NUMAOV_MOE_AMX=off`` (AVX512-BF16 only). Every call of the op is also set
+against the machine's limits, measured in the same run by ``benchmarks/roofline.py`` on the
+process's cores: the bytes it must read (the experts its rows hit, in the format with scales,
+the shared experts and the f32 router) per second, as a share of the read bandwidth; its
+multiply-adds (router, shared experts and each (row, slot) pair's expert) per second, as a
+share of the f32 FMA peak and of the peak of the instructions the kernel runs the format on
+(bf16: AMX tiles or AVX512-BF16; the others: f32 FMAs); and the roofline (the time the
+binding limit allows over the median time). Every call here routes the same rows, so at 4 rows
+the same 19-23 experts (9-80 MB by format) are read each time and, with a last-level cache of tens of
+MB, partly from the cache: the read share can then overstate what memory gives
+(``benchmarks/roofline.py`` cycles over disjoint sets of experts instead).
 
 Third part (``--part amx-rows``): the bf16 MoeExperts op alone, 64 experts each given exactly
 c = 1 .. 64 rows, on AMX tiles against AVX512-BF16, where AMX is usable: the row count from
-which the kernel's automatic choice puts an expert on the tiles.
+which the kernel's automatic choice puts an expert on the tiles, and each kernel's
+multiply-adds a second as a share of its measured peak (``benchmarks/roofline.py``).
 
     python benchmarks/moe.py [--decode-steps 8] [--rounds 15] [--part all|model|moe|amx-rows]
         [--formats f32,bf16,int8,int4,fp8]
@@ -58,7 +65,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from fallback_ops import copy_bandwidth  # the one copy-bandwidth probe of the benchmarks
 
 from numaov.exporter.lm_export import export_lm
 from numaov.exporter.onnx_export import export_onnx
@@ -228,20 +234,24 @@ def _format_bytes(numel: int, weights: str, row_length: int, group: int | None) 
     return numel * per + scales
 
 
-def decode_weight_bytes(moe: DeepseekV2MoE, x: torch.Tensor, weights: str,
-                        group: int | None) -> dict[str, float]:
-    """The bytes a call on ``x`` must read: the hit experts' stacks, the shared experts and the
-    router (f32), in the weight format."""
+def layer_work(moe: DeepseekV2MoE, x: torch.Tensor, weights: str,
+               group: int | None) -> dict[str, float]:
+    """What a call on ``x`` must do: the bytes it reads (the hit experts' stacks, the shared
+    experts in the weight format and the f32 router) and its multiply-adds (every row through
+    the router and the shared experts, every (row, slot) pair through its expert)."""
     with torch.no_grad():
         ids, _ = moe.gate(x)
     hit = int(torch.unique(ids).numel())
     gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
     per_expert = (_format_bytes(gate_up[0].numel(), weights, gate_up.shape[2], group)
                   + _format_bytes(down[0].numel(), weights, down.shape[2], group))
-    shared = sum(_format_bytes(p.numel(), weights, p.shape[-1], group)
-                 for p in moe.shared_experts.parameters()) if moe.shared_experts else 0.0
-    router = moe.gate.weight.numel() * 4.0
-    return {"hit_experts": hit, "bytes": hit * per_expert + shared + router}
+    shared = list(moe.shared_experts.parameters()) if moe.shared_experts else []
+    shared_bytes = sum(_format_bytes(p.numel(), weights, p.shape[-1], group) for p in shared)
+    router = moe.gate.weight.numel()
+    per_row = router + sum(p.numel() for p in shared)  # a weight's numel: its MACs per row
+    return {"hit_experts": hit, "rows_per_expert": ids.numel() / hit,
+            "bytes": hit * per_expert + shared_bytes + 4.0 * router,
+            "macs": x.shape[0] * per_row + ids.numel() * (gate_up[0].numel() + down[0].numel())}
 
 
 def compile_moe_layer(moe: DeepseekV2MoE, weights: str, tmp: Path) -> Any:
@@ -306,14 +316,16 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
     """For E = 64 and 128: the op in each weight format (OpenVINO; bf16 also with AMX off,
     ``openvino_bf16-avx512``) and eager f32 / bf16, at every row count, timed in alternating
     rounds (one sample of every competitor per round); medians and ranges over the rounds."""
+    # imported here: roofline.py itself takes this module's timing helpers
+    from roofline import format_limits, measure_limits, shares
+
     from numaov.custom_ops.moe_ops import bf16_kernel
 
-    bandwidth = copy_bandwidth(5)
+    measured = measure_limits(sorted(os.sched_getaffinity(0)), min(rounds, 5), l3_bytes())
     kernel = bf16_kernel()
     log(f"bf16 experts: {kernel['kernel']} ({kernel['reason']})")
-    log(f"copy bandwidth (read + write of a 256 MiB copy): {bandwidth / 1e9:.1f} GB/s")
-    results: dict[str, Any] = {"copy_bandwidth_gb_s": bandwidth / 1e9, "moe_bf16_kernel": kernel,
-                               "layers": []}
+    log("the machine's limits (benchmarks/roofline.py):\n" + format_limits(measured))
+    results: dict[str, Any] = {"limits": measured, "moe_bf16_kernel": kernel, "layers": []}
     rng = np.random.default_rng(SEED)
     inputs = {rows: rng.standard_normal((rows, BENCH_CONFIG.hidden_size), dtype=np.float32)
               for rows in MOE_ROWS}
@@ -361,23 +373,27 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
         for key, times in built["samples"].items():
             layer["times_ms"][key] = {"median": statistics.median(times), "min": min(times),
                                       "max": max(times)}
-        decode = MOE_ROWS[0]
-        layer["decode"] = {}
+        layer["work"] = {}
         for weights in formats:
-            need = decode_weight_bytes(moe, torch.from_numpy(inputs[decode]), weights,
-                                       built["groups"][weights])
-            ms = layer["times_ms"][f"openvino_{weights}_{decode}"]["median"]
-            achieved = need["bytes"] / (ms / 1e3)
-            layer["decode"][weights] = {**need, "gb_s": achieved / 1e9,
-                                        "of_copy_bandwidth": achieved / bandwidth}
+            for rows in MOE_ROWS:
+                need = layer_work(moe, torch.from_numpy(inputs[rows]), weights,
+                                  built["groups"][weights])
+                ms = layer["times_ms"][f"openvino_{weights}_{rows}"]["median"]
+                layer["work"][f"{weights}_{rows}"] = {**need, **shares(
+                    measured, weights, need["rows_per_expert"], need["bytes"], need["macs"],
+                    ms / 1e3)}
         results["layers"].append(layer)
         log(f"  E={experts} (top-{BENCH_CONFIG.num_experts_per_tok}), ms median [min-max] "
             f"over {rounds} rounds:")
         for key, t in layer["times_ms"].items():
             log(f"    {key:24s} {t['median']:9.3f} [{t['min']:.3f}-{t['max']:.3f}]")
-        for weights, d in layer["decode"].items():
-            log(f"    decode {weights}: {d['hit_experts']} experts hit, {d['bytes'] / 1e6:.1f} MB "
-                f"read, {d['gb_s']:.1f} GB/s = {100 * d['of_copy_bandwidth']:.0f}% of copy")
+        for key, d in layer["work"].items():
+            fma = f"{_share(d['of_fma_f32'])} of fma_f32, " if d["peak"] != "fma_f32" else ""
+            log(f"    {key:10s} {d['hit_experts']:3d} experts hit, {d['bytes'] / 1e6:6.1f} MB, "
+                f"{d['macs'] / 1e9:6.2f} GMAC: {d['gb_s']:5.1f} GB/s = "
+                f"{_share(d['of_read'])} of read, {d['gmac_s']:6.1f} GMAC/s = {fma}"
+                f"{_share(d['of_peak'])} of {d['peak']}; bound by {d.get('bound')}, "
+                f"{_share(d.get('of_roofline'))} of the roofline")
     first, second = results["layers"]
     results["experts_doubled"] = {
         k: second["times_ms"][k]["median"] / first["times_ms"][k]["median"]
@@ -397,6 +413,10 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
     log("  experts doubled (E=128 / E=64): " + ", ".join(
         f"{k} {v:.2f}x" for k, v in results["experts_doubled"].items()))
     return results
+
+
+def _share(value: float | None) -> str:
+    return f"{100 * value:3.0f}%" if value is not None else "  -"
 
 
 AMX_SWEEP_ROWS = (1, 2, 3, 4, 8, 16, 64)
@@ -435,15 +455,30 @@ def amx_rows_sweep(tmp: Path, rounds: int) -> dict[str, Any]:
             samples[key].append(1e3 * _timed(call))
     times = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
              for k, v in samples.items()}
+    # imported here: roofline.py itself takes this module's timing helpers
+    from roofline import format_limits, measure_limits
+
+    measured = measure_limits(sorted(os.sched_getaffinity(0)), min(rounds, 5), l3_bytes())
+    log("the machine's limits (benchmarks/roofline.py):\n" + format_limits(measured))
+    peaks = {name: limit["all_cores"]["median"] for name, limit in measured["limits"].items()}
     log(f"MoeExperts op alone, bf16, {experts} experts each with c rows (top-1), ms median "
-        f"[min-max] over {rounds} rounds:")
+        f"[min-max] over {rounds} rounds; multiply-adds a second as a share of the AMX bf16 "
+        f"and AVX512-BF16 peaks:")
+    gmac_s: dict[str, float] = {}
     for c in AMX_SWEEP_ROWS:
         amx, avx = times[f"amx_{c}"], times[f"avx512_{c}"]
+        macs = c * experts * 3 * hidden * inter
+        gmac_s[f"amx_{c}"] = macs / amx["median"] / 1e6
+        gmac_s[f"avx512_{c}"] = macs / avx["median"] / 1e6
         log(f"  c={c:3d}: AMX {amx['median']:8.2f} [{amx['min']:.2f}-{amx['max']:.2f}]  AVX512-BF16 "
             f"{avx['median']:8.2f} [{avx['min']:.2f}-{avx['max']:.2f}]  AMX speed-up "
-            f"{avx['median'] / amx['median']:.2f}x")
+            f"{avx['median'] / amx['median']:.2f}x; "
+            f"{_share(gmac_s[f'amx_{c}'] / peaks['amx_bf16'] if 'amx_bf16' in peaks else None)}"
+            f" of amx_bf16, "
+            f"{_share(gmac_s[f'avx512_{c}'] / peaks['dot_bf16'] if 'dot_bf16' in peaks else None)}"
+            f" of dot_bf16")
     return {"amx_rows_sweep": {"experts": experts, "rows_per_expert": list(AMX_SWEEP_ROWS),
-                               "times_ms": times}}
+                               "times_ms": times, "gmac_s": gmac_s, "limits": measured}}
 
 
 def whole_model(tmp: Path, decode_steps: int, l3: int | None,

@@ -62,6 +62,7 @@ __all__ = [
     "moe_experts",
     "moe_translation_table",
     "write_moe_onnx",
+    "write_store_moe_onnx",
 ]
 
 #: The ONNX domain of the MoeExperts node; the C++ extension maps the same string.
@@ -491,5 +492,28 @@ def write_moe_onnx(path: Path, gate_up: Tensor, down: Tensor, top_k: int,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                      helper.make_opsetid(MOE_DOMAIN, MOE_DOMAIN_VERSION)])
+    onnx.save(model, path)
+    return path
+
+
+def write_store_moe_onnx(path: Path, store: str, store_id: str, layer: int, hidden: int,
+                         top_k: int) -> Path:
+    """An ONNX model of one ``numaov.moe::MoeExperts`` node of the store face, as the exporter
+    writes it: inputs x [N, H], ids [N, top_k] int64 and weights [N, top_k], the experts of
+    ``layer`` read from the expert store named by ``store`` / ``store_id``; for tests and
+    benchmarks of the op over a store."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("MoeExperts", ["x", "ids", "weights"], ["y"], domain=MOE_DOMAIN,
+                            store=store, store_id=store_id, layer=layer)
+    graph = helper.make_graph(
+        [node], "moe_store",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", top_k]),
+         helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["N", top_k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", hidden])])
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(MOE_DOMAIN, MOE_DOMAIN_VERSION)])
     onnx.save(model, path)
     return path

@@ -21,11 +21,10 @@ import xxhash
 
 from numaov.custom_ops import compile_ir
 from numaov.custom_ops.moe_ops import (
-    MOE_DOMAIN,
-    MOE_DOMAIN_VERSION,
     kernel_unavailable_reason,
     quantize_experts,
     write_moe_onnx,
+    write_store_moe_onnx,
 )
 from numaov.exporter.openvino_convert import convert_to_ir
 from numaov.native import add_extension, native_module
@@ -110,22 +109,7 @@ def _inputs(rows: int, experts: int, hidden: int, top_k: int = 2, seed: int = 1)
 
 def _store_onnx(path: Path, store: str, store_id: str, layer: int, hidden: int,
                 top_k: int = 2) -> Path:
-    """One numaov.moe::MoeExperts node of the store face: 3 inputs and the store attributes."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    node = helper.make_node("MoeExperts", ["x", "ids", "weights"], ["y"], domain=MOE_DOMAIN,
-                            store=store, store_id=store_id, layer=layer)
-    graph = helper.make_graph(
-        [node], "moe_store",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", top_k]),
-         helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["N", top_k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", hidden])])
-    model = helper.make_model(graph, opset_imports=[
-        helper.make_opsetid("", 17), helper.make_opsetid(MOE_DOMAIN, MOE_DOMAIN_VERSION)])
-    onnx.save(model, path)
-    return path
+    return write_store_moe_onnx(path, store, store_id, layer, hidden, top_k)
 
 
 def _read(path: Path):

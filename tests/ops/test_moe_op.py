@@ -280,14 +280,21 @@ def test_openvino_op_equals_eager_op_bf16_and_keeps_bf16_weights(tmp_path: Path)
 
 
 @needs_avx512
-@pytest.mark.parametrize(("weight_format", "group_size"), [("int8", None), ("int4", 32)])
+# A one-row tile takes a row's weights a 64-byte line at a time (int8 / fp8: 64
+# values, int4: 128) and the rest in single steps: 96 and 64 values are one line
+# and a rest (int8) or single steps only (int4), 288 and 160 lines and a rest for both.
+@pytest.mark.parametrize(("weight_format", "group_size", "hidden", "inter"),
+                         [("int8", None, 96, 64), ("int8", 16, 96, 64), ("int4", 32, 96, 64),
+                          ("int8", None, 288, 160), ("int4", None, 288, 160)])
 def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: str,
-                                               group_size: int | None) -> None:
-    _, _, _, gate_up, down = _problem(1, experts=8, top_k=6, hidden=96, inter=64)
+                                               group_size: int | None, hidden: int,
+                                               inter: int) -> None:
+    _, _, _, gate_up, down = _problem(1, experts=8, top_k=6, hidden=hidden, inter=inter)
     (qg, sg), (qd, sd) = (quantize_experts(w, weight_format, group_size) for w in (gate_up, down))
     run = _compiled(tmp_path, qg, qd, 6, "f32", (sg, sd)).runner()
     for rows in (0, 1, 7, 64, 1000):
-        x, ids, weights, _, _ = _problem(rows, experts=8, top_k=6, hidden=96, inter=64, seed=rows)
+        x, ids, weights, _, _ = _problem(rows, experts=8, top_k=6, hidden=hidden, inter=inter,
+                                         seed=rows)
         (got,) = run(_feeds(x, ids, weights))
         assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
 

@@ -75,65 +75,113 @@ float from_bf16(uint16_t value) {
     return out;
 }
 
+// GCC keeps a micro-tile's accumulator array in zmm registers only when every
+// loop over it is fully unrolled early (before scalar replacement of the
+// array). Rolled `for` loops were unrolled late, after that pass, and left the
+// array in memory: every k step stored all M x kTileCols accumulators to the
+// stack (16 64-byte stores per 16 FMAs at M = 4), so prefill ran at store speed
+// (issue 33). Every loop over accumulators, weight vectors or rows carries this.
+#define NUMAOV_UNROLL _Pragma("GCC unroll 16")
+// The tile helpers are inlined into their dot_tile so the accumulators never
+// cross a call (a call would pass them through memory).
+#define NUMAOV_INLINE inline __attribute__((always_inline))
+
 // The M x kTileCols accumulators of a micro-tile: zeroed, and summed into c.
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 inline void zero_tile(__m512 (&acc)[M][kTileCols]) {
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void zero_tile(__m512 (&acc)[M][kTileCols]) {
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_setzero_ps();
+    }
 }
 
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 inline void store_tile(__m512 (&acc)[M][kTileCols], float* c) {
-    for (int m = 0; m < M; ++m)
-        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void store_tile(const __m512 (&acc)[M][kTileCols], float* c) {
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] = _mm512_reduce_add_ps(acc[m][n]);
+    }
+}
+
+// acc[m][n] += a[m][k + 16v .. k + 16v + 16) * wv[v][n] for the V vectors of
+// weights one step widened (int4: 2 of 16 values, the other formats 1), the
+// activations loaded under `mask` (all ones but in a row's last, short step).
+template <int M, int V>
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols], const float* const (&a)[M], size_t k,
+                                                      __mmask16 mask, const __m512 (&wv)[V][kTileCols]) {
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+        NUMAOV_UNROLL for (int v = 0; v < V; ++v) {
+            const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k + 16 * v);
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[v][n], acc[m][n]);
+        }
+    }
+}
+
+// A one-row tile (decode) reads each weight once, so its loop should be bound
+// by the weight reads: each row's line kPrefetchBytes ahead is requested in
+// software, as moe_amx.cpp's tiles do, so that the kTileCols row streams (and
+// the other threads') do not wait on the hardware prefetcher. The distance is
+// a first choice, not tuned (issue 33 measured it only together with the
+// line-at-a-time loops that issue it).
+// Past a row's end it is the start of the next row of the stack (rows are
+// contiguous), which this or the next tile reads; past the stack's end it is
+// harmless (a prefetch never faults). Tiles of more rows reuse the weights from
+// cache and are bound by the FMAs, so they issue none.
+constexpr size_t kPrefetchBytes = 1024;
+
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void prefetch_rows(const uint8_t* const (&w)[kTileCols], size_t byte) {
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[n] + byte + kPrefetchBytes), _MM_HINT_T0);
+    }
+}
+
+// The M activation rows and kTileCols weight rows as local arrays, so the
+// loops read them from registers rather than through the callers' pointers.
+template <int M, class A, class W>
+NUMAOV_INLINE void local_rows(const A* const* a, const W* const* w, const A* (&la)[M], const W* (&lw)[kTileCols]) {
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) la[m] = a[m];
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) lw[n] = w[n];
 }
 
 // Dot products c[m * kTileCols + n] = a[m] . w[n] over K values, m < M, n < kTileCols.
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 void dot_tile(const float* const* a, const float* const* w, size_t K, float* c) {
+NUMAOV_TARGET_AVX512_BF16 void dot_tile(const float* const* a_in, const float* const* w_in, size_t K, float* c) {
+    const float* a[M];
+    const float* w[kTileCols];
+    local_rows<M>(a_in, w_in, a, w);
     __m512 acc[M][kTileCols];
     zero_tile<M>(acc);
-    size_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[kTileCols];
-        for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_loadu_ps(w[n] + k);
-        for (int m = 0; m < M; ++m) {
-            const __m512 av = _mm512_loadu_ps(a[m] + k);
-            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
-        }
-    }
-    if (k < K) {
-        const __mmask16 mask = __mmask16((1u << (K - k)) - 1);
-        __m512 wv[kTileCols];
-        for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_ps(mask, w[n] + k);
-        for (int m = 0; m < M; ++m) {
-            const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k);
-            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
-        }
+    for (size_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+        __m512 wv[1][kTileCols];
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[0][n] = _mm512_maskz_loadu_ps(mask, w[n] + k);
+        fma_tile<M, 1>(acc, a, k, mask, wv);
     }
     store_tile<M>(acc, c);
 }
 
 // The same over bf16 pairs (vdpbf16ps: 32 products per instruction, f32 sums).
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a, const uint16_t* const* w, size_t K, float* c) {
+NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a_in, const uint16_t* const* w_in, size_t K, float* c) {
+    const uint16_t* a[M];
+    const uint16_t* w[kTileCols];
+    local_rows<M>(a_in, w_in, a, w);
     __m512 acc[M][kTileCols];
     zero_tile<M>(acc);
     for (size_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
         __m512i wv[kTileCols];
-        for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_epi16(mask, w[n] + k);
-        for (int m = 0; m < M; ++m) {
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_epi16(mask, w[n] + k);
+        NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
             const __m512i av = _mm512_maskz_loadu_epi16(mask, a[m] + k);
-            for (size_t n = 0; n < kTileCols; ++n)
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
                 acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)av, (__m512bh)wv[n]);
+            }
         }
     }
     store_tile<M>(acc, c);
 }
 
 // 16 int8 bytes as 16 f32 values.
-NUMAOV_TARGET_AVX512_BF16 inline __m512 widen_int8(__m128i bytes) {
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE __m512 widen_int8(__m128i bytes) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
@@ -145,7 +193,7 @@ NUMAOV_TARGET_AVX512_BF16 inline __m512 widen_int8(__m128i bytes) {
 // converted from the integer and scaled by a power of two (exact, and normal in
 // f32). The sign bit moves to bit 31. The NaN codes (S.1111.111) are never
 // written by the quantizer and read as 480 here.
-NUMAOV_TARGET_AVX512_BF16 inline __m512 widen_fp8(__m128i bytes) {
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE __m512 widen_fp8(__m128i bytes) {
     const __m512i b = _mm512_cvtepu8_epi32(bytes);
     const __m512i normal =
         _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20),
@@ -159,57 +207,107 @@ NUMAOV_TARGET_AVX512_BF16 inline __m512 widen_fp8(__m128i bytes) {
     return _mm512_castsi512_ps(_mm512_or_si512(magnitude, sign));
 }
 
-// Rows of one byte per weight (int8, fp8): 16 weights widened to f32 by
-// `widen` (widen_int8 / widen_fp8) and scaled by their group's scale, then one
-// FMA per activation row. `group` is K (one scale per row) or a multiple of 16.
+// The kTileCols group scales of scale group g, one vector each.
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void group_scales(const float* const* scale, size_t g,
+                                                          __m512 (&s)[kTileCols]) {
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) s[n] = _mm512_set1_ps(scale[n][g]);
+}
+
+// One step of dot_tile_bytes: 16 weights of each row widened by `widen`,
+// scaled by their group's scale s[n], then one FMA per activation row; `mask`
+// is all ones but in the last step of a row of one group with K % 16 != 0.
 template <int M, __m512 (*widen)(__m128i)>
-NUMAOV_TARGET_AVX512_BF16 void dot_tile_bytes(const float* const* a, const uint8_t* const* w,
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void byte_step(__m512 (&acc)[M][kTileCols], const float* const (&a)[M],
+                                                       const uint8_t* const (&w)[kTileCols],
+                                                       const __m512 (&s)[kTileCols], size_t k, __mmask16 mask) {
+    __m512 wv[1][kTileCols];
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+        wv[0][n] = _mm512_mul_ps(widen(_mm_maskz_loadu_epi8(mask, w[n] + k)), s[n]);
+    }
+    fma_tile<M, 1>(acc, a, k, mask, wv);
+}
+
+// Rows of one byte per weight (int8, fp8): 16 weights at a time through
+// byte_step. `group` is K (one scale per row) or a multiple of 16. The scale
+// groups are the outer loop, so no division finds a value's group.
+template <int M, __m512 (*widen)(__m128i)>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_bytes(const float* const* a_in, const uint8_t* const* w_in,
                                               const float* const* scale, size_t K, size_t group, float* c) {
+    const float* a[M];
+    const uint8_t* w[kTileCols];
+    local_rows<M>(a_in, w_in, a, w);
     __m512 acc[M][kTileCols];
     zero_tile<M>(acc);
-    for (size_t k = 0; k < K; k += 16) {
-        const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-        const size_t g = k / group;
-        __m512 wv[kTileCols];
-        for (size_t n = 0; n < kTileCols; ++n) {
-            wv[n] = _mm512_mul_ps(widen(_mm_maskz_loadu_epi8(mask, w[n] + k)), _mm512_set1_ps(scale[n][g]));
+    for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
+        __m512 s[kTileCols];
+        group_scales(scale, g, s);
+        const size_t k1 = k0 + group;  // <= K
+        size_t k = k0;
+        if constexpr (M == 1) {
+            // One row (decode): a whole 64-byte line of each weight row per
+            // iteration, four steps unrolled (more loads in flight, one prefetch
+            // per line). The steps run in the same order, so the sums do not change.
+            for (; k + 64 <= k1; k += 64) {
+                prefetch_rows(w, k);
+                NUMAOV_UNROLL for (size_t v = 0; v < 64; v += 16) {
+                    byte_step<M, widen>(acc, a, w, s, k + v, __mmask16(0xFFFF));
+                }
+            }
         }
-        for (int m = 0; m < M; ++m) {
-            const __m512 av = _mm512_maskz_loadu_ps(mask, a[m] + k);
-            for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm512_fmadd_ps(av, wv[n], acc[m][n]);
+        for (; k < k1; k += 16) {
+            byte_step<M, widen>(acc, a, w, s, k,
+                                k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1));
         }
     }
     store_tile<M>(acc, c);
 }
 
-// int4 rows: each 16 bytes hold 32 weights (low nibbles first, then high
-// nibbles; q + 8), widened and scaled like int8. K and `group` are multiples of 32.
+// One step of dot_tile_int4: 32 weights of each row (16 bytes: low nibbles
+// values k .. k+15, high nibbles k+16 .. k+31, each q + 8) widened and scaled by
+// s[n], then two FMAs per activation row.
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a, const uint8_t* const* w,
-                                             const float* const* scale, size_t K, size_t group, float* c) {
-    __m512 acc[M][kTileCols];
-    zero_tile<M>(acc);
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void int4_step(__m512 (&acc)[M][kTileCols], const float* const (&a)[M],
+                                                       const uint8_t* const (&w)[kTileCols],
+                                                       const __m512 (&s)[kTileCols], size_t k) {
     const __m128i nibble = _mm_set1_epi8(0x0F);
     const __m512i offset = _mm512_set1_epi32(8);
-    for (size_t k = 0; k < K; k += 32) {
-        const size_t g = k / group;
-        __m512 lo[kTileCols], hi[kTileCols];
-        for (size_t n = 0; n < kTileCols; ++n) {
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + k / 2));
-            const __m512 s = _mm512_set1_ps(scale[n][g]);
-            const __m512i ql = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), offset);
-            const __m512i qh =
-                _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), offset);
-            lo[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), s);
-            hi[n] = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), s);
-        }
-        for (int m = 0; m < M; ++m) {
-            const __m512 al = _mm512_loadu_ps(a[m] + k), ah = _mm512_loadu_ps(a[m] + k + 16);
-            for (size_t n = 0; n < kTileCols; ++n) {
-                acc[m][n] = _mm512_fmadd_ps(al, lo[n], acc[m][n]);
-                acc[m][n] = _mm512_fmadd_ps(ah, hi[n], acc[m][n]);
+    __m512 wv[2][kTileCols];
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + k / 2));
+        const __m512i ql = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), offset);
+        const __m512i qh =
+            _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), offset);
+        wv[0][n] = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), s[n]);
+        wv[1][n] = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), s[n]);
+    }
+    fma_tile<M, 2>(acc, a, k, __mmask16(0xFFFF), wv);
+}
+
+// int4 rows: 32 weights at a time through int4_step, widened and scaled like
+// int8. K and `group` are multiples of 32; the scale groups are the outer loop,
+// as in dot_tile_bytes.
+template <int M>
+NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a_in, const uint8_t* const* w_in,
+                                             const float* const* scale, size_t K, size_t group, float* c) {
+    const float* a[M];
+    const uint8_t* w[kTileCols];
+    local_rows<M>(a_in, w_in, a, w);
+    __m512 acc[M][kTileCols];
+    zero_tile<M>(acc);
+    for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
+        __m512 s[kTileCols];
+        group_scales(scale, g, s);
+        const size_t k1 = k0 + group;  // <= K
+        size_t k = k0;
+        if constexpr (M == 1) {
+            // One row (decode): a 64-byte line (128 values) of each weight row per
+            // iteration and one prefetch per line, as in dot_tile_bytes.
+            for (; k + 128 <= k1; k += 128) {
+                prefetch_rows(w, k / 2);
+                NUMAOV_UNROLL for (size_t v = 0; v < 128; v += 32) int4_step<M>(acc, a, w, s, k + v);
             }
         }
+        for (; k < k1; k += 32) int4_step<M>(acc, a, w, s, k);
     }
     store_tile<M>(acc, c);
 }
@@ -643,7 +741,8 @@ void run(const Tensors& t, const Shape& s) {
 
 }  // namespace
 
-// The kernel reads a group's scale once per 16 (int8, fp8) or 32 (int4) weights.
+// The kernel steps through a row 16 (int8, fp8) or 32 (int4) weights at a time,
+// each step inside one scale group.
 void check_groups(WeightFormat format, const char* name, size_t K, size_t groups) {
     const size_t step = format == WeightFormat::int4 ? 32 : 16;
     const bool fits = groups >= 1 && K % groups == 0 &&
