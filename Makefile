@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dit.py
 	$(BIN)/python benchmarks/dit_pairs.py
 	$(BIN)/python benchmarks/moe.py
+	$(BIN)/python benchmarks/roofline.py  # the machine's limits and the MoE op's share of them
 	$(BIN)/python benchmarks/wan_pipeline.py
 	$(BIN)/python benchmarks/wan_i2v_encode.py
 	$(BIN)/python benchmarks/lm_engine.py  # optimum-intel side by side: run benchmarks/optimum_venv.sh once
