@@ -158,10 +158,14 @@ class SampleResult:
     backend: str
     workers: int
     step_seconds: list[float] = field(default_factory=list)
-    skipped: int = 0  # transformer evaluations the step cache skipped
     # Per transformer and guidance branch (cond, uncond), per evaluation: "C" every block
-    # ran, "." the step cache skipped them (``cache_counts``).
+    # ran, "." the step cache skipped them (``cache_decisions``); none without a cache.
     cache_decisions: list[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> int:
+        """Transformer evaluations the step cache skipped."""
+        return sum(branch.count(".") for branch in self.cache_decisions)
 
     def summary(self, out: str | Path | None = None) -> str:
         """One line for the CLI."""
@@ -273,7 +277,7 @@ class _RankJob:
     layout: TimestepLayout
 
 
-def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]]:
+def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float], list[str]]:
     """Worker body: this rank's branch, every step joined with the other rank's."""
     from numaov.distributed.communicator import find_communicator
 
@@ -284,7 +288,7 @@ def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float]
     try:
         predictors = [GatheredGuidance(d, job.branch_text, communicator) for d in denoisers]
         latents, seconds = sample(predictors, job.shape, job.request, layout=job.layout)
-        return latents, seconds, cache_counts(denoisers)
+        return latents, seconds, cache_decisions(denoisers)
     finally:
         for denoiser in denoisers:
             denoiser.close()
@@ -301,13 +305,10 @@ def open_transformer(manifest: ModelManifest, backend: str, request: WanSampleRe
     return open_cached_denoiser(manifest, backend, request.cache, config)
 
 
-def cache_counts(denoisers: Sequence[Denoiser]) -> tuple[int, list[str]]:
-    """Transformer evaluations (one per branch and step) and the step cache's decisions, a
-    string per transformer and guidance branch: "C" where every block ran, "." where the
-    cache skipped them (none without a cache)."""
-    decisions = [d.decisions for d in denoisers if hasattr(d, "decisions")]
-    return (sum(getattr(d, "evaluations", 0) for d in denoisers),
-            ["".join("C" if c else "." for c in branch) for each in decisions for branch in each])
+def cache_decisions(denoisers: Sequence[Denoiser]) -> list[str]:
+    """The step cache's decisions (``FirstBlockCacheDenoiser.decisions``), a string per
+    transformer and guidance branch; none without a cache."""
+    return [branch for d in denoisers for branch in getattr(d, "decisions", [])]
 
 
 def validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
@@ -487,7 +488,7 @@ def denoise(
                 [BatchedGuidance(d, text, negative) for d in denoisers], shape, request,
                 progress, layout
             )
-            counts = cache_counts(denoisers)
+            decisions = cache_decisions(denoisers)
         finally:
             for denoiser in denoisers:
                 denoiser.close()
@@ -499,9 +500,10 @@ def denoise(
                      request, layout)
             for branch in (text, negative)
         ]
-        (latents, seconds, counts), (other, _, other_counts) = run_on_ranks(
-            plan, _guidance_rank, jobs)
-        counts = (counts[0] + other_counts[0], counts[1] + other_counts[1])  # cond, uncond
+        (latents, seconds, cond), (other, _, uncond) = run_on_ranks(plan, _guidance_rank, jobs)
+        # Each rank ran one branch of every transformer: per transformer, cond then uncond,
+        # as one worker's batch rows give them.
+        decisions = [branch for pair in zip(cond, uncond, strict=True) for branch in pair]
         # Both ranks apply the same update to the same gathered predictions, so they must
         # agree exactly; a difference would mean the gather mixed up rows or steps.
         if not np.array_equal(latents, other):
@@ -510,9 +512,10 @@ def denoise(
                 "latents from the same gathered predictions"
             )
     report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
-    skipped = sum(branch.count(".") for branch in counts[1])
+    result = SampleResult(latents=latents, backend=backend, workers=workers,
+                          step_seconds=seconds, cache_decisions=decisions)
     if request.cache is not None:
-        report(f"step cache {request.cache}: skipped {skipped} of {counts[0]} transformer "
-               f"evaluations (first block and output head only; {' '.join(counts[1])})")
-    return SampleResult(latents=latents, backend=backend, workers=workers,
-                        step_seconds=seconds, skipped=skipped, cache_decisions=counts[1])
+        report(f"step cache {request.cache}: skipped {result.skipped} of "
+               f"{sum(map(len, decisions))} transformer evaluations (first block and output "
+               f"head only; {' '.join(decisions)})")
+    return result

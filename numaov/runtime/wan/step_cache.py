@@ -104,17 +104,10 @@ class FirstBlockCacheDenoiser(Denoiser):
         self._branches: list[_BranchState] = []
 
     @property
-    def decisions(self) -> list[list[bool]]:
-        """Per branch, per evaluation: True where every block ran."""
-        return [list(branch.computed) for branch in self._branches]
-
-    @property
-    def skipped(self) -> int:
-        return sum(c.count(False) for c in self.decisions)
-
-    @property
-    def evaluations(self) -> int:
-        return sum(len(c) for c in self.decisions)
+    def decisions(self) -> list[str]:
+        """Per branch, per evaluation: "C" where every block ran, "." where they were
+        skipped."""
+        return ["".join("C" if c else "." for c in branch.computed) for branch in self._branches]
 
     @staticmethod
     def _run(request: Any, feeds: dict[str, np.ndarray], outputs: int) -> list[np.ndarray]:
