@@ -43,8 +43,13 @@ bytes; and ``numaov run lm --prompt-ids 1,2,3 --max-new-tokens 4`` as a process 
 The store was just written, so its pages are in the page cache: the load times are warm ones.
 Figures go to ``benchmarks/out/export_memory.json``.
 
+``--family wan`` measures ``numaov export wan --precision bf16`` instead, on bf16 checkpoints
+of Wan 2.1 T2V 1.3B's published transformer width cut to ``--wan-blocks`` blocks (figures to
+``benchmarks/out/export_memory_wan.json``).
+
     .venv/bin/python benchmarks/export_memory.py [--checkpoints lite-1gb,lite-3gb,lite-10gb]
         [--dp 1] [--dp-for lite-3gb:1,2] [--precision bf16] [--no-runtime]
+    .venv/bin/python benchmarks/export_memory.py --family wan [--wan-blocks 4,12]
 """
 
 from __future__ import annotations
@@ -379,6 +384,80 @@ def export(name: str, checkpoint: Path, dp: int, precision: str, sizes: dict[str
     return row
 
 
+# -- Wan ---------------------------------------------------------------------------------------
+
+WAN_OUT = HERE / "out" / "export_memory_wan.json"
+
+
+def build_wan_checkpoint(layers: int) -> tuple[Path, int]:
+    """A bf16 Wan 2.1 T2V 1.3B transformer at its published width (``dit.WIDTH_1_3B``) cut to
+    ``layers`` blocks, random weights (std 0.02), in diffusers' layout; cached. Returns it and
+    its weights' bytes."""
+    from dataclasses import replace
+
+    import torch
+    from dit import WIDTH_1_3B  # benchmarks/dit.py
+
+    from numaov.models.builtin.wan_tiny import save_wan_checkpoint
+    from numaov.models.wan.transformer import WanTransformer
+
+    directory = WORK / f"wan_1_3b_{layers}_blocks"
+    if not (directory / "config.json").is_file():
+        log(f"building {directory.name}")
+        with torch.device("meta"):
+            model = WanTransformer(replace(WIDTH_1_3B, num_layers=layers))
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        generator = torch.Generator().manual_seed(SEED)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0.0, 0.02, generator=generator)
+        save_wan_checkpoint(model, directory)
+        del model
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    return directory, size
+
+
+def main_wan(layer_counts: list[int]) -> None:
+    """``numaov export wan --precision bf16`` of the 1.3B-width transformer at each depth:
+    peak anonymous memory against the target 1.5 x bf16 weights + 1 GiB, wall time and where
+    it went (the manifest's ``export_seconds``), and the parity's stage figures."""
+    env = dict(os.environ)
+    figures: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+        "command": " ".join([".venv/bin/python", "benchmarks/export_memory.py", *sys.argv[1:]]),
+        "exports": {},
+    }
+    rows = []
+    for layers in layer_counts:
+        checkpoint, size = build_wan_checkpoint(layers)
+        out = WORK / f"wan_export_{layers}"
+        log(f"numaov export wan {checkpoint.name} --precision bf16")
+        row = peak_memory([*NUMAOV, "export", "wan", "--checkpoint", str(checkpoint), "--out",
+                           str(out), "--precision", "bf16", "--force"], env)
+        row.pop("output")
+        manifest = json.loads((out / "manifest.json").read_text())
+        target = (1.5 * size + GIB) / 2**20
+        stages = [f["rel_error"] for f in manifest["parity"] if f.get("criterion") == "rms"]
+        whole = [f["rel_error"] for f in manifest["parity"]
+                 if f["backend"] == "openvino" and not f.get("judged", True)]
+        row.update(weights_bytes=size, target_mib=target, anon_over_target=row["rss_anon_mib"]
+                   / target, export_seconds=manifest["export_seconds"],
+                   worst_stage_rms=max(stages), whole_sample_max_rel=max(whole))
+        figures["exports"][str(layers)] = row  # type: ignore[index]
+        WAN_OUT.parent.mkdir(parents=True, exist_ok=True)
+        WAN_OUT.write_text(json.dumps(figures, indent=2) + "\n")
+        rows.append((layers, row))
+    print("| blocks | bf16 weights GB | peak anon MiB | peak resident MiB | target MiB | "
+          "anon / target | wall s | where the time went | worst block (RMS) | whole sample |")
+    print("| --- " * 10 + "|")
+    for layers, row in rows:
+        seconds = ", ".join(f"{k} {v:.0f}" for k, v in row["export_seconds"].items())
+        print(f"| {layers} | {row['weights_bytes'] / 1e9:.2f} | {row['rss_anon_mib']:,.0f} | "
+              f"{row['rss_mib']:,.0f} | {row['target_mib']:,.0f} | "
+              f"{row['anon_over_target']:.2f} | {row['wall_s']:.0f} | {seconds} | "
+              f"{row['worst_stage_rms']:.3f} | {row['whole_sample_max_rel']:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoints", default="lite-1gb,lite-3gb,lite-10gb",
@@ -388,7 +467,14 @@ def main() -> None:
                         help="per-checkpoint DP degrees, e.g. lite-3gb:1,2 (overrides --dp)")
     parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
     parser.add_argument("--no-runtime", action="store_true", help="skip the runtime loads")
+    parser.add_argument("--family", default="lm", choices=("lm", "wan"),
+                        help="wan: the Wan 1.3B-width transformer instead (--wan-blocks)")
+    parser.add_argument("--wan-blocks", default="4,12",
+                        help="comma-separated block counts for --family wan (default 4,12)")
     args = parser.parse_args()
+    if args.family == "wan":
+        main_wan([int(n) for n in args.wan_blocks.split(",")])
+        return
     per = {}
     for item in filter(None, args.dp_for.split(";")):
         key, degrees = item.split(":")

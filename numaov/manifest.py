@@ -292,7 +292,11 @@ class ExportManifest:
         """One line for the CLI: what was written and the worst parity figure per backend."""
         worst: dict[str, float] = {}
         for figure in self.parity:
+            if not figure.get("judged", True):
+                continue  # kept for the record (a bf16 Wan transformer is judged per block)
             key = f"{figure['backend']} {figure['precision']}"
+            if figure.get("criterion") == "rms":
+                key += " per block (RMS)"
             worst[key] = max(worst.get(key, 0.0), float(figure["rel_error"]))
         parity = ", ".join(f"{k} {v:.2g}" for k, v in worst.items()) or "not checked"
         # Only the non-default timestep is named, so scalar exports read as they always did.

@@ -66,7 +66,6 @@ Parity at export:
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import shutil
@@ -105,6 +104,7 @@ from numaov.exporter.parity import (
     summary,
     torch_reference,
 )
+from numaov.exporter.release import release_freed_memory
 from numaov.exporter.weight_formats import (
     MIN_ROW_SHARE,
     MIN_TOKEN_SHARE,
@@ -417,9 +417,9 @@ def _export_into(
     experts: ExpertShape | None,
     group_size: int | None,
 ) -> ExportManifest:
+    from numaov.models.checkpoint import compute_in_f32
     from numaov.models.layers.data_parallel import DataParallelGroup
     from numaov.models.layers.experts import StoredExperts
-    from numaov.models.layers.lm_loading import compute_in_f32
 
     inference_precision = INFERENCE_PRECISION[precision]
     # the rules of the format that rounds the weights: a released FP8 checkpoint's experts
@@ -466,7 +466,7 @@ def _export_into(
     references = [torch_reference(family.step_module(model), inputs) for inputs in rank_inputs]
     timings["torch_reference"] = time.perf_counter() - start
     del model
-    gc.collect()
+    release_freed_memory()
 
     # 3. per rank: the shard without its experts (the graph names the store), ONNX, IR
     example = {
@@ -493,7 +493,7 @@ def _export_into(
         )
         timings["onnx_export"] = timings.get("onnx_export", 0.0) + time.perf_counter() - start
         del shard
-        gc.collect()
+        release_freed_memory()
         start = time.perf_counter()
         xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, storage, report,
                                  compress if weights in ("int8", "int4") else None,

@@ -124,6 +124,22 @@ def _store_weights_as_bf16(model) -> int:
     return replaced
 
 
+def _add_attribute(layer: Any, name: str) -> bool:
+    """Give an IR layer (an XML element) the runtime attribute ``name`` (version 0) unless it
+    has it; the IR reader turns it into OpenVINO's attribute of that name. Whether it was
+    added."""
+    import xml.etree.ElementTree as ET
+
+    rt_info = layer.find("rt_info")
+    if rt_info is None:
+        rt_info = ET.Element("rt_info")
+        layer.insert(1, rt_info)
+    if any(a.get("name") == name for a in rt_info.findall("attribute")):
+        return False
+    ET.SubElement(rt_info, "attribute", {"name": name, "version": "0"})
+    return True
+
+
 def _mark_weight_decompression(xml_path: Path) -> int:
     """Mark every Convert of a bf16 Constant in the saved IR as a weight decompression (the
     ``decompression`` runtime attribute OpenVINO writes on the Converts of its own f16
@@ -148,15 +164,47 @@ def _mark_weight_decompression(xml_path: Path) -> int:
         fed = {edge.get("to-layer") for edge in edges.findall("edge")
                if edge.get("from-layer") in constants}
         for layer in layers.findall("layer"):
-            if layer.get("type") != "Convert" or layer.get("id") not in fed:
-                continue
-            rt_info = layer.find("rt_info")
-            if rt_info is None:
-                rt_info = ET.Element("rt_info")
-                layer.insert(1, rt_info)
-            if all(a.get("name") != "decompression" for a in rt_info.findall("attribute")):
-                ET.SubElement(rt_info, "attribute", {"name": "decompression", "version": "0"})
-                marked += 1
+            if layer.get("type") == "Convert" and layer.get("id") in fed:
+                marked += _add_attribute(layer, "decompression")
+    tree.write(xml_path, encoding="utf-8", xml_declaration=True)
+    return marked
+
+
+def _keep_f32_from(xml_path: Path, inputs: tuple[str, ...]) -> int:
+    """Mark every node of the saved IR computed from the graph inputs ``inputs`` alone (with
+    constants) as ``precise``, the attribute under which OpenVINO keeps a node in f32 when it
+    compiles for bf16: the Wan transformer's timestep path. Its sinusoids take angles up to
+    1000 radians, and a bf16 product (8 significant bits) of the timestep and a frequency is
+    off by up to 2 radians: measured, that made every block's bf16 output 2-4.5% (RMS) off
+    at timestep 999, 0.2-0.4% with these nodes in f32. They are vectors per sample, so
+    keeping them f32 costs nothing. Returns how many nodes were marked."""
+    import xml.etree.ElementTree as ET
+
+    tree = ET.parse(xml_path)
+    graph = tree.getroot()
+    layers = {layer.get("id"): layer for layer in graph.find("layers").findall("layer")}
+    consumers: dict[str, list[str]] = {}
+    for edge in graph.find("edges").findall("edge"):
+        consumers.setdefault(edge.get("from-layer"), []).append(edge.get("to-layer"))
+
+    def reached(names) -> set[str]:
+        todo = [i for i, layer in layers.items()
+                if layer.get("type") == "Parameter" and layer.get("name") in names]
+        seen: set[str] = set()
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo.extend(consumers.get(node, []))
+        return seen
+
+    others = {layer.get("name") for layer in layers.values()
+              if layer.get("type") == "Parameter"} - set(inputs)
+    marked = 0
+    for node in reached(inputs) - reached(others):
+        layer = layers[node]
+        if layer.get("type") not in ("Parameter", "Result"):
+            marked += _add_attribute(layer, "precise")
     tree.write(xml_path, encoding="utf-8", xml_declaration=True)
     return marked
 
@@ -168,6 +216,7 @@ def convert_to_ir(
     progress: Callable[[str], None] | None = None,
     compress: Callable[[Any], None] | None = None,
     keep_weight_casts: bool = False,
+    f32_inputs: tuple[str, ...] = (),
 ) -> Path:
     """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path.
 
@@ -175,10 +224,12 @@ def convert_to_ir(
     saved (the int8 / int4 weight compression of ``weight_formats``). ``precision`` is one of
     ``PRECISIONS``, checked by the export entry point that calls this (``check_precision``).
     ``keep_weight_casts``: the graph's weights are bf16 with a Cast to f32 where they are
-    used (a language-model export of a bf16 checkpoint, ``layers.lm_loading.compute_in_f32``):
+    used (a language-model export of a bf16 checkpoint, ``models.checkpoint.compute_in_f32``):
     convert with the ONNX frontend alone, without ``convert_model``'s graph transformations,
     which fold every such Cast into an f32 copy of the weight (2x the weights in memory, the
-    CPU plugin folds it when it compiles anyway), so the IR stores the bf16 weights as read."""
+    CPU plugin folds it when it compiles anyway), so the IR stores the bf16 weights as read.
+    ``f32_inputs``: graph inputs whose own computations (the nodes that depend on them and on
+    no other input) stay f32 at bf16 (``_keep_f32_from``; the Wan transformer's timestep)."""
     import openvino as ov
 
     from numaov.custom_ops import library_path
@@ -222,5 +273,8 @@ def convert_to_ir(
     if precision == "bf16":
         marked = _mark_weight_decompression(xml_path)
         logger.info("marked %d bf16 weights as decompressed where used", marked)
+    if f32_inputs:
+        kept = _keep_f32_from(xml_path, f32_inputs)
+        logger.info("kept %d nodes computed from %s alone in f32", kept, ", ".join(f32_inputs))
     logger.info("wrote %s", xml_path)
     return xml_path

@@ -37,7 +37,6 @@ its digest and scale, and the parity reference is the merged model.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -55,7 +54,16 @@ from numaov.exporter.output_dir import (
     staged_output,
     write_reference_sample,
 )
-from numaov.exporter.parity import check_parity, parity_attention, torch_reference
+from numaov.exporter.parity import (
+    BACKENDS,
+    check_parity,
+    check_stages,
+    judge,
+    parity_attention,
+    summary,
+    torch_reference,
+)
+from numaov.exporter.release import release_freed_memory
 from numaov.exporter.wan_pipeline_export import (
     TRANSFORMER_2_DIR,
     TRANSFORMER_DIR,
@@ -65,7 +73,7 @@ from numaov.exporter.wan_pipeline_export import (
     read_model_index,
 )
 from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
-from numaov.models.wan import BLOCK_OUTPUTS
+from numaov.models.wan import BLOCK_OUTPUTS, block_states
 from numaov.models.wan.lora import LoraError, LoraSpec, WanLora
 
 logger = logging.getLogger(__name__)
@@ -74,7 +82,6 @@ ONNX_NAME = "model.onnx"
 REFERENCE_SAMPLE_NAME = "reference_sample.npz"
 IR_NAME = "model.xml"
 OUTPUT_NAME = "sample"
-OUTPUT_NAMES = (OUTPUT_NAME, *BLOCK_OUTPUTS)
 # Example sizes the graph is traced with, as (batch, frame / height / width patches, text
 # length): all different from each other and from 0/1, which torch.export would specialise.
 EXAMPLE_SIZES = (2, 3, 4, 5, 11)
@@ -231,6 +238,23 @@ def read_merged_loras(transformer_dir: Path, specs: Sequence[LoraSpec],
     return merged
 
 
+def load_for_export(checkpoint_dir: Path, precision: str,
+                    loras: Sequence[WanLora] = ()) -> torch.nn.Module:
+    """The transformer as the export traces it: its FFN in column parts (``FFN_COLUMN_BLOCK``)
+    and, for a bf16 export, its weights held in bf16 as the IR stores them (LoRAs merged in
+    f32 first) and widened to f32 where each is read (``compute_in_f32``). So no f32 copy of
+    the weights is ever made, the ONNX graph carries them in bf16 behind a Cast, and the
+    parity reference computes in f32 on the very values the IR holds."""
+    from numaov.models.checkpoint import compute_in_f32
+    from numaov.models.wan.transformer import WanTransformer
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = WanTransformer.from_pretrained(checkpoint_dir, dtype=dtype, loras=loras)
+    model.split_ffn_columns(FFN_COLUMN_BLOCK)
+    compute_in_f32(model)
+    return model
+
+
 def _export_into(
     checkpoint_dir: Path,
     out_dir: Path,
@@ -240,17 +264,15 @@ def _export_into(
     report: Callable[[str], None],
     loras: Sequence[WanLora] = (),
 ) -> ExportManifest:
-    from numaov.models.wan.transformer import WanTransformer
-
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
     report(f"loading Wan checkpoint {checkpoint_dir}"
            + (f" and merging {len(loras)} LoRA(s) in f32" if loras else ""))
-    model = WanTransformer.from_pretrained(checkpoint_dir, dtype=torch.float32, loras=loras)
-    model.split_ffn_columns(FFN_COLUMN_BLOCK)
-    model.block_outputs = True  # the step cache's parts (runtime/wan/step_cache.py)
+    model = load_for_export(checkpoint_dir, precision, loras)
+    model.block_outputs = True  # the step cache's parts, the parity's stages
     config = model.config
+    output_names = [OUTPUT_NAME, *BLOCK_OUTPUTS, *block_states(config.num_layers)[2:-1]]
     timings["load"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -263,7 +285,7 @@ def _export_into(
         out_dir / ONNX_NAME,
         lowering,
         report,
-        output_names=list(OUTPUT_NAMES),
+        output_names=output_names,
     )
     timings["onnx_export"] = time.perf_counter() - start
 
@@ -276,23 +298,35 @@ def _export_into(
     reference = torch_reference(model, input_sets)
     timings["torch_reference"] = time.perf_counter() - start
     del model
-    gc.collect()
+    release_freed_memory()
 
     start = time.perf_counter()
-    xml_path = convert_to_ir(graph.path, out_dir / IR_NAME, precision, report)
+    xml_path = convert_to_ir(graph.path, out_dir / IR_NAME, precision, report,
+                             keep_weight_casts=precision == "bf16", f32_inputs=("timestep",))
     timings["openvino_convert"] = time.perf_counter() - start
 
     start = time.perf_counter()
+    # bf16: OpenVINO is judged block by block (check_stages), ONNX Runtime (f32) and an f32
+    # export on the whole sample. The whole sample's bf16 error is kept, not judged: it grows
+    # with the depth (the figures are in the manifest).
+    staged = precision == "bf16"
     figures = check_parity(
         input_sets,
         reference,
-        list(OUTPUT_NAMES),
+        output_names,
         graph.path,
         xml_path,
         openvino_precision=INFERENCE_PRECISION[precision],
         progress=report,
         measured_outputs=[OUTPUT_NAME],
+        judged_backends=("onnxruntime",) if staged else BACKENDS,
     )
+    if staged:
+        figures = judge(figures + check_stages(
+            xml_path, INFERENCE_PRECISION[precision], input_sets, reference, output_names,
+            block_states(config.num_layers), OUTPUT_NAME, report),
+            "exported model does not match PyTorch block by block")
+        report(summary(figures))
     timings["parity"] = time.perf_counter() - start
 
     write_reference_sample(

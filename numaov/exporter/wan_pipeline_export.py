@@ -30,7 +30,6 @@ ONNX Runtime and OpenVINO at the export's precision, at shapes other than the ex
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import shutil
@@ -51,6 +50,7 @@ from numaov.exporter.output_dir import (
     write_reference_sample,
 )
 from numaov.exporter.parity import check_parity, parity_attention, torch_reference
+from numaov.exporter.release import release_freed_memory
 from numaov.manifest import (
     IMAGE_TO_VIDEO_CLASS,
     PIPELINE_KIND,
@@ -258,7 +258,7 @@ def export_pipeline_into(
         parts += encoder_parts
         vae_components += [VAE_ENCODER_DIR, VAE_ENCODER_NEXT_DIR][: len(encoder_parts)]
     del vae
-    gc.collect()
+    release_freed_memory()
     timings["vae_decoder"] = time.perf_counter() - start
 
     for name in COPIED:
@@ -304,7 +304,7 @@ def _plain(value: Any) -> Any:
 
 
 def _export_graph(
-    module: torch.nn.Module,
+    held: list[torch.nn.Module],
     kind: str,
     example: dict[str, Any],
     dynamic_shapes: dict[str, Any],
@@ -316,8 +316,14 @@ def _export_graph(
     report: Callable[[str], None],
     source: Path,
     config: dict[str, Any],
+    narrow_weights: bool = False,
 ) -> ExportManifest:
-    """export_onnx -> PyTorch reference -> IR -> parity -> ``out_dir/manifest.json``."""
+    """export_onnx -> PyTorch reference -> IR -> parity -> ``out_dir/manifest.json``;
+    ``narrow_weights``: the module holds bf16 weights widened where read (``compute_in_f32``),
+    which the IR stores as they are (``convert_to_ir(keep_weight_casts=True)``). ``held`` is a
+    one-element list the module is taken out of, so it is let go once PyTorch's outputs are
+    in, before OpenVINO loads its own copy (a caller with a big one keeps no reference)."""
+    module = held.pop()
     timings: dict[str, float] = {}
     start = time.perf_counter()
     graph = export_onnx(module, (), example, dynamic_shapes, out_dir / "model.onnx", lowering,
@@ -326,8 +332,11 @@ def _export_graph(
     start = time.perf_counter()
     reference = torch_reference(GraphInputs(module), input_sets)
     timings["torch_reference"] = time.perf_counter() - start
+    del module
+    release_freed_memory()
     start = time.perf_counter()
-    xml_path = convert_to_ir(graph.path, out_dir / "model.xml", precision, report)
+    xml_path = convert_to_ir(graph.path, out_dir / "model.xml", precision, report,
+                             keep_weight_casts=narrow_weights)
     timings["openvino_convert"] = time.perf_counter() - start
     start = time.perf_counter()
     figures = check_parity(input_sets, reference, output_names, graph.path, xml_path,
@@ -360,7 +369,8 @@ def _export_graph(
 def _export_text_encoder(
     source: Path, out_dir: Path, precision: str, lowering: str, report: Callable[[str], None]
 ) -> ExportManifest:
-    module = load_text_encoder(source)
+    narrow = precision == "bf16"
+    module = load_text_encoder(source, torch.bfloat16 if narrow else torch.float32)
     config = module.encoder.config
     vocab = int(config.vocab_size)
     rng = np.random.default_rng(PARITY_SEED)
@@ -376,12 +386,14 @@ def _export_text_encoder(
     text = dim("text_length", min=2, max=_MAX_TEXT)
     example = {k: torch.from_numpy(v) for k, v in inputs(*TEXT_EXAMPLE).items()}
     out_dir.mkdir(parents=True)
+    held = [module]
+    del module
     return _export_graph(
-        module, TEXT_ENCODER_KIND, example,
+        held, TEXT_ENCODER_KIND, example,
         {"input_ids": {0: batch, 1: text}, "attention_mask": {0: batch, 1: text}},
         [inputs(*sizes) for sizes in TEXT_PARITY], ["last_hidden_state"],
         out_dir, precision, lowering, report, source,
-        {"d_model": int(config.d_model), "vocab_size": vocab},
+        {"d_model": int(config.d_model), "vocab_size": vocab}, narrow_weights=narrow,
     )
 
 
@@ -434,7 +446,7 @@ def _export_vae_decoder(
     first_sets = [{"latents": latents(*sizes)} for sizes in VAE_PARITY]
     (out_dir / VAE_FIRST_FRAME_DIR).mkdir(parents=True)
     manifests.append(_export_graph(
-        first, VAE_FIRST_FRAME_KIND, {"latents": example}, {"latents": axes(example.shape)},
+        [first], VAE_FIRST_FRAME_KIND, {"latents": example}, {"latents": axes(example.shape)},
         first_sets, ["frames", *cache_names], out_dir / VAE_FIRST_FRAME_DIR, precision,
         lowering, report, source, config,
     ))
@@ -449,7 +461,7 @@ def _export_vae_decoder(
                           **{f"caches_{i}": c.numpy() for i, c in enumerate(caches)}})
     (out_dir / VAE_NEXT_FRAME_DIR).mkdir(parents=True)
     manifests.append(_export_graph(
-        following, VAE_NEXT_FRAME_KIND, {"latents": example, "caches": slots},
+        [following], VAE_NEXT_FRAME_KIND, {"latents": example, "caches": slots},
         {"latents": axes(example.shape), "caches": [axes(c.shape) for c in slots]},
         next_sets, ["frames", *cache_names], out_dir / VAE_NEXT_FRAME_DIR, precision,
         lowering, report, source, config,
@@ -486,7 +498,7 @@ def _export_vae_encoder(
     first_sets = [{"image": video(*sizes)} for sizes in VAE_PARITY]
     (out_dir / VAE_ENCODER_DIR).mkdir(parents=True)
     manifests = [_export_graph(
-        first, VAE_ENCODER_KIND, {"image": example}, {"image": axes(example.shape)},
+        [first], VAE_ENCODER_KIND, {"image": example}, {"image": axes(example.shape)},
         first_sets, ["latents", *cache_names], out_dir / VAE_ENCODER_DIR, precision, lowering,
         report, source, config,
     )]
@@ -505,7 +517,7 @@ def _export_vae_encoder(
     example_next = torch.from_numpy(video(*VAE_EXAMPLE, chunk))
     (out_dir / VAE_ENCODER_NEXT_DIR).mkdir(parents=True)
     manifests.append(_export_graph(
-        VaeNextFramesEncoderGraph(vae).eval(), VAE_ENCODER_NEXT_KIND,
+        [VaeNextFramesEncoderGraph(vae).eval()], VAE_ENCODER_NEXT_KIND,
         {"video": example_next, "caches": slots},
         {"video": axes(example_next.shape), "caches": [axes(c.shape) for c in slots]},
         next_sets, ["latents", *cache_names], out_dir / VAE_ENCODER_NEXT_DIR, precision,

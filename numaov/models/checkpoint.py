@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from numaov import NumaovError
 
@@ -500,18 +502,39 @@ def check_state_dict(
 
 
 def _log_casts(
-    state_dict: Mapping[str, torch.Tensor], target: Mapping[str, torch.dtype], what: str
+    source: Mapping[str, torch.dtype], target: Mapping[str, torch.dtype], what: str
 ) -> None:
     """Log, once per pair of dtypes, the tensors whose values change dtype on the way in."""
     casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
-    for name, tensor in state_dict.items():
-        if tensor.dtype != target[name]:
-            casts.setdefault((tensor.dtype, target[name]), []).append(name)
+    for name, dtype in source.items():
+        if dtype != target[name]:
+            casts.setdefault((dtype, target[name]), []).append(name)
     for (source, dest), names in casts.items():
         logger.info(
             "%s: %s cast from %s to %s: %s", what, _plural(len(names), "tensor"),
             _dtype_name(source), _dtype_name(dest), _format_names(sorted(names)),
         )
+
+
+def read_state_dict(
+    checkpoint: SafetensorsCheckpoint,
+    dtype_of: Callable[[str], torch.dtype],
+    what: str,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``checkpoint``, read one at a time and cast to ``dtype_of(name)`` as
+    it is read (after ``transform(name, tensor)`` when given): the weights are held once, at
+    the dtype the model keeps, never the checkpoint's copy beside them. Casts are logged as
+    :func:`load_into_module` logs them."""
+    _log_casts({name: checkpoint.dtype(name) for name in checkpoint},
+               {name: dtype_of(name) for name in checkpoint}, what)
+    state = {}
+    for name in checkpoint:
+        tensor = checkpoint[name]
+        if transform is not None:
+            tensor = transform(name, tensor)
+        state[name] = tensor.to(dtype_of(name))
+    return state
 
 
 def load_into_module(
@@ -544,7 +567,31 @@ def load_into_module(
             name: dtype_of(name) if dtype_of is not None else tensor.dtype
             for name, tensor in state_dict.items()
         }
-    _log_casts(state_dict, target, what)
+    _log_casts({name: tensor.dtype for name, tensor in state_dict.items()}, target, what)
     if assign:
         state_dict = {name: tensor.to(target[name]) for name, tensor in state_dict.items()}
     module.load_state_dict(dict(state_dict), strict=True, assign=assign)
+
+
+class _Widened(nn.Module):
+    """A parametrization: the stored weight as f32 wherever it is read."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight.float()
+
+
+def compute_in_f32(model: nn.Module) -> int:
+    """``model`` computing in f32 on the weights it holds (bf16 / f16 as loaded): each weight
+    is widened where a module reads it, one module at a time, and let go after. So the model
+    holds its weights at the checkpoint's width, computes what the f32 model computes (bf16
+    and f16 values are exact in f32), and a traced graph holds them at that width with a Cast
+    in front: what the IR stores for a bf16 export, with no f32 copy ever made (weights held
+    in f32, as a language model's router or Wan's timestep tables, stay as they are). Returns
+    how many weights are widened so."""
+    widened = 0
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype != torch.float32:
+                parametrize.register_parametrization(module, name, _Widened(), unsafe=True)
+                widened += 1
+    return widened

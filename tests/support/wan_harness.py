@@ -129,5 +129,15 @@ def cli_in_process(*argv: str) -> tuple[int, str, str]:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's own refusals exit
+            code = exc.code if isinstance(exc.code, int) else 1
     return code, out.getvalue(), err.getvalue()
+
+
+def cli_refusal(*argv: str) -> subprocess.CompletedProcess:
+    """``cli_in_process`` as a finished process, for ``one_line_error``: a refusal needs no
+    interpreter of its own (each costs seconds of start-up)."""
+    code, out, err = cli_in_process(*argv)
+    return subprocess.CompletedProcess(list(argv), code, out, err)

@@ -9,11 +9,11 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.wan_harness import cli_refusal
 from support.wan_lora_harness import (
     diffusers_fused,
     musubi_lora,
@@ -29,7 +29,6 @@ from numaov.models.wan.transformer import WanTransformer
 
 pytest.importorskip("peft")  # diffusers' load_lora_weights, the reference, needs it
 
-CLI = [sys.executable, "-m", "numaov.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -196,14 +195,12 @@ def test_lora_2_needs_a_second_expert(checkpoint: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # five CLI processes, each importing torch and diffusers (~12 s)
 def test_cli_refusals_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     def export(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*CLI, "export", "wan", "--checkpoint", str(checkpoint), "--out",
-                               str(tmp_path / "out"), *args], capture_output=True, text=True,
-                              timeout=300)
+        return cli_refusal("export", "wan", "--checkpoint", str(checkpoint), "--out",
+                           str(tmp_path / "out"), *args)
 
     (tmp_path / "junk.safetensors").write_text("not a safetensors file")
     one_line_error(export("--lora", str(tmp_path / "junk.safetensors")),
@@ -224,8 +221,7 @@ def test_cli_refusals_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
                                     "tokenizer", "scheduler")}}))
     for component in ("text_encoder", "vae", "tokenizer", "scheduler"):
         (two / component).mkdir()
-    proc = subprocess.run([*CLI, "export", "wan", "--checkpoint", str(two), "--out",
-                           str(tmp_path / "out"), "--lora-2", str(wide)],
-                          capture_output=True, text=True, timeout=300)
-    one_line_error(proc, "--lora-2: LoRA", "do not fit", "transformer_2")
+    one_line_error(cli_refusal("export", "wan", "--checkpoint", str(two), "--out",
+                               str(tmp_path / "out"), "--lora-2", str(wide)),
+                   "--lora-2: LoRA", "do not fit", "transformer_2")
     assert not (tmp_path / "out").exists()

@@ -1,8 +1,9 @@
-"""LoRAs merged at export into a tiny Wan 2.2 A14B-style pipeline (two experts), through the
-CLI: two stacked LoRAs of different layouts on the transformer, a third on transformer_2;
-numaov's frames against diffusers' WanPipeline with load_lora_weights + fuse_lora, with
-guidance and guidance-free (guidance 1, 4 steps of Euler or UniPC at shift 5, the recipe of
-lightx2v's distilled LoRAs)."""
+"""A tiny Wan 2.2 A14B-style pipeline (two experts, boundary_ratio) exported whole through the
+CLI with LoRAs merged: two stacked LoRAs of different layouts on the transformer, a third on
+transformer_2. Both experts run (the switch at the boundary, guidance_scale_2), and numaov's
+frames equal diffusers' WanPipeline with load_lora_weights + fuse_lora, with guidance and
+guidance-free (guidance 1, 4 steps of Euler or UniPC at shift 5, the recipe of lightx2v's
+distilled LoRAs). One export serves both subjects: a pipeline export is the slow part."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from support.wan_pipeline_harness import build_tiny_pipeline
 from numaov.manifest import digest_file
 from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
 from numaov.runtime.wan.request import SamplerInputError, WanSampleRequest
+from numaov.runtime.wan.schedules import DiffusersSchedule
 
 pytestmark = pytest.mark.slow  # exports a whole pipeline
 
@@ -106,14 +108,37 @@ def test_manifests_record_each_lora(lora_export: dict) -> None:
     assert "3 LoRA(s) merged" in lora_export["summary"]
 
 
-def test_guided_frames_equal_diffusers_fused(lora_export: dict, tmp_path: Path) -> None:
+def test_both_experts_are_exported_and_both_run(lora_export: dict) -> None:
+    pipeline = read_pipeline(lora_export["export"])
+    assert [m.directory.name for m in pipeline.experts] == ["transformer", "transformer_2"]
+    boundary = pipeline.boundary_timestep(pipeline.scheduler_config)
+    assert boundary == BOUNDARY * 1000
+    timesteps = DiffusersSchedule(4, pipeline.scheduler_config).timesteps
+    request = WanSampleRequest(frames=5, height=32, width=48, steps=4, guidance=5.0,
+                               seed=SEED, boundary_timestep=boundary)
+    assert {request.expert(t) for t in timesteps} == {0, 1}  # the test sees the switch
+
+
+@pytest.mark.parametrize("backend", ["openvino", "torch"])
+def test_guided_frames_with_guidance_2_equal_diffusers_fused(lora_export: dict, tmp_path: Path,
+                                                             backend: str) -> None:
     expected = _diffusers_frames(lora_export["pipe"], 5.0, 4, negative_prompt=NEGATIVE,
                                  guidance_scale_2=3.0)
-    got = _numaov_frames(lora_export["export"], tmp_path, 5.0, 4, guidance_2=3.0,
+    got = _numaov_frames(lora_export["export"], tmp_path, 5.0, 4, backend, guidance_2=3.0,
                          negative_prompt=NEGATIVE)
     error = float(np.max(np.abs(got - expected)))
-    print(f"guided, 3 LoRAs: max |numaov - diffusers| = {error:.3g}")
+    print(f"{backend}, guided, guidance_2 3, 3 LoRAs: max |numaov - diffusers| = {error:.3g}")
     assert error <= F32_FRAME_TOL
+
+
+def test_guidance_2_without_a_second_expert_is_refused(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "numaov.cli", "run", "wan", "--model-dir", str(tmp_path),
+         "--frames", "5", "--height", "32", "--width", "32", "--steps", "2", "--guidance", "5",
+         "--guidance-2", "3", "--seed", "0", "--text-embeddings", str(tmp_path / "t.npy"),
+         "--out", str(tmp_path / "l.npy")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("numaov: error: --guidance-2: guidance_2=3.0"), proc.stderr
 
 
 @pytest.mark.parametrize("sampler", ["euler", "unipc"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.wan_harness import cli_refusal
 from support.wan_pipeline_harness import diffusers_tiling, one_line_error
 
 from numaov.runtime.wan.pipeline import MAX_TEXT_TOKENS, read_pipeline, run_wan_pipeline
@@ -123,33 +124,33 @@ def test_progress_says_elapsed_and_remaining(pipeline: dict, tmp_path: Path) -> 
 def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:
     run = ["run", "wan", "--model-dir", str(pipeline["export"]), "--frames", "5", "--height",
            "32", "--width", "32", "--steps", "2", "--guidance", "5", "--seed", "0"]
-    one_line_error(_cli(*run, "--prompt", PROMPT, "--out", str(tmp_path / "v.avi")),
+    one_line_error(cli_refusal(*run, "--prompt", PROMPT, "--out", str(tmp_path / "v.avi")),
                    "--out:", "'.avi'", ".mp4")
     long_prompt = " ".join(["w1"] * (MAX_TEXT_TOKENS + 5))
-    one_line_error(_cli(*run, "--prompt", long_prompt, "--out", str(tmp_path / "v.mp4")),
+    one_line_error(cli_refusal(*run, "--prompt", long_prompt, "--out", str(tmp_path / "v.mp4")),
                    "--prompt:", f"{MAX_TEXT_TOKENS + 6} tokens", f"at most {MAX_TEXT_TOKENS}")
-    one_line_error(_cli(*run, "--prompt", "a", "--negative-prompt", long_prompt, "--out",
+    one_line_error(cli_refusal(*run, "--prompt", "a", "--negative-prompt", long_prompt, "--out",
                         str(tmp_path / "v.mp4")), "--negative-prompt:")
-    one_line_error(_cli(*run, "--out", str(tmp_path / "v.mp4")), "exactly one of --prompt")
-    one_line_error(_cli(*run, "--prompt", "a", "--first-frame-latents", "f.npy", "--out",
+    one_line_error(cli_refusal(*run, "--out", str(tmp_path / "v.mp4")), "exactly one of --prompt")
+    one_line_error(cli_refusal(*run, "--prompt", "a", "--first-frame-latents", "f.npy", "--out",
                         str(tmp_path / "v.mp4")), "--first-frame-latents: not used with --prompt")
     # Far more than this machine holds: refused with the numbers before anything is allocated.
     big = [*run[:4], "--frames", "81", "--height", "8192", "--width", "8192", *run[10:]]
-    one_line_error(_cli(*big, "--prompt", "a", "--out", str(tmp_path / "v.mp4")),
+    one_line_error(cli_refusal(*big, "--prompt", "a", "--out", str(tmp_path / "v.mp4")),
                    "video tokens", "GiB of memory is available")
 
     # A pipeline directory without its text encoder: the export names it, before any work.
     broken = tmp_path / "pipeline"
     shutil.copytree(pipeline["root"] / "pipeline", broken)
     shutil.rmtree(broken / "text_encoder")
-    one_line_error(_cli("export", "wan", "--checkpoint", str(broken), "--out",
+    one_line_error(cli_refusal("export", "wan", "--checkpoint", str(broken), "--out",
                         str(tmp_path / "export")), "--checkpoint:", "'text_encoder'")
     assert not (tmp_path / "export").exists()
     # An export with a component's manifest gone.
     export = tmp_path / "export_copy"
     shutil.copytree(pipeline["export"], export)
     (export / "vae_decoder" / "next_frame" / "manifest.json").unlink()
-    one_line_error(_cli(*run[:3], str(export), *run[4:], "--prompt", "a", "--out",
+    one_line_error(cli_refusal(*run[:3], str(export), *run[4:], "--prompt", "a", "--out",
                         str(tmp_path / "v.mp4")), "vae_decoder/next_frame/manifest.json",
                    "missing")
     # A Wan 2.2 two-expert index is named as such, not half exported.
@@ -158,7 +159,7 @@ def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:
     shutil.copytree(pipeline["root"] / "pipeline", two)
     (two / "model_index.json").write_text(json.dumps(
         {**index, "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
-    one_line_error(_cli("export", "wan", "--checkpoint", str(two), "--out",
+    one_line_error(cli_refusal("export", "wan", "--checkpoint", str(two), "--out",
                         str(tmp_path / "export2")), "transformer_2")
 
 

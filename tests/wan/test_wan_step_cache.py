@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.wan_harness import cli_refusal
 from support.wan_pipeline_harness import one_line_error
 
 from numaov.runtime.wan.pipeline import run_wan_pipeline
@@ -109,15 +110,14 @@ def test_cli_reports_skipped_evaluations_and_refuses_bad_settings(
     assert proc.returncode == 0, proc.stderr
     assert "numaov: step cache first-block:0.3: skipped" in proc.stderr
     assert "evaluations skipped by the step cache" in proc.stdout
+    # the refusals, in this process (each would cost an interpreter's start-up)
+    base = base[len(CLI):]
     for setting, needle in (("fbc", "expected first-block[:THRESHOLD]"),
                             ("first-block:-1", "expected a number >= 0"),
                             ("first-block:x", "expected a number >= 0")):
-        proc = subprocess.run([*base, "--cache", setting], capture_output=True, text=True,
-                              timeout=300)
-        one_line_error(proc, needle)
-    proc = subprocess.run([*base, "--cache", "first-block", "--backend", "onnxruntime"],
-                          capture_output=True, text=True, timeout=300)
-    one_line_error(proc, "expected --backend openvino")
+        one_line_error(cli_refusal(*base, "--cache", setting), needle)
+    one_line_error(cli_refusal(*base, "--cache", "first-block", "--backend", "onnxruntime"),
+                   "expected --backend openvino")
 
     # An export made before the transformer returned its block states.
     old = tmp_path / "old_export"
@@ -126,9 +126,8 @@ def test_cli_reports_skipped_evaluations_and_refuses_bad_settings(
     record = json.loads(manifest.read_text())
     record["outputs"] = record["outputs"][:1]
     manifest.write_text(json.dumps(record))
-    proc = subprocess.run([*base[:5], "--model-dir", str(old), *base[7:], "--cache",
-                           "first-block"], capture_output=True, text=True, timeout=300)
-    one_line_error(proc, "has no block outputs", "expected a re-export")
+    one_line_error(cli_refusal(*base[:2], "--model-dir", str(old), *base[4:], "--cache",
+                               "first-block"), "has no block outputs", "expected a re-export")
 
 
 def test_settings_parse_as_diffusers_names_them() -> None:

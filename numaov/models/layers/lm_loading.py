@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
 from numaov import NumaovError
 from numaov.models.layers.router import Router
@@ -76,24 +75,3 @@ def pooled_past(kv_cache: Tensor, past_slots: Tensor, dtype: torch.dtype) -> Ten
     return past.view(kv_cache.shape[0], b, p, kv_cache.shape[2]).to(dtype)
 
 
-class _Widened(nn.Module):
-    """A parametrization: the stored weight as f32 wherever it is read."""
-
-    def forward(self, weight: Tensor) -> Tensor:
-        return weight.float()
-
-
-def compute_in_f32(model: nn.Module) -> int:
-    """``model`` computing in f32 on the weights it holds (bf16 / f16 as loaded): each weight
-    is widened where a module reads it, one module at a time, and let go after. So the model
-    holds its weights at the checkpoint's width, computes what the f32 model computes (bf16
-    and f16 values are exact in f32), and a traced graph holds them at that width with a Cast
-    in front: what the IR stores for a bf16 export, with no f32 copy ever made (the router is
-    f32 already). Returns how many weights are widened so."""
-    widened = 0
-    for module in list(model.modules()):
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dtype != torch.float32:
-                parametrize.register_parametrization(module, name, _Widened(), unsafe=True)
-                widened += 1
-    return widened

@@ -6,3 +6,11 @@ encoder and VAE graphs the exporter writes (``components``)."""
 # (``WanTransformer.block_outputs``, ``runtime/wan/step_cache.py``). Here, not in
 # ``transformer``, so the runtime reads them without importing torch.
 BLOCK_OUTPUTS = ("embedded", "first_block", "last_block")
+
+
+def block_states(num_layers: int) -> tuple[str, ...]:
+    """The token states along the blocks, in order: into the first block, then out of each
+    (``block_<i>`` for the ones between the first and the last). An exported transformer
+    returns them all, so its parity is judged block by block (``exporter/wan_export.py``)."""
+    middle = tuple(f"block_{i}" for i in range(1, num_layers - 1))
+    return ("embedded", "first_block", *middle, *(("last_block",) if num_layers > 1 else ()))

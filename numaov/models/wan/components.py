@@ -71,16 +71,23 @@ class TextEncoderGraph(torch.nn.Module):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
-def load_text_encoder(directory: str | Path) -> TextEncoderGraph:
-    """``text_encoder/`` of a pipeline directory (transformers ``UMT5EncoderModel``), in f32.
+def load_text_encoder(directory: str | Path,
+                      weights_dtype: torch.dtype = torch.float32) -> TextEncoderGraph:
+    """``text_encoder/`` of a pipeline directory (transformers ``UMT5EncoderModel``), computing
+    in f32. ``weights_dtype=torch.bfloat16`` holds the weights in bf16 (transformers keeps its
+    ``_keep_in_fp32_modules`` in f32), each widened where it is read (``compute_in_f32``): what
+    a bf16 export traces, with no f32 copy of UMT5-XXL's 5.7 B parameters.
 
     Eager attention: the same math as the default, and what ``torch.export`` captures whole.
     """
     from transformers import UMT5EncoderModel
 
+    from numaov.models.checkpoint import compute_in_f32
+
     model = UMT5EncoderModel.from_pretrained(
-        str(directory), torch_dtype=torch.float32, attn_implementation="eager"
+        str(directory), torch_dtype=weights_dtype, attn_implementation="eager"
     )
+    compute_in_f32(model)
     return TextEncoderGraph(model.eval()).eval()
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,26 +141,34 @@ class WanLora:
             f"({self.keys} keys after diffusers' Wan LoRA conversion) match {what}, {bad} do "
             f"not: {problem}; expected a LoRA trained for this Wan transformer", parameter="loras")
 
-    def merge_into(self, state_dict: MutableMapping[str, torch.Tensor]) -> None:
-        """Add the update to ``state_dict`` (diffusers' names), one layer at a time in f32."""
-        for module, update in self.layers.items():
-            factor = update.scaling * self.scale  # PEFT: scaling, then scale_layer(lora_scale)
-            name = f"{module}.weight"
-            delta = (update.up.float() @ update.down.float()) * factor
-            state_dict[name] = state_dict[name].float() + delta
-            if update.bias is not None:
-                name = f"{module}.bias"
-                state_dict[name] = state_dict[name].float() + update.bias.float() * factor
+    def merged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Checkpoint tensor ``name`` with this LoRA's update added in f32 (diffusers'
+        names), or ``tensor`` itself when the LoRA does not adapt it."""
+        module, _, kind = name.rpartition(".")
+        update = self.layers.get(module)
+        if update is None or kind not in ("weight", "bias"):
+            return tensor
+        factor = update.scaling * self.scale  # PEFT: scaling, then scale_layer(lora_scale)
+        if kind == "weight":
+            return tensor.float() + (update.up.float() @ update.down.float()) * factor
+        if update.bias is None:
+            return tensor
+        return tensor.float() + update.bias.float() * factor
 
 
-def merge_loras(state_dict: MutableMapping[str, torch.Tensor], loras: Sequence[WanLora],
-                what: str) -> None:
-    """Check every LoRA against ``state_dict``'s shapes, then merge them in order."""
-    shapes = {name: tuple(t.shape) for name, t in state_dict.items()}
+def check_loras_fit(loras: Sequence[WanLora], shapes: Mapping[str, Sequence[int]],
+                    what: str) -> None:
+    """Refuse, before anything is read, a LoRA that does not fit the checkpoint's shapes."""
     for lora in loras:
         lora.check_fits(shapes, what)
+
+
+def merge_loras(name: str, tensor: torch.Tensor, loras: Sequence[WanLora]) -> torch.Tensor:
+    """Checkpoint tensor ``name`` with every LoRA's update merged in f32, in order (diffusers'
+    ``fuse_lora``); a tensor no LoRA adapts comes back as it is."""
     for lora in loras:
-        lora.merge_into(state_dict)
+        tensor = lora.merged(name, tensor)
+    return tensor
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -53,10 +53,11 @@ from numaov.custom_ops import (
 from numaov.models.checkpoint import (
     CheckpointError,
     load_into_module,
-    load_safetensors_state_dict,
+    open_safetensors_checkpoint,
     read_config,
+    read_state_dict,
 )
-from numaov.models.wan.lora import WanLora, merge_loras
+from numaov.models.wan.lora import WanLora, check_loras_fit, merge_loras
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +273,14 @@ def timestep_sinusoids(timestep: Tensor, dim: int, max_period: float = 10000.0) 
         half, dtype=torch.float32, device=timestep.device
     )
     freqs = torch.exp(exponent / half)
-    args = timestep.float()[..., None] * freqs
-    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    # The timestep meets the frequencies before anything reshapes it: exported, a reshape of
+    # the timestep input first ran in bf16 under OpenVINO's bf16 precision, which rounds 999
+    # to 1000 and turns the high-frequency angles into noise (4% of every block's output).
+    # Frequencies first, then the angle axis moved last: the same products (and so diffusers'
+    # values bit for bit in f32), the input multiplied as it comes.
+    timestep = timestep.float()
+    args = freqs.reshape(half, *([1] * timestep.dim())) * timestep
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=0).movedim(0, -1)
     if dim % 2 == 1:
         emb = F.pad(emb, (0, 1))
     return emb
@@ -420,12 +427,15 @@ class _GeluProjection(nn.Module):
 class WanFeedForward(nn.Module):
     """Projection up, tanh-GELU, projection down.
 
-    With ``column_blocks`` > 1 the same function is computed as that many narrower FFNs
-    summed: block ``j`` takes rows ``j`` of the up projection and the matching columns of the
-    down projection (GELU is element-wise, so nothing else changes). Exports use it: OpenVINO's
-    bf16 FullyConnected runs faster on five 1,792-wide pairs than on one 8,960-wide pair
-    (figures in ``benchmarks/RESULTS.md``), while PyTorch is fastest with one matmul each, the
-    default.
+    ``split_columns(n)`` computes the same function as ``n`` narrower FFNs summed: part ``j``
+    holds rows ``j`` of the up projection and the matching columns of the down projection
+    (GELU is element-wise, so nothing else changes). Exports use it: OpenVINO's bf16
+    FullyConnected runs faster on five 1,792-wide pairs than on one 8,960-wide pair (figures
+    in ``benchmarks/RESULTS.md``), while PyTorch is fastest with one matmul each, the default.
+    The parts are weights of their own, not slices taken in ``forward``: a traced graph then
+    feeds each stored weight (and, for a bf16 export, its one widening Cast) straight to its
+    MatMul, which OpenVINO keeps compressed, where a Slice after the Cast would be folded into
+    an f32 copy or run on every call.
     """
 
     def __init__(self, dim: int, inner_dim: int) -> None:
@@ -434,20 +444,54 @@ class WanFeedForward(nn.Module):
         self.net = nn.ModuleList(
             [_GeluProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim)]
         )
-        self.column_blocks = 1
+        self.up_parts: nn.ModuleList | None = None
+        self.down_parts: nn.ParameterList | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.column_blocks == 1:
-            return self.net[2](self.net[0](x))
+    @property
+    def column_blocks(self) -> int:
+        return 1 if self.up_parts is None else len(self.up_parts)
+
+    def split_columns(self, blocks: int) -> None:
+        """Hold the weights as ``blocks`` column parts (one layer's weights copied at a time,
+        the whole ones let go after)."""
+        if blocks == 1:
+            return
         up, down = self.net[0].proj, self.net[2]
         inner = up.out_features
-        bounds = [inner * j // self.column_blocks for j in range(self.column_blocks + 1)]
+        bounds = [inner * j // blocks for j in range(blocks + 1)]
+        up_parts, down_parts = nn.ModuleList(), nn.ParameterList()
+        with torch.no_grad():
+            for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+                part = nn.Linear(up.in_features, end - begin, device="meta")
+                part.weight = nn.Parameter(up.weight[begin:end].clone(), requires_grad=False)
+                part.bias = nn.Parameter(up.bias[begin:end].clone(), requires_grad=False)
+                up_parts.append(part)
+                down_parts.append(nn.Parameter(down.weight[:, begin:end].contiguous(),
+                                               requires_grad=False))
+        self.up_parts, self.down_parts = up_parts, down_parts
+        # the whole projections are replaced: only the down bias is still read
+        self.net[0] = nn.Identity()
+        self.net[2] = _Bias(down.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.up_parts is None:
+            return self.net[2](self.net[0](x))
         out = None
-        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
-            hidden = F.linear(x, up.weight[begin:end], up.bias[begin:end])
-            part = F.linear(F.gelu(hidden, approximate="tanh"), down.weight[:, begin:end])
+        for up, down in zip(self.up_parts, self.down_parts, strict=True):
+            part = F.linear(F.gelu(up(x), approximate="tanh"), down)
             out = part if out is None else out + part
-        return out + down.bias
+        return self.net[2](out)
+
+
+class _Bias(nn.Module):
+    """The down projection's bias alone, added after the column parts are summed."""
+
+    def __init__(self, bias: nn.Parameter) -> None:
+        super().__init__()
+        self.bias = bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.bias
 
 
 class WanTransformerBlock(nn.Module):
@@ -552,8 +596,9 @@ class WanTransformer(nn.Module):
         # 4. Output norm & projection (rows: shift, scale)
         self.proj_out = nn.Linear(dim, config.output_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
-        # The exporter sets it: forward also returns the token states BLOCK_OUTPUTS names, so
-        # the runtime's step cache can run the graph in parts (runtime/wan/step_cache.py).
+        # The exporter sets it: forward also returns the token states along the blocks
+        # (BLOCK_OUTPUTS first), so the runtime's step cache can run the graph in parts
+        # (runtime/wan/step_cache.py) and the export's parity judge it block by block.
         self.block_outputs = False
 
     @property
@@ -580,15 +625,17 @@ class WanTransformer(nn.Module):
             )
         what = f"Wan checkpoint {str(directory)!r}"
         config = WanTransformerConfig.from_dict(read_config(directory, CONFIG_NAME, what))
-        state_dict = load_safetensors_state_dict(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME, what)
-        merge_loras(state_dict, loras, what)
-        # Build on the meta device and adopt the checkpoint's tensors: no time or memory is
-        # spent on random initial weights that would be overwritten at once.
+        checkpoint = open_safetensors_checkpoint(directory, WEIGHTS_NAME, WEIGHTS_INDEX_NAME,
+                                                 what)
+        check_loras_fit(loras, checkpoint.shapes(), what)
+        # Build on the meta device and adopt the tensors as read (each merged and cast before
+        # the next is read): no random initial weights, no checkpoint copy beside the model.
         with torch.device("meta"):
             model = cls(config)
-        load_into_module(
-            model, state_dict, what, assign=True, dtype_of=lambda name: parameter_dtype(name, dtype)
-        )
+        state_dict = read_state_dict(
+            checkpoint, lambda name: parameter_dtype(name, dtype), what,
+            (lambda name, tensor: merge_loras(name, tensor, loras)) if loras else None)
+        load_into_module(model, state_dict, what, assign=True)
         return model.eval()
 
     def to_compute_dtype(self, dtype: torch.dtype) -> WanTransformer:
@@ -604,7 +651,7 @@ class WanTransformer(nn.Module):
             raise WanConfigError(f"FFN column block width {max_columns}; expected at least 1")
         blocks = -(-self.config.ffn_dim // max_columns)
         for block in self.blocks:
-            block.ffn.column_blocks = blocks
+            block.ffn.split_columns(blocks)
         return self
 
     def check_inputs(
@@ -682,7 +729,7 @@ class WanTransformer(nn.Module):
         Returns:
             ``[B, out_channels, F, H, W]`` in the model's compute dtype; with
             ``block_outputs``, also the ``[B, L, C]`` tokens into the first block, out of it
-            and out of the last (``BLOCK_OUTPUTS``).
+            and out of the last (``BLOCK_OUTPUTS``), then out of each block between them.
         """
         self.check_inputs(hidden_states, timestep, encoder_hidden_states)
         dtype = self.dtype
@@ -704,12 +751,10 @@ class WanTransformer(nn.Module):
         )
 
         # 3. Transformer blocks
-        embedded = first_block = hidden_states
-        for index, block in enumerate(self.blocks):
+        states = [hidden_states]
+        for block in self.blocks:
             hidden_states = block(hidden_states, encoder_hidden_states, modulation, rotary)
-            if index == 0:
-                first_block = hidden_states
-        last_block = hidden_states
+            states.append(hidden_states)
 
         # 4. Output norm, projection & unpatchify
         # temb [B, C] -> shift, scale [B, 1, C]; per-frame [B, F', C] -> [B, F', 1, C]
@@ -726,8 +771,8 @@ class WanTransformer(nn.Module):
         sample = hidden_states.reshape(
             batch, out_channels, grid[0] * p_t, grid[1] * p_h, grid[2] * p_w
         )
-        if self.block_outputs:
-            return sample, embedded, first_block, last_block
+        if self.block_outputs:  # BLOCK_OUTPUTS, then the states between the first and last
+            return sample, states[0], states[1], states[-1], *states[2:-1]
         return sample
 
 
