@@ -90,6 +90,51 @@ def _reachable(results: list[Any]) -> set[Any]:
     return seen
 
 
+_MADV_DONTNEED = 4
+
+
+def release_weight_pages(bin_path: str | Path) -> int:
+    """Drop this process's resident pages of an IR's ``.bin`` that OpenVINO maps, once the
+    compiled model has run: the CPU plugin reads the mapped weights when it packs them at the
+    first inference and not after, so they held a second copy of the weights in the
+    process's memory for nothing (measured: a 403 MB bf16 Wan transformer at 656 MiB
+    anonymous plus 527 MiB of the mapped file after a step; 124 MiB of file after this, the
+    next step the same, its outputs equal). A page read again later comes back from the file
+    (``MADV_DONTNEED`` on a file mapping), so nothing can go wrong but the memory; a mapping
+    with pages written into it (``Anonymous`` in ``smaps``: a private copy) is left alone.
+    Returns the bytes released; 0 where ``/proc`` or ``madvise`` is not available."""
+    import ctypes
+    import ctypes.util
+    import os
+
+    target = os.path.realpath(bin_path)
+    ranges, current = [], None
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split()
+                if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's line
+                    current = None
+                    if len(head) >= 6 and head[5] == target:
+                        start, end = (int(x, 16) for x in head[0].split("-"))
+                        current = [start, end, 0]
+                        ranges.append(current)
+                elif current is not None and head[0] == "Anonymous:":
+                    current[2] = int(head[1])
+    except OSError:
+        return 0
+    name = ctypes.util.find_library("c")
+    if not name:
+        return 0
+    madvise = ctypes.CDLL(name, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for start, end, anonymous in ranges:
+        if anonymous == 0 and madvise(start, end - start, _MADV_DONTNEED) == 0:
+            released += end - start
+    return released
+
+
 @dataclass(frozen=True)
 class CompiledIR:
     """A compiled model and the attention kernel its plain attention nodes run on."""

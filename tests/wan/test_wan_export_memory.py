@@ -76,6 +76,17 @@ def test_export_memory_grows_with_the_weights_and_parity_is_judged_per_block(tmp
     assert all(f["judged"] and f["passed"] for f in manifest["parity"]
                if f["backend"] == "onnxruntime")
 
+    # Loaded: once a step has run (the plugin packed the weights it read from the mapped IR),
+    # the IR's pages are let go and the next step does not read them again.
+    proc = subprocess.run([sys.executable, str(PROBE), "load", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"IR pages resident: {loaded}")
+    assert loaded["same"]
+    assert loaded["after_first_mib"] <= 0.05 * deep_bytes / 2**20
+    assert loaded["after_second_mib"] <= 0.05 * deep_bytes / 2**20
+
 
 def test_a_block_whose_weights_are_off_is_refused(tmp_path, monkeypatch) -> None:
     """The graph gets block 2 of 4 with every weight 25% too large; the reference has it right.

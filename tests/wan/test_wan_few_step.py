@@ -6,12 +6,12 @@ are tests/wan/test_wan_lora_pipeline.py."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support.wan_harness import cli_refusal
 from support.wan_pipeline_harness import one_line_error
 
 from numaov.runtime.wan.request import SamplerInputError, WanSampleRequest
@@ -23,7 +23,6 @@ from numaov.runtime.wan.schedules import (
     scheduler_config,
 )
 
-CLI = [sys.executable, "-m", "numaov.cli"]
 # The tiny pipelines' scheduler (wan_pipeline_harness), as Wan's published pipelines ship it.
 UNIPC = {"_class_name": "UniPCMultistepScheduler", "prediction_type": "flow_prediction",
          "use_flow_sigmas": True, "num_train_timesteps": 1000, "flow_shift": 3.0}
@@ -128,10 +127,9 @@ def test_bad_settings_are_refused() -> None:
 
 def test_cli_refusals_are_one_line(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [*CLI, "run", "wan", "--model-dir", str(tmp_path / "missing"), "--frames", "5",
-             "--height", "32", "--width", "32", "--steps", "4", "--seed", "0", *args],
-            capture_output=True, text=True, timeout=300)
+        return cli_refusal("run", "wan", "--model-dir", str(tmp_path / "missing"), "--frames",
+                           "5", "--height", "32", "--width", "32", "--steps", "4", "--seed", "0",
+                           *args)
 
     prompt = ["--prompt", "a cat", "--out", str(tmp_path / "v.mp4")]
     one_line_error(run("--guidance", "1", "--workers", "2", *prompt), "--workers: workers=2",
