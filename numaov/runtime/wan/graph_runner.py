@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from numaov.custom_ops.openvino_compile import release_weight_pages
 from numaov.runtime.manifest_reader import ModelManifest
 
 GRAPH_BACKENDS = ("openvino", "onnxruntime", "torch")
@@ -27,8 +28,12 @@ class GraphRunner:
         if backend not in GRAPH_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
         self.backend = backend
+        # OpenVINO: the IR's mapped weights, let go after the first call has packed them
+        # (release_weight_pages: UMT5-XXL's are 11 GB)
+        self._weight_pages = None
         if backend == "openvino":
             self._run = manifest.compile_rank(0, config).runner()
+            self._weight_pages = manifest.rank(0).ir_xml.with_suffix(".bin")
         elif backend == "onnxruntime":
             import onnxruntime as ort
 
@@ -46,7 +51,11 @@ class GraphRunner:
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self.backend == "openvino":
-            return self._run(feeds)
+            outputs = self._run(feeds)
+            if self._weight_pages is not None:
+                release_weight_pages(self._weight_pages)
+                self._weight_pages = None
+            return outputs
         if self.backend == "onnxruntime":
             return [np.asarray(out) for out in self._session.run(None, feeds)]
         import torch
