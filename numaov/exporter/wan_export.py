@@ -73,7 +73,7 @@ from numaov.exporter.wan_pipeline_export import (
     read_model_index,
 )
 from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
-from numaov.models.wan import BLOCK_OUTPUTS, block_states
+from numaov.models.wan import block_states, state_outputs
 from numaov.models.wan.lora import LoraError, LoraSpec, WanLora
 
 logger = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ def _export_into(
     model = load_for_export(checkpoint_dir, precision, loras)
     model.block_outputs = True  # the step cache's parts, the parity's stages
     config = model.config
-    output_names = [OUTPUT_NAME, *BLOCK_OUTPUTS, *block_states(config.num_layers)[2:-1]]
+    output_names = [OUTPUT_NAME, *state_outputs(config.num_layers)]
     timings["load"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -14,3 +14,10 @@ def block_states(num_layers: int) -> tuple[str, ...]:
     returns them all, so its parity is judged block by block (``exporter/wan_export.py``)."""
     middle = tuple(f"block_{i}" for i in range(1, num_layers - 1))
     return ("embedded", "first_block", *middle, *(("last_block",) if num_layers > 1 else ()))
+
+
+def state_outputs(num_layers: int) -> tuple[str, ...]:
+    """The token states an exported transformer returns after its sample, in the order
+    ``WanTransformer.forward`` returns them: ``BLOCK_OUTPUTS``, then the states between the
+    first block and the last."""
+    return (*BLOCK_OUTPUTS, *block_states(num_layers)[2:-1])

@@ -771,7 +771,7 @@ class WanTransformer(nn.Module):
         sample = hidden_states.reshape(
             batch, out_channels, grid[0] * p_t, grid[1] * p_h, grid[2] * p_w
         )
-        if self.block_outputs:  # BLOCK_OUTPUTS, then the states between the first and last
+        if self.block_outputs:  # the states models/wan.state_outputs names, in its order
             return sample, states[0], states[1], states[-1], *states[2:-1]
         return sample
 
