@@ -45,11 +45,15 @@ Figures go to ``benchmarks/out/export_memory.json``.
 
 ``--family wan`` measures ``numaov export wan --precision bf16`` instead, on bf16 checkpoints
 of Wan 2.1 T2V 1.3B's published transformer width cut to ``--wan-blocks`` blocks (figures to
-``benchmarks/out/export_memory_wan.json``).
+``benchmarks/out/export_memory_wan.json``). ``--family wan-components`` exports a pipeline
+whose text encoder is UMT5-XXL at its published width (layers cut to ``--umt5-layers``) and
+whose VAE is the published one, measuring the peak while each was exported and what each held
+in a ``numaov run wan`` of a small video (``benchmarks/out/export_memory_wan_components.json``).
 
     .venv/bin/python benchmarks/export_memory.py [--checkpoints lite-1gb,lite-3gb,lite-10gb]
         [--dp 1] [--dp-for lite-3gb:1,2] [--precision bf16] [--no-runtime]
     .venv/bin/python benchmarks/export_memory.py --family wan [--wan-blocks 4,12]
+    .venv/bin/python benchmarks/export_memory.py --family wan-components [--umt5-layers 2]
 """
 
 from __future__ import annotations
@@ -241,15 +245,19 @@ def status(pid: int) -> dict[str, int]:
     return fields
 
 
-def peak_memory(command: list[str], env: dict[str, str]) -> dict[str, object]:
+def peak_memory(command: list[str], env: dict[str, str],
+                phases: dict[str, str] | None = None) -> dict[str, object]:
     """Run ``command``; the peaks of its process tree's memory (MiB), its wall time and its
     output: resident sums from ``status`` every 25 ms (``rss_*``), proportional sums from
     ``smaps_rollup`` every 0.5 s (``anon_mib`` / ``file_mib`` / ``pss_mib``: a walk of every
     page table, which on a 10 GB process takes tens of ms: sampled at 25 ms it took half a
-    core from the export it measured)."""
+    core from the export it measured). ``phases`` maps an output line to the phase it starts:
+    ``phase_anon_mib`` is then the anonymous resident peak within each."""
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     peaks = {"Pss_Anon": 0, "Pss_File": 0, "Pss": 0, "RssAnon": 0, "RssFile": 0, "Rss": 0}
+    phase = ["start"]
+    phase_peaks: dict[str, int] = {}
 
     def sample() -> None:
         pids, walked = [proc.pid], 0.0
@@ -264,6 +272,7 @@ def peak_memory(command: list[str], env: dict[str, str]) -> dict[str, object]:
             anon = sum(row.get("RssAnon", 0) for row in rows)
             file = sum(row.get("RssFile", 0) + row.get("RssShmem", 0) for row in rows)
             peaks["RssAnon"] = max(peaks["RssAnon"], anon)
+            phase_peaks[phase[0]] = max(phase_peaks.get(phase[0], 0), anon)
             peaks["RssFile"] = max(peaks["RssFile"], file)
             peaks["Rss"] = max(peaks["Rss"], anon + file)
             time.sleep(0.025)
@@ -273,6 +282,7 @@ def peak_memory(command: list[str], env: dict[str, str]) -> dict[str, object]:
     lines = []
     for line in proc.stdout:  # echoed as it comes, timestamped: where the time goes
         lines.append(line.decode(errors="replace"))
+        phase[0] = (phases or {}).get(lines[-1].strip(), phase[0])
         print(f"    {time.perf_counter() - start:7.1f} s | {lines[-1].rstrip()}",
               file=sys.stderr, flush=True)
     proc.wait()
@@ -283,7 +293,8 @@ def peak_memory(command: list[str], env: dict[str, str]) -> dict[str, object]:
     return {"anon_mib": peaks["Pss_Anon"] / 1024, "file_mib": peaks["Pss_File"] / 1024,
             "pss_mib": peaks["Pss"] / 1024, "rss_anon_mib": peaks["RssAnon"] / 1024,
             "rss_file_mib": peaks["RssFile"] / 1024, "rss_mib": peaks["Rss"] / 1024,
-            "wall_s": time.perf_counter() - start, "output": text}
+            "wall_s": time.perf_counter() - start, "output": text,
+            "phase_anon_mib": {k: v / 1024 for k, v in phase_peaks.items()}}
 
 
 # -- the runtime ------------------------------------------------------------------------------
@@ -458,6 +469,118 @@ def main_wan(layer_counts: list[int]) -> None:
               f"{row['worst_stage_rms']:.3f} | {row['whole_sample_max_rel']:.3f} |")
 
 
+# Wan 2.1's published UMT5-XXL text encoder (text_encoder/config.json) but for its layers.
+UMT5_XXL = {"vocab_size": 256384, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_heads": 64,
+            "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+            "feed_forward_proj": "gated-gelu", "dense_act_fn": "gelu_new", "is_gated_act": True,
+            "layer_norm_epsilon": 1e-6, "tie_word_embeddings": False}
+EXPORT_PHASES = {"numaov: text encoder (UMT5)": "text_encoder", "numaov: transformer":
+                 "transformer", "numaov: VAE decoder": "vae_decoder"}
+HELD = re.compile(r"numaov: the (text encoder|transformer\(s\) on openvino|VAE decoder \(with "
+                  r"the decoded video\)) held ([\d.]+ [MG]iB) after running \(([\d.]+ [MG]iB)")
+COMPONENTS_VIDEO = ("9", "128", "128")  # frames, height, width of the run
+
+
+def build_components_pipeline(umt5_layers: int) -> Path:
+    """A diffusers Wan 2.1 T2V pipeline directory: UMT5-XXL at its published width cut to
+    ``umt5_layers`` layers (bf16, as published), the VAE at its published config (f32, as
+    published), a two-block transformer of small width and a word tokenizer; cached."""
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from numaov.models.builtin.tiny_text_encoder import word_tokenizer
+
+    directory = WORK / f"wan_components_umt5_{umt5_layers}_layers"
+    if (directory / "model_index.json").is_file():
+        return directory
+    log(f"building {directory.name}")
+    torch.manual_seed(SEED)
+    config = UMT5Config(**UMT5_XXL, num_layers=umt5_layers)
+    with torch.device("meta"):
+        encoder = UMT5EncoderModel(config)
+    encoder = encoder.to_empty(device="cpu").to(torch.bfloat16)
+    encoder.tie_weights()  # to_empty unties them: the checkpoint holds the table once
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in encoder.named_parameters():
+            if "layer_norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    vae = AutoencoderKLWan().eval()  # diffusers' defaults are Wan 2.1's published VAE
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+        out_channels=16, text_dim=UMT5_XXL["d_model"], freq_dim=32, ffn_dim=64, num_layers=2,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    words = ["<pad>", "</s>", "<unk>", *(f"w{i}" for i in range(60))]
+    WanPipeline(tokenizer=word_tokenizer(words), text_encoder=encoder, vae=vae,
+                transformer=transformer, scheduler=scheduler).save_pretrained(directory)
+    return directory
+
+
+def main_wan_components(umt5_layers: int) -> None:
+    """``numaov export wan --precision bf16`` of a pipeline with UMT5-XXL's width and the
+    published VAE: the anonymous peak while each component was exported against its target
+    (1.5x its weights at the export dtype + 1 GiB), then ``numaov run wan`` on a small video:
+    what each component held once it had run, against its IR weights."""
+    env = dict(os.environ)
+    pipeline = build_components_pipeline(umt5_layers)
+    weights = {
+        "text_encoder": sum(f.stat().st_size for f in
+                            (pipeline / "text_encoder").glob("*.safetensors")),
+        # the IR holds the VAE in bf16: half its f32 checkpoint
+        "vae_decoder": sum(f.stat().st_size for f in (pipeline / "vae").glob("*.safetensors"))
+        // 2,
+    }
+    out = WORK / f"wan_components_export_{umt5_layers}"
+    log(f"numaov export wan {pipeline.name} --precision bf16")
+    export_row = peak_memory([*NUMAOV, "export", "wan", "--checkpoint", str(pipeline), "--out",
+                              str(out), "--precision", "bf16", "--force"], env, EXPORT_PHASES)
+    export_row.pop("output")
+    frames, height, width = COMPONENTS_VIDEO
+    log(f"numaov run wan {frames}x{height}x{width}")
+    run_row = peak_memory([*NUMAOV, "run", "wan", "--model-dir", str(out), "--prompt", "w1 w2",
+                           "--frames", frames, "--height", height, "--width", width, "--steps",
+                           "2", "--guidance", "5", "--seed", "0", "--out",
+                           str(WORK / "components.gif")], env)
+    def gib(size: str) -> float:
+        value, unit = size.split()
+        return float(value) / (1024 if unit == "MiB" else 1)
+
+    held = {what: (gib(h), gib(w)) for what, h, w in HELD.findall(str(run_row.pop("output")))}
+    manifest = json.loads((out / "manifest.json").read_text())
+    figures = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+        "command": " ".join([".venv/bin/python", "benchmarks/export_memory.py", *sys.argv[1:]]),
+        "umt5_layers": umt5_layers, "weights_bytes": weights, "export": export_row,
+        "export_seconds": manifest["export_seconds"], "run": run_row, "held_gib": held,
+        "video": COMPONENTS_VIDEO,
+    }
+    out_json = HERE / "out" / "export_memory_wan_components.json"
+    out_json.write_text(json.dumps(figures, indent=2) + "\n")
+    print("| component | weights (export dtype) GB | peak anon while exported MiB | target MiB "
+          "| of target | export s | held after running GiB | IR weights GiB | held / IR |")
+    print("| --- " * 9 + "|")
+    for name, what in (("text_encoder", "text encoder"),
+                       ("vae_decoder", "VAE decoder (with the decoded video)")):
+        size = weights[name]
+        target = (1.5 * size + GIB) / 2**20
+        peak = export_row["phase_anon_mib"].get(name, 0.0)
+        h, w = held.get(what, (0.0, 0.0))
+        print(f"| {name} | {size / 1e9:.2f} | {peak:,.0f} | {target:,.0f} | "
+              f"{peak / target:.2f} | {manifest['export_seconds'].get(name, 0):.0f} | {h:.2f} | "
+              f"{w:.2f} | {h / w if w else 0:.2f} |")
+    print(f"wrote {out_json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoints", default="lite-1gb,lite-3gb,lite-10gb",
@@ -467,13 +590,19 @@ def main() -> None:
                         help="per-checkpoint DP degrees, e.g. lite-3gb:1,2 (overrides --dp)")
     parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
     parser.add_argument("--no-runtime", action="store_true", help="skip the runtime loads")
-    parser.add_argument("--family", default="lm", choices=("lm", "wan"),
-                        help="wan: the Wan 1.3B-width transformer instead (--wan-blocks)")
+    parser.add_argument("--family", default="lm", choices=("lm", "wan", "wan-components"),
+                        help="wan: the Wan 1.3B-width transformer instead (--wan-blocks); "
+                        "wan-components: UMT5-XXL's width and the published VAE (--umt5-layers)")
     parser.add_argument("--wan-blocks", default="4,12",
                         help="comma-separated block counts for --family wan (default 4,12)")
+    parser.add_argument("--umt5-layers", type=int, default=2,
+                        help="UMT5-XXL layers for --family wan-components (default 2)")
     args = parser.parse_args()
     if args.family == "wan":
         main_wan([int(n) for n in args.wan_blocks.split(",")])
+        return
+    if args.family == "wan-components":
+        main_wan_components(args.umt5_layers)
         return
     per = {}
     for item in filter(None, args.dp_for.split(";")):

@@ -71,8 +71,10 @@ def _add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="report topology, ISA, binding plan, OpenVINO and /dev/shm")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("model_dir", nargs="?", default=None,
-                   help="a language-model export: also report each rank's expert store (its "
-                        "bytes, and the NUMA nodes its pages are on) after checking its digests")
+                   help="an export: also report, for a language model, each rank's expert "
+                        "store (its bytes, and the NUMA nodes its pages are on) after checking "
+                        "its digests; for Wan, each graph's IR weights and about what it holds "
+                        "once compiled")
     p.set_defaults(func=cmd_doctor)
 
 
@@ -110,7 +112,7 @@ def cmd_export_wan(args: argparse.Namespace) -> int:
 
     manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args),
                           timestep=args.timestep, force=args.force, loras=args.loras or (),
-                          loras_2=args.loras_2 or ())
+                          loras_2=args.loras_2 or (), reuse=args.reuse)
     print(manifest.summary(args.out))
     return 0
 
@@ -136,6 +138,11 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-2", dest="loras_2", action="append", type=_lora_spec,
                    metavar="FILE[:SCALE]",
                    help="the same for a Wan 2.2 A14B pipeline's second expert (transformer_2)")
+    p.add_argument("--reuse", metavar="DIR",
+                   help="an earlier `numaov export wan` output: its graphs exported from the "
+                   "same checkpoint files with the same options and versions are taken as "
+                   "they are (hard links) instead of exported again, e.g. UMT5 and the VAE "
+                   "when only a LoRA changed")
     _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_wan)

@@ -57,6 +57,9 @@ Fields:
   weights before export, in order: ``file`` (name), ``path`` (absolute, for the PyTorch
   backend, which merges them again), ``xxh3_128``, ``scale`` and ``layers`` adapted; a
   pipeline's entries also name their ``component``. Empty when none.
+- ``source_digest``: for an exported Wan graph, the xxh3-128 of what it was exported from
+  (the checkpoint directory's files, the export options, the versions; ``exporter.reuse``), by
+  which ``export wan --reuse`` takes it into a later export. Null in other exports.
 """
 
 from __future__ import annotations
@@ -278,6 +281,8 @@ class ExportManifest:
     cache_layout: dict[str, Any] | None = None
     kept_aside: dict[str, str] = field(default_factory=dict)
     loras: list[dict[str, Any]] = field(default_factory=list)
+    # What a Wan graph was exported from (``exporter.reuse``): ``--reuse`` takes it when equal.
+    source_digest: str | None = None
     format_version: int = FORMAT_VERSION
 
     @property

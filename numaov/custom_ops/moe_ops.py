@@ -401,6 +401,39 @@ def kernel_unavailable_reason(weight_format: str) -> str:
     return native_module().moe_unavailable_reason(weight_format)
 
 
+# What each format's experts run on (csrc/kernels/moe_kernels.cpp, ``dot_tile_of``); bf16's
+# choice between AMX tiles and AVX512-BF16 is made at run time (``bf16_kernel``).
+FORMAT_KERNELS = {
+    "f32": "AVX-512 f32 FMA",
+    "int8": "AVX-512: int8 weights widened to f32 and scaled per group as read, f32 FMA",
+    "int4": "AVX-512: int4 weights unpacked, widened to f32 and scaled per group, f32 FMA",
+    "fp8": "AVX-512: E4M3 weights widened to f32 and scaled per group as read, f32 FMA",
+}
+
+
+def format_kernels() -> dict[str, dict[str, Any]]:
+    """Per weight format, the kernel the OpenVINO op runs its experts on here: ``{"kernel":
+    str | None, "reason": str}`` (None, and why, where this CPU cannot run it)."""
+    kernels = {}
+    for weight_format in WEIGHT_FORMATS:
+        missing = kernel_unavailable_reason(weight_format)
+        if missing:
+            kernels[weight_format] = {"kernel": None, "reason": missing}
+        elif weight_format == "bf16":
+            try:
+                bf16 = bf16_kernel()
+            except MoeOpError as exc:
+                kernels[weight_format] = {"kernel": None, "reason": str(exc)}
+                continue
+            kernels[weight_format] = {
+                "kernel": (f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "
+                           "AVX512-BF16 dot products below" if bf16["kernel"] == "amx"
+                           else "AVX512-BF16 dot products"), "reason": bf16["reason"]}
+        else:
+            kernels[weight_format] = {"kernel": FORMAT_KERNELS[weight_format], "reason": ""}
+    return kernels
+
+
 def bf16_kernel() -> dict[str, Any]:
     """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
     (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;

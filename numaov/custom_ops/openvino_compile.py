@@ -135,6 +135,23 @@ def release_weight_pages(bin_path: str | Path) -> int:
     return released
 
 
+class WeightPages:
+    """The mapped weights of one or more IRs (their ``.bin`` files), let go with
+    ``release_weight_pages`` the first time each compiled model of them has run
+    (``after_run(key)``, one key per compiled model or part): a compiled model packs its
+    weights at its first inference, so until each has run the pages may still be read."""
+
+    def __init__(self, *bin_paths: str | Path) -> None:
+        self._paths = bin_paths
+        self._ran: set[object] = set()
+
+    def after_run(self, key: object = None) -> None:
+        if key not in self._ran:
+            self._ran.add(key)
+            for path in self._paths:
+                release_weight_pages(path)
+
+
 @dataclass(frozen=True)
 class CompiledIR:
     """A compiled model and the attention kernel its plain attention nodes run on."""

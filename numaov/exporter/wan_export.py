@@ -64,6 +64,7 @@ from numaov.exporter.parity import (
     torch_reference,
 )
 from numaov.exporter.release import release_freed_memory
+from numaov.exporter.reuse import ComponentReuse, check_previous
 from numaov.exporter.wan_pipeline_export import (
     TRANSFORMER_2_DIR,
     TRANSFORMER_DIR,
@@ -161,13 +162,15 @@ def export_wan(
     force: bool = False,
     loras: Sequence[LoraSpec] = (),
     loras_2: Sequence[LoraSpec] = (),
+    reuse: str | Path | None = None,
 ) -> ExportManifest:
     """Export the Wan checkpoint in ``checkpoint_dir`` to ``out_dir``; returns the manifest.
 
     ``timestep`` is ``"scalar"`` (``[batch]``) or ``"per-frame"`` (``[batch, frame_patches]``).
     ``force`` replaces an ``out_dir`` that holds something other than a numaov export.
     ``loras`` are merged into the transformer, ``loras_2`` into a pipeline's second expert
-    (``LoraSpec``: a file and its scale), in order.
+    (``LoraSpec``: a file and its scale), in order. ``reuse`` is an earlier export whose
+    graphs are taken where nothing they come from changed (``exporter.reuse``).
 
     Raises ``ParityError`` (``out_dir`` left as it was) when ONNX Runtime or OpenVINO differ
     from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
@@ -185,6 +188,7 @@ def export_wan(
             "or a diffusers Wan pipeline directory (model_index.json)",
             parameter="checkpoint",
         )
+    reused = ComponentReuse(check_previous(reuse), report)
     if is_pipeline_dir(checkpoint_dir):
         index = read_model_index(checkpoint_dir)  # a missing component is named before any work
         if loras_2 and not has_second_expert(index):
@@ -194,13 +198,28 @@ def export_wan(
                                      parameter="loras_2")
         with staged_output(out_dir, force) as staging:
             return export_pipeline_into(checkpoint_dir, staging, precision, lowering, timestep,
-                                        report, _export_into, loras=(merged, merged_2))
+                                        report, export_transformer, loras=(merged, merged_2),
+                                        reuse=reused)
     if loras_2:
         raise _no_second_expert(checkpoint_dir)
     merged = read_merged_loras(checkpoint_dir, loras, report)
     with staged_output(out_dir, force) as staging:  # published when the block returns
-        return _export_into(checkpoint_dir, staging, precision, lowering, timestep, report,
-                            loras=merged)
+        return export_transformer(checkpoint_dir, staging, precision, lowering, timestep, report,
+                                  loras=merged, reuse=reused, name="")
+
+
+def export_transformer(
+    checkpoint_dir: Path, out_dir: Path, precision: str, lowering: str, timestep: str,
+    report: Callable[[str], None], loras: Sequence[WanLora], reuse: ComponentReuse,
+    name: str,
+) -> ExportManifest:
+    """One transformer into ``out_dir`` (``name``: its directory in the export), or the same
+    one taken from ``reuse``'s earlier export."""
+    options = {"graph": "wan", "precision": precision, "lowering": lowering,
+               "timestep": timestep,
+               "loras": [{"xxh3_128": lora.digest, "scale": lora.scale} for lora in loras]}
+    return reuse.export(name, out_dir, checkpoint_dir, options, lambda: _export_into(
+        checkpoint_dir, out_dir, precision, lowering, timestep, report, loras=loras))
 
 
 def _no_second_expert(checkpoint_dir: Path) -> WanExportError:

@@ -51,6 +51,7 @@ from numaov.exporter.output_dir import (
 )
 from numaov.exporter.parity import check_parity, parity_attention, torch_reference
 from numaov.exporter.release import release_freed_memory
+from numaov.exporter.reuse import ComponentReuse
 from numaov.manifest import (
     IMAGE_TO_VIDEO_CLASS,
     PIPELINE_KIND,
@@ -208,9 +209,12 @@ def export_pipeline_into(
     report: Callable[[str], None],
     export_transformer: Callable[..., ExportManifest],
     loras: tuple[Sequence[Any], Sequence[Any]] = ((), ()),
+    reuse: ComponentReuse | None = None,
 ) -> ExportManifest:
     """Export every component of ``pipeline_dir`` into the staging directory ``out_dir``;
-    ``loras`` are the ``WanLora`` merged into the transformer and into ``transformer_2``."""
+    ``loras`` are the ``WanLora`` merged into the transformer and into ``transformer_2``;
+    ``reuse`` takes the graphs an earlier export already holds (``exporter.reuse``)."""
+    reuse = reuse or ComponentReuse(None, report)
     index = read_model_index(pipeline_dir)
     if index.get("expand_timesteps"):
         # Wan 2.2 TI2V: diffusers gives every video token its own timestep (a conditioned
@@ -221,15 +225,16 @@ def export_pipeline_into(
     parts: list[ExportManifest] = []
 
     report("text encoder (UMT5)")
-    parts.append(_export_text_encoder(pipeline_dir / "text_encoder", out_dir / TEXT_ENCODER_DIR,
-                                      precision, lowering, report))
+    parts.append(_export_text_encoder(pipeline_dir / "text_encoder", out_dir, precision,
+                                      lowering, report, reuse))
     timings["text_encoder"] = time.perf_counter() - start
 
     report("transformer")
     start = time.perf_counter()
     (out_dir / TRANSFORMER_DIR).mkdir()
     parts.append(export_transformer(pipeline_dir / "transformer", out_dir / TRANSFORMER_DIR,
-                                    precision, lowering, timestep, report, loras=loras[0]))
+                                    precision, lowering, timestep, report, loras=loras[0],
+                                    reuse=reuse, name=TRANSFORMER_DIR))
     timings["transformer"] = time.perf_counter() - start
     experts = [TRANSFORMER_DIR]
     if has_second_expert(index):
@@ -238,7 +243,8 @@ def export_pipeline_into(
         (out_dir / TRANSFORMER_2_DIR).mkdir()
         parts.append(export_transformer(pipeline_dir / TRANSFORMER_2_DIR,
                                         out_dir / TRANSFORMER_2_DIR, precision, lowering,
-                                        timestep, report, loras=loras[1]))
+                                        timestep, report, loras=loras[1], reuse=reuse,
+                                        name=TRANSFORMER_2_DIR))
         timings["transformer_2"] = time.perf_counter() - start
         experts.append(TRANSFORMER_2_DIR)
 
@@ -246,7 +252,8 @@ def export_pipeline_into(
     start = time.perf_counter()
     vae = load_vae(pipeline_dir / "vae")
     vae_config = dict(vae.config)
-    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, precision, lowering, report)
+    parts += _export_vae_decoder(vae, pipeline_dir / "vae", out_dir, precision, lowering, report,
+                                 reuse)
     vae_components = [VAE_FIRST_FRAME_DIR, VAE_NEXT_FRAME_DIR]
     if encodes_images(index):
         # Wan 2.2 TI2V conditions on an image put in the first latent frame; Wan 2.2 I2V on
@@ -254,7 +261,7 @@ def export_pipeline_into(
         report("VAE encoder")
         encoder_parts = _export_vae_encoder(vae, pipeline_dir / "vae", out_dir,
                                             ENCODER_PRECISION, lowering, report,
-                                            concatenates_condition(index))
+                                            concatenates_condition(index), reuse)
         parts += encoder_parts
         vae_components += [VAE_ENCODER_DIR, VAE_ENCODER_NEXT_DIR][: len(encoder_parts)]
     del vae
@@ -304,7 +311,39 @@ def _plain(value: Any) -> Any:
 
 
 def _export_graph(
-    held: list[torch.nn.Module],
+    load: Callable[[], torch.nn.Module],
+    kind: str,
+    example: dict[str, Any] | Callable[[], dict[str, Any]],
+    dynamic_shapes: dict[str, Any],
+    input_sets: Sequence[dict[str, np.ndarray]] | Callable[[], Sequence[dict[str, np.ndarray]]],
+    output_names: list[str],
+    export_dir: Path,
+    name: str,
+    precision: str,
+    lowering: str,
+    report: Callable[[str], None],
+    source: Path,
+    config: dict[str, Any],
+    reuse: ComponentReuse,
+    narrow_weights: bool = False,
+) -> ExportManifest:
+    """The graph ``name`` (its directory under ``export_dir``), taken from ``reuse``'s earlier
+    export when the same, else exported: ``load()``'s module through export_onnx -> PyTorch
+    reference -> IR -> parity -> ``manifest.json``; ``narrow_weights``: the module holds bf16
+    weights widened where read (``compute_in_f32``), which the IR stores as they are
+    (``convert_to_ir(keep_weight_casts=True)``). The module is let go once PyTorch's outputs
+    are in, before OpenVINO loads its own copy (a caller with a big one keeps no reference).
+    ``example`` and ``input_sets`` may be callables, run only when the graph is exported."""
+    out_dir = export_dir / name
+    options = {"graph": kind, "precision": precision, "lowering": lowering}
+    return reuse.export(name, out_dir, source, options, lambda: _export_new_graph(
+        load(), kind, example() if callable(example) else example, dynamic_shapes,
+        input_sets() if callable(input_sets) else input_sets, output_names, out_dir,
+        precision, lowering, report, source, config, narrow_weights))
+
+
+def _export_new_graph(
+    module: torch.nn.Module,
     kind: str,
     example: dict[str, Any],
     dynamic_shapes: dict[str, Any],
@@ -316,14 +355,9 @@ def _export_graph(
     report: Callable[[str], None],
     source: Path,
     config: dict[str, Any],
-    narrow_weights: bool = False,
+    narrow_weights: bool,
 ) -> ExportManifest:
-    """export_onnx -> PyTorch reference -> IR -> parity -> ``out_dir/manifest.json``;
-    ``narrow_weights``: the module holds bf16 weights widened where read (``compute_in_f32``),
-    which the IR stores as they are (``convert_to_ir(keep_weight_casts=True)``). ``held`` is a
-    one-element list the module is taken out of, so it is let go once PyTorch's outputs are
-    in, before OpenVINO loads its own copy (a caller with a big one keeps no reference)."""
-    module = held.pop()
+    out_dir.mkdir(parents=True)
     timings: dict[str, float] = {}
     start = time.perf_counter()
     graph = export_onnx(module, (), example, dynamic_shapes, out_dir / "model.onnx", lowering,
@@ -367,12 +401,12 @@ def _export_graph(
 
 
 def _export_text_encoder(
-    source: Path, out_dir: Path, precision: str, lowering: str, report: Callable[[str], None]
+    source: Path, export_dir: Path, precision: str, lowering: str,
+    report: Callable[[str], None], reuse: ComponentReuse,
 ) -> ExportManifest:
     narrow = precision == "bf16"
-    module = load_text_encoder(source, torch.bfloat16 if narrow else torch.float32)
-    config = module.encoder.config
-    vocab = int(config.vocab_size)
+    config = _read_config(source)
+    vocab = int(config["vocab_size"])
     rng = np.random.default_rng(PARITY_SEED)
 
     def inputs(batch: int, length: int) -> dict[str, np.ndarray]:
@@ -385,16 +419,26 @@ def _export_text_encoder(
     batch = dim("batch", min=1, max=_MAX_BATCH)
     text = dim("text_length", min=2, max=_MAX_TEXT)
     example = {k: torch.from_numpy(v) for k, v in inputs(*TEXT_EXAMPLE).items()}
-    out_dir.mkdir(parents=True)
-    held = [module]
-    del module
     return _export_graph(
-        held, TEXT_ENCODER_KIND, example,
+        lambda: load_text_encoder(source, torch.bfloat16 if narrow else torch.float32),
+        TEXT_ENCODER_KIND, example,
         {"input_ids": {0: batch, 1: text}, "attention_mask": {0: batch, 1: text}},
         [inputs(*sizes) for sizes in TEXT_PARITY], ["last_hidden_state"],
-        out_dir, precision, lowering, report, source,
-        {"d_model": int(config.d_model), "vocab_size": vocab}, narrow_weights=narrow,
+        export_dir, TEXT_ENCODER_DIR, precision, lowering, report, source,
+        {"d_model": int(config["d_model"]), "vocab_size": vocab}, reuse, narrow_weights=narrow,
     )
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise PipelineExportError(f"cannot read {str(path)!r} as a JSON config ({exc})",
+                                  parameter="checkpoint") from exc
+    return config
 
 
 def _vae_axes() -> Callable[[Sequence[int]], dict[int, Any]]:
@@ -417,7 +461,7 @@ def _vae_axes() -> Callable[[Sequence[int]], dict[int, Any]]:
 
 def _export_vae_decoder(
     vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
-    report: Callable[[str], None],
+    report: Callable[[str], None], reuse: ComponentReuse,
 ) -> list[ExportManifest]:
     z_dim = int(vae.config.z_dim)
     rng = np.random.default_rng(PARITY_SEED)
@@ -444,34 +488,35 @@ def _export_vae_decoder(
 
     report("VAE decoder, first frame")
     first_sets = [{"latents": latents(*sizes)} for sizes in VAE_PARITY]
-    (out_dir / VAE_FIRST_FRAME_DIR).mkdir(parents=True)
     manifests.append(_export_graph(
-        [first], VAE_FIRST_FRAME_KIND, {"latents": example}, {"latents": axes(example.shape)},
-        first_sets, ["frames", *cache_names], out_dir / VAE_FIRST_FRAME_DIR, precision,
-        lowering, report, source, config,
+        lambda: first, VAE_FIRST_FRAME_KIND, {"latents": example},
+        {"latents": axes(example.shape)}, first_sets, ["frames", *cache_names], out_dir,
+        VAE_FIRST_FRAME_DIR, precision, lowering, report, source, config, reuse,
     ))
 
     report("VAE decoder, next frames")
-    next_sets = []
-    for feeds in first_sets:
+    next_latents = [latents(*feeds["latents"].shape[:1], *feeds["latents"].shape[3:])
+                    for feeds in first_sets]
+
+    def next_sets() -> list[dict[str, np.ndarray]]:
         # Real caches (the first frame's), so parity runs on the values the loop passes.
-        caches = first.cache_slots(torch.from_numpy(feeds["latents"]))
-        next_sets.append({"latents": latents(*feeds["latents"].shape[:1],
-                                             *feeds["latents"].shape[3:]),
-                          **{f"caches_{i}": c.numpy() for i, c in enumerate(caches)}})
-    (out_dir / VAE_NEXT_FRAME_DIR).mkdir(parents=True)
+        return [{"latents": following_latents,
+                 **{f"caches_{i}": c.numpy() for i, c in
+                    enumerate(first.cache_slots(torch.from_numpy(feeds["latents"])))}}
+                for feeds, following_latents in zip(first_sets, next_latents, strict=True)]
+
     manifests.append(_export_graph(
-        [following], VAE_NEXT_FRAME_KIND, {"latents": example, "caches": slots},
+        lambda: following, VAE_NEXT_FRAME_KIND, {"latents": example, "caches": slots},
         {"latents": axes(example.shape), "caches": [axes(c.shape) for c in slots]},
-        next_sets, ["frames", *cache_names], out_dir / VAE_NEXT_FRAME_DIR, precision,
-        lowering, report, source, config,
+        next_sets, ["frames", *cache_names], out_dir, VAE_NEXT_FRAME_DIR, precision,
+        lowering, report, source, config, reuse,
     ))
     return manifests
 
 
 def _export_vae_encoder(
     vae: torch.nn.Module, source: Path, out_dir: Path, precision: str, lowering: str,
-    report: Callable[[str], None], next_frames: bool,
+    report: Callable[[str], None], next_frames: bool, reuse: ComponentReuse,
 ) -> list[ExportManifest]:
     """The encoder on one image ``[B, 3, 1, s*h, s*w]`` (``s`` the VAE's spatial factor) into
     ``vae_encoder/``; with ``next_frames`` also on each later chunk ``[B, 3, 4, s*h, s*w]``
@@ -496,31 +541,32 @@ def _export_vae_encoder(
               "spatial_factors": [int(c.shape[3]) // h0 for c in slots]}
     report("VAE encoder, first frame")
     first_sets = [{"image": video(*sizes)} for sizes in VAE_PARITY]
-    (out_dir / VAE_ENCODER_DIR).mkdir(parents=True)
     manifests = [_export_graph(
-        [first], VAE_ENCODER_KIND, {"image": example}, {"image": axes(example.shape)},
-        first_sets, ["latents", *cache_names], out_dir / VAE_ENCODER_DIR, precision, lowering,
-        report, source, config,
+        lambda: first, VAE_ENCODER_KIND, {"image": example}, {"image": axes(example.shape)},
+        first_sets, ["latents", *cache_names], out_dir, VAE_ENCODER_DIR, precision, lowering,
+        report, source, config, reuse,
     )]
     if not next_frames:
         return manifests
 
     report("VAE encoder, next frames")
     chunk = 4  # video frames per later chunk: the encoder's two 2x temporal downsamplers
-    next_sets = []
-    for feeds in first_sets:
+    next_videos = [video(f["image"].shape[0], f["image"].shape[3] // scale,
+                         f["image"].shape[4] // scale, chunk) for f in first_sets]
+
+    def next_sets() -> list[dict[str, np.ndarray]]:
         # Real caches (the first chunk's), so parity runs on the values the loop passes.
-        caches = first.cache_slots(torch.from_numpy(feeds["image"]))
-        b, _, _, h, w = feeds["image"].shape
-        next_sets.append({"video": video(b, h // scale, w // scale, chunk),
-                          **{f"caches_{i}": c.numpy() for i, c in enumerate(caches)}})
+        return [{"video": following,
+                 **{f"caches_{i}": c.numpy() for i, c in
+                    enumerate(first.cache_slots(torch.from_numpy(feeds["image"])))}}
+                for feeds, following in zip(first_sets, next_videos, strict=True)]
+
     example_next = torch.from_numpy(video(*VAE_EXAMPLE, chunk))
-    (out_dir / VAE_ENCODER_NEXT_DIR).mkdir(parents=True)
     manifests.append(_export_graph(
-        [VaeNextFramesEncoderGraph(vae).eval()], VAE_ENCODER_NEXT_KIND,
+        lambda: VaeNextFramesEncoderGraph(vae).eval(), VAE_ENCODER_NEXT_KIND,
         {"video": example_next, "caches": slots},
         {"video": axes(example_next.shape), "caches": [axes(c.shape) for c in slots]},
-        next_sets, ["latents", *cache_names], out_dir / VAE_ENCODER_NEXT_DIR, precision,
-        lowering, report, source, config,
+        next_sets, ["latents", *cache_names], out_dir, VAE_ENCODER_NEXT_DIR, precision,
+        lowering, report, source, config, reuse,
     ))
     return manifests

@@ -106,14 +106,16 @@ def _attention_info() -> dict[str, Any]:
 def _moe_info() -> dict[str, Any]:
     """Which kernel the MoE experts op runs bf16 experts on, under NUMAOV_MOE_AMX:
     ``bf16_kernel`` "amx" (experts of ``amx_min_rows`` rows or more), "avx512_bf16" or None."""
-    from numaov.custom_ops.moe_ops import MoeOpError, bf16_kernel
+    from numaov.custom_ops.moe_ops import MoeOpError, bf16_kernel, format_kernels
 
+    formats = format_kernels()
     try:
         kernel = bf16_kernel()
     except MoeOpError as exc:
-        return {"bf16_kernel": None, "amx_min_rows": None, "reason": str(exc)}
+        return {"bf16_kernel": None, "amx_min_rows": None, "reason": str(exc),
+                "formats": formats}
     return {"bf16_kernel": kernel["kernel"], "amx_min_rows": kernel["amx_min_rows"],
-            "reason": kernel["reason"]}
+            "reason": kernel["reason"], "formats": formats}
 
 
 def _shm_needed(world_size: int) -> int | None:
@@ -144,10 +146,37 @@ def _expert_stores(model_dir: str | Path) -> list[dict[str, Any]]:
     return stores
 
 
+def _wan_components(model_dir: str | Path) -> list[dict[str, Any]]:
+    """Each graph of a Wan export (a pipeline's components, or the bare transformer): its IR
+    weights and what a run holds for them once compiled (``COMPILED_WEIGHTS_FACTOR``, the
+    factor ``run wan``'s memory estimate uses; the run reports what each really held)."""
+    from numaov.manifest import PIPELINE_KIND
+    from numaov.runtime.manifest_reader import read_manifest
+    from numaov.runtime.wan.memory import COMPILED_WEIGHTS_FACTOR, graph_weight_bytes
+
+    top = read_manifest(model_dir)
+    graphs = ({name: read_manifest(top.directory / name) for name in top.record.components}
+              if top.kind == PIPELINE_KIND else {"transformer": top})
+    return [{"component": name, "precision": graph.record.precision,
+             "weights_bytes": graph_weight_bytes(graph),
+             "compiled_bytes": int(graph_weight_bytes(graph) * COMPILED_WEIGHTS_FACTOR)}
+            for name, graph in graphs.items()]
+
+
+def _model_report(model_dir: str | Path) -> dict[str, Any]:
+    """``expert_stores`` for a language-model export, ``wan_components`` for a Wan one."""
+    from numaov.manifest import LM_KIND, ExportManifest
+
+    if ExportManifest.read(model_dir).kind == LM_KIND:
+        return {"expert_stores": _expert_stores(model_dir)}
+    return {"wan_components": _wan_components(model_dir)}
+
+
 def collect_report(topology: Topology | None = None, env: dict[str, str] | None = None,
                    model_dir: str | Path | None = None) -> dict:
-    """The report ``numaov doctor`` prints; with ``model_dir`` (a language-model export) also
-    each rank's expert store (``expert_stores``)."""
+    """The report ``numaov doctor`` prints; with ``model_dir`` also each rank's expert store
+    (``expert_stores``, a language-model export) or each graph's weights and what it holds
+    compiled (``wan_components``, a Wan export)."""
     topology = topology or read_topology()
     warnings: list[str] = list(topology.assumptions)
 
@@ -213,7 +242,7 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
         "warnings": warnings,
     }
     if model_dir is not None:
-        report["expert_stores"] = _expert_stores(model_dir)
+        report.update(_model_report(model_dir))
     return report
 
 
@@ -266,11 +295,9 @@ def format_report(report: dict) -> str:
     elif attention:
         lines.append(f"  bf16 attention: unknown ({attention['reason']})")
     moe = ext.get("moe")
-    if moe and moe["bf16_kernel"] == "amx":
-        lines.append(f"  bf16 MoE experts: AMX tiles for experts of {moe['amx_min_rows']}+ rows "
-                     f"({moe['reason']})")
-    elif moe:
-        lines.append(f"  bf16 MoE experts: {moe['bf16_kernel'] or 'cannot run'} ({moe['reason']})")
+    for weight_format, kernel in (moe or {}).get("formats", {}).items():
+        reason = f" ({kernel['reason']})" if kernel["reason"] else ""
+        lines.append(f"  {weight_format} MoE experts: {kernel['kernel'] or 'cannot run'}{reason}")
     shm = report["shm"]
     lines += ["", f"Shared memory: {shm['path']} {_mib(shm['free_bytes'])} free of "
               f"{_mib(shm['total_bytes'])}"
@@ -282,6 +309,10 @@ def format_report(report: dict) -> str:
                   + ", ".join(f"node {n}: {c}" if n != "-1" else f"unreadable: {c}"
                               for n, c in s["page_nodes"].items())
                   for s in report["expert_stores"]] or ["  none (the export has no routed experts)"]
+    if "wan_components" in report:
+        lines += ["", "Wan graphs (IR weights; held once compiled and run, estimated)"]
+        lines += [f"  {c['component']}: {_mib(c['weights_bytes'])} {c['precision']}; about "
+                  f"{_mib(c['compiled_bytes'])} held" for c in report["wan_components"]]
     lines += ["", "Warnings" if report["warnings"] else "No warnings."]
     lines += [f"  - {w}" for w in report["warnings"]]
     return "\n".join(lines)

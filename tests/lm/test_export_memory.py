@@ -55,11 +55,12 @@ _MEASURE = _SAMPLER + textwrap.dedent("""
     dp = int(sys.argv[3])
     group = DataParallelGroup("memory", 0, dp) if dp > 1 else None
     DeepseekV2.from_pretrained(sys.argv[2], dp=group)
+    # read here, not by the sampler: on a busy machine its first sample may come late
+    before = peak[0] = anon()
     threading.Thread(target=sample, daemon=True).start()
-    time.sleep(0.05)
-    before = peak[0]
     model = DeepseekV2.from_pretrained(sys.argv[1], dp=group)
     time.sleep(0.05)
+    peak[0] = max(peak[0], anon())
     held = sum(t.numel() * t.element_size() for t in model.parameters())
     print(json.dumps({"grown": peak[0] - before, "held": held}))
 """)

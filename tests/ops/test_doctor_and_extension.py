@@ -68,13 +68,21 @@ def test_doctor_reports_the_moe_bf16_kernel_under_numaov_moe_amx() -> None:
     off = _doctor("--json", env=dict(os.environ, NUMAOV_MOE_AMX="off"))
     assert off.returncode == 0, off.stderr
     moe = json.loads(off.stdout)["extension"]["moe"]
+    formats = moe.pop("formats")
     if read_topology().isa.avx512_bf16:
         assert moe == {"bf16_kernel": "avx512_bf16", "amx_min_rows": None,
                        "reason": "NUMAOV_MOE_AMX=off"}
+        assert formats["bf16"] == {"kernel": "AVX512-BF16 dot products",
+                                   "reason": "NUMAOV_MOE_AMX=off"}
+    # every format the op takes is named with the kernel it runs on here
+    assert set(formats) == {"f32", "bf16", "int8", "int4", "fp8"}
+    assert all(f["kernel"] or f["reason"] for f in formats.values()), formats
+    assert "f32 FMA" in formats["fp8"]["kernel"] and "E4M3" in formats["fp8"]["kernel"]
     bad = _doctor(env=dict(os.environ, NUMAOV_MOE_AMX="yes"))
     assert bad.returncode == 0, bad.stderr
     assert ("bf16 MoE experts: cannot run (NUMAOV_MOE_AMX='yes'; expected auto, off or always)"
             in bad.stdout), bad.stdout
+    assert "int8 MoE experts: AVX-512: int8 weights widened" in bad.stdout, bad.stdout
 
 
 def test_doctor_text_says_what_two_ranks_would_get() -> None:

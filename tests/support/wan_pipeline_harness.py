@@ -19,6 +19,7 @@ from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder, word_toke
 
 WORDS = ["<pad>", "</s>", "<unk>", *(f"w{i}" for i in range(60)), *"abcdefghijklmnopqrstuvwxyz"]
 TEXT_DIM = 32
+SHARED_COMPONENTS_SEED = 3
 
 
 # Wan 2.2 TI2V-5B's VAE options (its vae/config.json) at a tiny width: 48 latent channels,
@@ -75,10 +76,13 @@ def build_tiny_pipeline(directory: Path, seed: int = 0,
         WanPipeline,
     )
 
-    torch.manual_seed(seed)
+    # The text encoder and VAE the same in every pipeline (of one VAE kind), so an export can
+    # take them from the session's shared one (`export wan --reuse`); the transformers by seed.
+    torch.manual_seed(SHARED_COMPONENTS_SEED)
     fast = word_tokenizer(WORDS)
     text_encoder = tiny_umt5_encoder(len(WORDS), TEXT_DIM)
     vae = _tiny_vae(ti2v)
+    torch.manual_seed(seed)
     channels = TI2V_Z_DIM if ti2v else 16
     in_channels = I2V_IN_CHANNELS if i2v else channels
     transformer = _tiny_transformer(channels, in_channels)
@@ -94,15 +98,18 @@ def build_tiny_pipeline(directory: Path, seed: int = 0,
     return pipe
 
 
-def export_tiny_pipeline(root: Path, seed: int, **options: object) -> dict:
+def export_tiny_pipeline(root: Path, seed: int, reuse: Path | None = None,
+                         **options: object) -> dict:
     """``build_tiny_pipeline(root / "pipeline", seed, **options)`` exported to
-    ``root / "export"`` (a module's one export, shared by its tests)."""
+    ``root / "export"`` (a module's one export, shared by its tests), taking what it can from
+    the export ``reuse``; ``progress`` lists the export's progress lines."""
     from numaov.exporter.wan_export import export_wan
 
     print(f"seed {seed}")
     pipe = build_tiny_pipeline(root / "pipeline", seed=seed, **options)
-    export_wan(root / "pipeline", root / "export")
-    return {"root": root, "pipe": pipe, "export": root / "export"}
+    progress: list[str] = []
+    export_wan(root / "pipeline", root / "export", reuse=reuse, progress=progress.append)
+    return {"root": root, "pipe": pipe, "export": root / "export", "progress": progress}
 
 
 @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,55 @@ def test_export_is_all_or_nothing(wan: dict, tmp_path: Path, monkeypatch) -> Non
         with pytest.raises(parity.ParityError):
             export_wan(wan["checkpoint"], out)
     assert read_manifest(out).record == manifest and not _leftovers(tmp_path)
+
+
+def test_reuse_takes_a_graph_only_when_nothing_it_comes_from_changed(
+        wan: dict, tmp_path: Path, monkeypatch) -> None:
+    from numaov.exporter import wan_export
+    from numaov.exporter.reuse import source_digest
+
+    previous = wan["model_dir"]
+    progress: list[str] = []
+    manifest = export_wan(wan["checkpoint"], tmp_path / "again", reuse=previous,
+                          progress=progress.append)
+    assert [line for line in progress if "reused" in line] == [
+        f"transformer: reused from {previous} (same checkpoint files and options)"]
+    assert not any("ONNX" in line for line in progress), progress  # nothing was exported
+    assert manifest == read_manifest(previous).record and manifest.source_digest
+    for name in manifest.files:  # hard links to the earlier export's files
+        assert os.path.samefile(tmp_path / "again" / name, previous / name), name
+
+    # The digest covers the options and the checkpoint's contents, not where it lies.
+    options = {"graph": "wan", "precision": "f32"}
+    digest = source_digest(wan["checkpoint"], options)
+    copy = Path(shutil.copytree(wan["checkpoint"], tmp_path / "copy"))
+    assert source_digest(copy, options) == digest
+    assert source_digest(copy, {**options, "precision": "bf16"}) != digest
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(data)
+    assert source_digest(copy, options) != digest
+
+    # An earlier export whose IR changed since is not taken: the export runs, and says why.
+    altered = Path(shutil.copytree(previous, tmp_path / "altered"))
+    data = bytearray((altered / "model.bin").read_bytes())
+    data[0] ^= 1
+    (altered / "model.bin").write_bytes(data)
+
+    def exported(*args, **kwargs):
+        raise RuntimeError("exported")
+
+    monkeypatch.setattr(wan_export, "_export_into", exported)
+    progress.clear()
+    with pytest.raises(RuntimeError, match="exported"):
+        export_wan(wan["checkpoint"], tmp_path / "third", reuse=altered, progress=progress.append)
+    assert any(line.startswith("transformer: not reused") and "model.bin" in line
+               for line in progress), progress
+
+    code, _, err = cli_in_process("export", "wan", "--checkpoint", str(wan["checkpoint"]),
+                                  "--out", str(tmp_path / "fourth"), "--reuse", str(copy))
+    assert code == 1 and err.count("\n") == 1 and "holds no manifest.json" in err, err
 
 
 def test_per_frame_export_manifest(ti2v: dict) -> None:

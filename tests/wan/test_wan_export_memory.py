@@ -122,3 +122,39 @@ def test_a_block_whose_weights_are_off_is_refused(tmp_path, monkeypatch) -> None
     failed = {f.output for f in refused.value.figures if f.judged and not f.passed}
     assert failed == {"block_2"}, failed
     assert not out.exists()
+
+
+def test_a_one_block_transformer_exports_its_block_states(tmp_path) -> None:
+    """One block's output is both the first and the last block state: the graph still returns
+    each under its name (the step cache's parts and the per-block parity need both)."""
+    checkpoint, _ = _bf16_checkpoint(tmp_path / "checkpoint", 1, TINY_WAN_CONFIG)
+    manifest = wan_export.export_wan(checkpoint, tmp_path / "out", precision="bf16")
+    assert [o.name for o in manifest.outputs] == ["sample", "embedded", "first_block",
+                                                  "last_block"]
+    assert "first_block" in {f["output"] for f in manifest.parity if f.get("criterion") == "rms"}
+
+
+def test_the_bf16_text_encoder_holds_its_table_in_bf16_and_gathers_first(tmp_path) -> None:
+    """UMT5 exported at bf16 holds its weights in bf16 (the IR about their bytes) and gathers
+    the embedding's rows before widening them (a Cast of the whole table ran in ONNX Runtime
+    at every call: UMT5-XXL's in f32 is 4.2 GB); parity passes on both backends."""
+    import onnx
+
+    from numaov.exporter.reuse import ComponentReuse
+    from numaov.exporter.wan_pipeline_export import _export_text_encoder
+    from numaov.models.builtin.tiny_text_encoder import tiny_umt5_encoder
+
+    torch.manual_seed(0)
+    encoder = tiny_umt5_encoder(8192, 64).to(torch.bfloat16)
+    encoder.save_pretrained(tmp_path / "text_encoder")
+    weights = sum(p.numel() * p.element_size() for p in encoder.parameters())
+    manifest = _export_text_encoder(tmp_path / "text_encoder", tmp_path / "out", "bf16",
+                                    "decomposed", print, ComponentReuse(None, print))
+    assert {f["backend"] for f in manifest.parity if f["passed"]} == {"onnxruntime", "openvino"}
+    graph = onnx.load(tmp_path / "out" / "text_encoder" / "model.onnx",
+                      load_external_data=False).graph
+    bf16 = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.BFLOAT16}
+    gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[0] in bf16]
+    assert gathers, "the embedding table is not gathered as held"
+    ir = (tmp_path / "out" / "text_encoder" / "model.bin").stat().st_size
+    assert ir < 1.2 * weights, (ir, weights)

@@ -38,7 +38,7 @@ F32_FRAME_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def lora_export(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def lora_export(tmp_path_factory: pytest.TempPathFactory, wan_pipeline_exported: dict) -> dict:
     root = tmp_path_factory.mktemp("wan_lora_pipeline")
     print(f"seed {SEED}")
     pipe = build_tiny_pipeline(root / "pipeline", seed=SEED, boundary_ratio=BOUNDARY)
@@ -53,7 +53,8 @@ def lora_export(tmp_path_factory: pytest.TempPathFactory) -> dict:
         [sys.executable, "-m", "numaov.cli", "export", "wan", "--checkpoint",
          str(root / "pipeline"), "--out", str(root / "export"),
          "--lora", f"{loras['a'][0]}:{loras['a'][1]}", "--lora", str(loras["b"][0]),
-         "--lora-2", f"{loras['c'][0]}:{loras['c'][1]}"],
+         "--lora-2", f"{loras['c'][0]}:{loras['c'][1]}",
+         "--reuse", str(wan_pipeline_exported["export"])],
         capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr
     # diffusers' pipeline with the same LoRAs fused, one after the other.
@@ -63,7 +64,8 @@ def lora_export(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pipe.fuse_lora(components=[component], lora_scale=scale)
         pipe.unload_lora_weights()
     return {"root": root, "pipe": pipe, "export": root / "export", "loras": loras,
-            "summary": proc.stdout}
+            "summary": proc.stdout, "progress": proc.stderr,
+            "shared": wan_pipeline_exported["export"]}
 
 
 def _diffusers_frames(pipe, guidance: float, steps: int, scheduler=None, **kwargs) -> np.ndarray:

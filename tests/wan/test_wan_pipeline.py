@@ -5,6 +5,7 @@ one-line errors."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.wan_harness import cli_refusal
+from support.wan_harness import cli_in_process, cli_refusal
 from support.wan_pipeline_harness import diffusers_tiling, one_line_error
 
 from numaov.runtime.wan.pipeline import MAX_TEXT_TOKENS, read_pipeline, run_wan_pipeline
@@ -119,6 +120,28 @@ def test_progress_says_elapsed_and_remaining(pipeline: dict, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr
     assert "video tokens, about" in proc.stderr
     assert "step 1/2" in proc.stderr and "remaining ~" in proc.stderr
+    # what each component held once it had run, against its IR weights
+    for what in ("the text encoder", "the transformer(s) on openvino",
+                 "the VAE decoder (with the decoded video)"):
+        assert re.search(rf"numaov: {re.escape(what)} held [\d.]+ [MG]iB after running "
+                         r"\([\d.]+ [MG]iB of IR weights, \d+\.\d\dx\)", proc.stderr), what
+
+
+def test_doctor_lists_each_graph_with_its_weights(pipeline: dict) -> None:
+    from numaov.runtime.wan.memory import COMPILED_WEIGHTS_FACTOR
+
+    code, out, err = cli_in_process("doctor", "--json", str(pipeline["export"]))
+    assert code == 0, err
+    graphs = json.loads(out)["wan_components"]
+    manifest = json.loads((pipeline["export"] / "manifest.json").read_text())
+    assert [g["component"] for g in graphs] == manifest["components"]
+    for graph in graphs:
+        weights = sum(f.stat().st_size for f in (pipeline["export"] / graph["component"])
+                      .glob("*.bin"))
+        assert graph["weights_bytes"] == weights > 0
+        assert graph["compiled_bytes"] == int(weights * COMPILED_WEIGHTS_FACTOR)
+    code, out, _ = cli_in_process("doctor", str(pipeline["export"]))
+    assert "Wan graphs" in out and "  transformer: " in out
 
 
 def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:

@@ -46,12 +46,14 @@ SIZES = ((9, 48, 32), (5, 32, 48))
 
 
 @pytest.fixture(scope="module")
-def i2v(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def i2v(tmp_path_factory: pytest.TempPathFactory, wan_pipeline_exported: dict) -> dict:
     root = tmp_path_factory.mktemp("wan_i2v")
     print(f"seed {SEED}")
     pipe = build_tiny_pipeline(root / "pipeline", seed=SEED, boundary_ratio=BOUNDARY, i2v=True)
     proc = subprocess.run([*CLI, "export", "wan", "--checkpoint", str(root / "pipeline"),
-                           "--out", str(root / "export"), "--quiet"],
+                           "--out", str(root / "export"), "--quiet",
+                           # the text encoder and VAE decoder are the shared pipeline's
+                           "--reuse", str(wan_pipeline_exported["export"])],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     return {"root": root, "pipe": pipe, "export": root / "export"}

@@ -37,8 +37,10 @@ SIZES = ((5, 32, 64), (9, 64, 32))
 
 
 @pytest.fixture(scope="module")
-def ti2v(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return export_tiny_pipeline(tmp_path_factory.mktemp("wan_ti2v"), SEED, ti2v=True)
+def ti2v(tmp_path_factory: pytest.TempPathFactory, wan_pipeline_exported: dict) -> dict:
+    # the text encoder is the shared pipeline's
+    return export_tiny_pipeline(tmp_path_factory.mktemp("wan_ti2v"), SEED,
+                                reuse=wan_pipeline_exported["export"], ti2v=True)
 
 
 def _diffusers_frames(pipe, frames: int, height: int, width: int) -> np.ndarray:

@@ -772,7 +772,10 @@ class WanTransformer(nn.Module):
             batch, out_channels, grid[0] * p_t, grid[1] * p_h, grid[2] * p_w
         )
         if self.block_outputs:  # the states models/wan.state_outputs names, in its order
-            return sample, states[0], states[1], states[-1], *states[2:-1]
+            # one block: its output is both the first and the last block's, and a graph's
+            # outputs must be distinct values (else the export keeps one name of the two)
+            last = states[-1] if len(states) > 2 else states[-1].clone()
+            return sample, states[0], states[1], last, *states[2:-1]
         return sample
 
 

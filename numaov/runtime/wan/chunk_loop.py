@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from numaov.custom_ops.openvino_compile import WeightPages
 from numaov.runtime.manifest_reader import ModelManifest
 from numaov.runtime.wan.graph_runner import GraphRunner
 
@@ -105,12 +106,18 @@ class _OpenVinoChunks:
         self._following = following.compile_rank(0, config, bf16_io=CACHE_PREFIXES)
         self._caches = len(self._first.outputs) - 1
         self._inputs = inputs
+        # both IRs' mapped weights, dropped once each graph has run (a one-chunk call runs
+        # only the first)
+        self._weight_pages = {
+            graph: WeightPages(m.rank(0).ir_xml.with_suffix(".bin"))
+            for graph, m in (("first", first), ("following", following))}
 
     def __call__(self, chunks: Sequence[np.ndarray]) -> np.ndarray:
         import openvino as ov
 
         previous = self._first.create_infer_request()
         previous.infer({self._inputs[0]: np.ascontiguousarray(chunks[0])})
+        self._weight_pages["first"].after_run()
         joined = _Joined(len(chunks))
         joined.add(previous.get_output_tensor(0).data)
         turns = [self._following.create_infer_request() for _ in range(min(2, len(chunks) - 1))]
@@ -120,6 +127,7 @@ class _OpenVinoChunks:
             for i in range(self._caches):
                 request.set_tensor(f"caches_{i}", previous.get_output_tensor(i + 1))
             request.infer()
+            self._weight_pages["following"].after_run()
             joined.add(request.get_output_tensor(0).data)
             previous = request
         return joined.result()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov.custom_ops.openvino_compile import release_weight_pages
+from numaov.custom_ops.openvino_compile import WeightPages
 from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import ModelManifest
 from numaov.runtime.wan.request import INPUT_NAMES, SamplerInputError, video_tokens
@@ -62,8 +62,8 @@ class OpenVINODenoiser(Denoiser):
         self.attention = self._compiled.attention
         self._request = self._compiled.create_infer_request()
         self._single_token_request = None
-        # the IR's mapped weights, dropped after the first step has packed them
-        self._weight_pages: Path | None = manifest.rank(0).ir_xml.with_suffix(".bin")
+        # the IR's mapped weights, dropped after each compilation's first step has packed them
+        self._weight_pages = WeightPages(manifest.rank(0).ir_xml.with_suffix(".bin"))
 
     def _request_for(self, hidden_states: np.ndarray) -> Any:
         if self.attention == "numaov":
@@ -83,9 +83,7 @@ class OpenVINODenoiser(Denoiser):
         request.infer(
             {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
         )
-        if self._weight_pages is not None:
-            release_weight_pages(self._weight_pages)
-            self._weight_pages = None
+        self._weight_pages.after_run(id(request))
         return np.array(request.get_output_tensor(0).data, dtype=np.float32)
 
     def close(self) -> None:

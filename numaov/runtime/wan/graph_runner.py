@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov.custom_ops.openvino_compile import release_weight_pages
+from numaov.custom_ops.openvino_compile import WeightPages
 from numaov.runtime.manifest_reader import ModelManifest
 
 GRAPH_BACKENDS = ("openvino", "onnxruntime", "torch")
@@ -28,12 +28,11 @@ class GraphRunner:
         if backend not in GRAPH_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
         self.backend = backend
-        # OpenVINO: the IR's mapped weights, let go after the first call has packed them
-        # (release_weight_pages: UMT5-XXL's are 11 GB)
-        self._weight_pages = None
         if backend == "openvino":
             self._run = manifest.compile_rank(0, config).runner()
-            self._weight_pages = manifest.rank(0).ir_xml.with_suffix(".bin")
+            # the IR's mapped weights, let go after the first call has packed them (UMT5-XXL's
+            # are 11 GB)
+            self._weight_pages = WeightPages(manifest.rank(0).ir_xml.with_suffix(".bin"))
         elif backend == "onnxruntime":
             import onnxruntime as ort
 
@@ -52,9 +51,7 @@ class GraphRunner:
     def __call__(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self.backend == "openvino":
             outputs = self._run(feeds)
-            if self._weight_pages is not None:
-                release_weight_pages(self._weight_pages)
-                self._weight_pages = None
+            self._weight_pages.after_run()
             return outputs
         if self.backend == "onnxruntime":
             return [np.asarray(out) for out in self._session.run(None, feeds)]

@@ -17,8 +17,9 @@ from numaov.runtime.manifest_reader import ModelManifest
 from numaov.runtime.wan.request import SamplerInputError, video_tokens
 
 _GIB = 1 << 30
-# What the compiled model holds beside its IR weights (measured 1.2-1.5x, README).
-COMPILED_WEIGHTS_FACTOR = 1.5
+# What a compiled transformer holds for its IR weights once they are packed and the IR's
+# mapped pages let go (measured 1.29x for Wan 1.3B's bf16 transformer, RESULTS.md).
+COMPILED_WEIGHTS_FACTOR = 1.3
 # Live f32 activations per video token and sample: about six hidden-width tensors (residual,
 # norm, q, k, v, attention output) plus one feed-forward column block (FFN_COLUMN_BLOCK at
 # export); measured 2.1-2.8 GiB for Wan 1.3B at 32,760 tokens, batch 2 (README).
@@ -54,6 +55,31 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (``VmRSS``: anonymous and file pages), 0 where
+    /proc has none."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return 0
+
+
+def held_line(what: str, since: int, manifests: Sequence[ModelManifest]) -> str:
+    """A progress line: what the process holds above ``since`` (``resident_bytes()`` before
+    ``what`` was loaded) against the IR weights of ``manifests``."""
+    held = max(resident_bytes() - since, 0)
+    weights = sum(graph_weight_bytes(m) for m in manifests)
+    ratio = f", {held / weights:.2f}x" if weights else ""
+    return f"{what} held {_size(held)} after running ({_size(weights)} of IR weights{ratio})"
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.0f} MiB"
 
 
 def graph_weight_bytes(manifest: ModelManifest) -> int:

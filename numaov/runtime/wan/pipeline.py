@@ -47,7 +47,13 @@ from numaov.runtime.placement.binding import check_bind_string, plan_for_ranks
 from numaov.runtime.wan.graph_runner import GraphRunner
 from numaov.runtime.wan.image_condition import ImageEncoder
 from numaov.runtime.wan.image_input import image_pixels
-from numaov.runtime.wan.memory import MemoryEstimate, check_memory, estimate_memory
+from numaov.runtime.wan.memory import (
+    MemoryEstimate,
+    check_memory,
+    estimate_memory,
+    held_line,
+    resident_bytes,
+)
 from numaov.runtime.wan.request import (
     SamplerInputError,
     WanSampleRequest,
@@ -364,6 +370,7 @@ def run_wan_pipeline(
     seconds: dict[str, float] = {"load": 0.0}
 
     start = time.perf_counter()
+    before = resident_bytes()
     encoder = GraphRunner(pipeline.components[TEXT_ENCODER], backend)
     seconds["load"] += time.perf_counter() - start
     start = time.perf_counter()
@@ -372,6 +379,7 @@ def run_wan_pipeline(
     else:
         text, negative = encode(encoder, [token_ids["prompt"], token_ids["negative_prompt"]],
                                 pad_id)
+    report(held_line("the text encoder", before, [pipeline.components[TEXT_ENCODER]]))
     del encoder
     seconds["text_encoder"] = time.perf_counter() - start
     report(f"encoded the prompts in {seconds['text_encoder']:.2f} s")
@@ -409,10 +417,14 @@ def run_wan_pipeline(
         video = decode_video(None, latents, vae_tiling,
                              decode_tiles_on_workers(plan, first, following, backend), geometry)
     else:
+        before = resident_bytes()
         decoder = VaeDecoder(first, following, backend)
         seconds["load"] += time.perf_counter() - start
         start = time.perf_counter()
         video = decode_video(decoder, latents, vae_tiling, geometry=geometry)
+        report(held_line("the VAE decoder (with the decoded video)", before,
+                         [first, following]))
+        del decoder
     frames = to_frames(video)
     del video  # not held while the frames are encoded
     seconds["vae_decode"] = time.perf_counter() - start

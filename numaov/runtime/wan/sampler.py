@@ -46,7 +46,7 @@ from numaov import NumaovError
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 from numaov.runtime.placement.binding import BindingPlan, check_bind_string, plan_for_ranks
 from numaov.runtime.wan.denoisers import BACKENDS, Denoiser, open_denoiser, unknown_backend
-from numaov.runtime.wan.memory import check_memory, estimate_memory
+from numaov.runtime.wan.memory import check_memory, estimate_memory, held_line, resident_bytes
 from numaov.runtime.wan.request import (
     DEFAULT_SHIFT,
     PER_FRAME,
@@ -476,6 +476,7 @@ def denoise(
     )
     if workers == 1:
         start = time.perf_counter()
+        before = resident_bytes()
         denoisers = [open_transformer(manifest, backend, request) for manifest in experts]
         attention = getattr(denoisers[0], "attention", None)
         report(
@@ -489,6 +490,7 @@ def denoise(
                 progress, layout
             )
             decisions = cache_decisions(denoisers)
+            report(held_line(f"the transformer(s) on {backend}", before, experts))
         finally:
             for denoiser in denoisers:
                 denoiser.close()

@@ -88,9 +88,11 @@ class FirstBlockCacheDenoiser(Denoiser):
 
     def __init__(self, manifest: ModelManifest, setting: StepCacheSetting,
                  config: dict[str, Any] | None = None) -> None:
-        from numaov.custom_ops.openvino_compile import GraphPart
+        from numaov.custom_ops.openvino_compile import GraphPart, WeightPages
 
         check_block_outputs(manifest, setting)
+        # the IR's mapped weights, dropped after each part's first run has packed them
+        self._weight_pages = WeightPages(manifest.rank(0).ir_xml.with_suffix(".bin"))
         self.setting = setting
         head = manifest.compile_rank(0, config, part=GraphPart(("embedded", "first_block")))
         self.attention = head.attention
@@ -109,10 +111,10 @@ class FirstBlockCacheDenoiser(Denoiser):
         skipped."""
         return ["".join("C" if c else "." for c in branch.computed) for branch in self._branches]
 
-    @staticmethod
-    def _run(request: Any, feeds: dict[str, np.ndarray], outputs: int) -> list[np.ndarray]:
+    def _run(self, request: Any, feeds: dict[str, np.ndarray], outputs: int) -> list[np.ndarray]:
         names = {name for port in request.model_inputs for name in port.get_names()}
         request.infer({name: array for name, array in feeds.items() if name in names})
+        self._weight_pages.after_run(id(request))
         return [np.array(request.get_output_tensor(i).data, dtype=np.float32)
                 for i in range(outputs)]
 
