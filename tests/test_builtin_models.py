@@ -300,11 +300,8 @@ def test_demo_gif_is_ten_judged_clips_and_a_table(demo: dict, judge: DigitJudge)
                 if not line.startswith("WARNING numaov.")]
     assert len(progress) <= 10, demo["stderr"]
     assert all(line.startswith("numaov: ") for line in progress), demo["stderr"]
-    # Cached: a second run reuses both exports.
-    again = subprocess.run([*CLI, "demo", "--out", str(demo["out"])], capture_output=True,
-                           text=True, timeout=900, env=demo["env"])
-    assert again.returncode == 0, again.stderr
-    assert again.stderr.count("reusing the export") == 2
+    # That a second run reuses both exports: the wheel's test runs it
+    # (test_the_wheel_without_extras_runs_doctor_and_the_demo).
 
 
 # The digits pipeline's VAE is 4x spatial (16x16 frames are 4x4 latents), not Wan 2.1's 8x:
@@ -470,8 +467,11 @@ def test_the_wheel_without_extras_runs_doctor_and_the_demo(demo: dict, tmp_path:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(wheel),
-                              "torch==2.13.0"], capture_output=True, text=True, timeout=900)
+    # --no-compile: the modules run here are compiled as they are imported; compiling every
+    # installed file first (torch's, transformers') took two thirds of the install (71 -> 24 s)
+    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile",
+                              str(wheel), "torch==2.13.0"], capture_output=True, text=True,
+                             timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     listed = subprocess.run([str(python), "-m", "pip", "list"], capture_output=True, text=True)
     # none of the dev extra's own tools (scikit-learn is not one: NNCF, which the exporter
@@ -486,3 +486,5 @@ def test_the_wheel_without_extras_runs_doctor_and_the_demo(demo: dict, tmp_path:
                          text=True, timeout=900, env=demo["env"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "tiny-moe dp=2 decode" in run.stdout
+    # a second run of the demo reuses both exports the first one made
+    assert run.stderr.count("reusing the export") == 2, run.stderr
