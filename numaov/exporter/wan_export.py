@@ -219,7 +219,8 @@ def export_transformer(
                "timestep": timestep,
                "loras": [{"xxh3_128": lora.digest, "scale": lora.scale} for lora in loras]}
     return reuse.export(name, out_dir, checkpoint_dir, options, lambda: _export_into(
-        checkpoint_dir, out_dir, precision, lowering, timestep, report, loras=loras))
+        checkpoint_dir, out_dir, precision, lowering, timestep, report, loras=loras),
+        loras=[lora.record() for lora in loras])
 
 
 def _no_second_expert(checkpoint_dir: Path) -> WanExportError:

@@ -430,15 +430,15 @@ def _export_text_encoder(
 
 
 def _read_config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
+    """The text encoder's config as transformers reads it (its defaults filled in)."""
+    from transformers import UMT5Config
+
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(config, dict):
-            raise ValueError(f"a JSON {type(config).__name__}, not an object")
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise PipelineExportError(f"cannot read {str(path)!r} as a JSON config ({exc})",
-                                  parameter="checkpoint") from exc
-    return config
+        return UMT5Config.from_pretrained(str(directory)).to_dict()
+    except (OSError, ValueError) as exc:
+        raise PipelineExportError(
+            f"cannot read {str(directory / 'config.json')!r} as a UMT5 config ({exc})",
+            parameter="checkpoint") from exc
 
 
 def _vae_axes() -> Callable[[Sequence[int]], dict[int, Any]]:

@@ -156,7 +156,8 @@ def _wan_components(model_dir: str | Path) -> list[dict[str, Any]]:
 
     top = read_manifest(model_dir)
     graphs = ({name: read_manifest(top.directory / name) for name in top.record.components}
-              if top.kind == PIPELINE_KIND else {"transformer": top})
+              if top.kind == PIPELINE_KIND
+              else {"transformer" if top.kind == "wan" else top.kind: top})
     return [{"component": name, "precision": graph.record.precision,
              "weights_bytes": graph_weight_bytes(graph),
              "compiled_bytes": int(graph_weight_bytes(graph) * COMPILED_WEIGHTS_FACTOR)}

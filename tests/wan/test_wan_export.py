@@ -165,6 +165,10 @@ def test_reuse_takes_a_graph_only_when_nothing_it_comes_from_changed(
     copy = Path(shutil.copytree(wan["checkpoint"], tmp_path / "copy"))
     assert source_digest(copy, options) == digest
     assert source_digest(copy, {**options, "precision": "bf16"}) != digest
+    # the same files elsewhere: taken, and the manifest names where they are now
+    moved = export_wan(copy, tmp_path / "moved", reuse=previous)
+    assert moved.source_checkpoint == str(copy.resolve()) != manifest.source_checkpoint
+    assert moved.files == manifest.files
     weights = next(copy.glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
