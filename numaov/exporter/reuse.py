@@ -5,9 +5,10 @@ the graph (its kind, precision, lowering, timestep, the LoRAs merged into it wit
 digests and scales), the code that exports it (the library versions and a digest of numaov's
 own modules and native library), and every file of the checkpoint directory it was read from
 (name, size and content digest: every export reads its checkpoint once more for it, at about
-disk speed). ``numaov export wan --reuse PREVIOUS`` takes each component of ``PREVIOUS`` whose digest equals the one about to
-be exported, and whose files still hold what their export wrote, into the new export (hard
-links, copies across file systems) instead of exporting it again: a pipeline re-exported with
+disk speed). ``numaov export wan --reuse PREVIOUS`` takes each component of ``PREVIOUS``
+whose digest equals the one about to be exported, and whose files still hold what their
+export wrote, into the new export (hard links, copies across file systems) instead of
+exporting it again: a pipeline re-exported with
 another LoRA exports its transformer only, not UMT5-XXL and the VAE again. A component that
 differs, is missing or whose files changed since is exported as usual, and the report says
 which were taken.
@@ -33,15 +34,25 @@ class ReuseError(NumaovError):
     """``--reuse`` names something that is not a numaov export."""
 
 
-def source_digest(source: Path, options: Mapping[str, Any]) -> str:
+def source_digest(source: Path, options: Mapping[str, Any],
+                  files: str | None = None) -> str:
     """The digest of what a graph is exported from: ``options`` (JSON-able), the code that
-    builds it (``exporter_versions``), and every file under ``source`` (its relative name, size
-    and content)."""
+    builds it (``exporter_versions``), and every file under ``source`` (``files``: their
+    ``files_digest``, when already taken)."""
     import xxhash
 
     hasher = xxhash.xxh3_128()
     hasher.update(json.dumps({"options": dict(options), "versions": exporter_versions()},
                              sort_keys=True).encode())
+    hasher.update((files or files_digest(source)).encode())
+    return hasher.hexdigest()
+
+
+def files_digest(source: Path) -> str:
+    """Every file under ``source``: its relative name, size and content."""
+    import xxhash
+
+    hasher = xxhash.xxh3_128()
     try:
         for path in sorted(p for p in source.rglob("*") if p.is_file()):
             digest = digest_file(path)
@@ -99,6 +110,8 @@ class ComponentReuse:
     def __init__(self, previous: Path | None, report: Callable[[str], None]) -> None:
         self.previous = previous
         self.report = report
+        # each source directory read once per export (a VAE gives two to four graphs)
+        self._files: dict[Path, str] = {}
 
     def export(self, name: str, out_dir: Path, source: Path, options: Mapping[str, Any],
                build: Callable[[], ExportManifest],
@@ -108,7 +121,9 @@ class ComponentReuse:
         else ``build()``'s (which writes ``out_dir``), with the digest recorded. A graph taken
         gets this export's ``source`` and ``loras`` (their records) in its manifest: the same
         contents, maybe found elsewhere now."""
-        digest = source_digest(source, options)
+        if source not in self._files:
+            self._files[source] = files_digest(source)
+        digest = source_digest(source, options, self._files[source])
         manifest = self._take(name, digest, out_dir)
         if manifest is None:
             manifest = build()

@@ -313,7 +313,7 @@ def _plain(value: Any) -> Any:
 def _export_graph(
     load: Callable[[], torch.nn.Module],
     kind: str,
-    example: dict[str, Any] | Callable[[], dict[str, Any]],
+    example: dict[str, Any],
     dynamic_shapes: dict[str, Any],
     input_sets: Sequence[dict[str, np.ndarray]] | Callable[[], Sequence[dict[str, np.ndarray]]],
     output_names: list[str],
@@ -333,11 +333,11 @@ def _export_graph(
     weights widened where read (``compute_in_f32``), which the IR stores as they are
     (``convert_to_ir(keep_weight_casts=True)``). The module is let go once PyTorch's outputs
     are in, before OpenVINO loads its own copy (a caller with a big one keeps no reference).
-    ``example`` and ``input_sets`` may be callables, run only when the graph is exported."""
+    ``input_sets`` may be a callable, run only when the graph is exported."""
     out_dir = export_dir / name
     options = {"graph": kind, "precision": precision, "lowering": lowering}
     return reuse.export(name, out_dir, source, options, lambda: _export_new_graph(
-        load(), kind, example() if callable(example) else example, dynamic_shapes,
+        load(), kind, example, dynamic_shapes,
         input_sets() if callable(input_sets) else input_sets, output_names, out_dir,
         precision, lowering, report, source, config, narrow_weights))
 
