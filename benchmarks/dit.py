@@ -429,10 +429,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1,280 tokens only")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"JSON report (default {OUT}; with --parallel dit_parallel.json)")
+    parallel = parser.add_argument_group(
+        "--parallel: one guided step on 1 worker against N sequence-parallel workers "
+        "(benchmarks/dit_parallel.py)")
+    parallel.add_argument("--parallel", action="store_true")
+    parallel.add_argument("--ranks", type=int, default=2, help="sequence-parallel workers")
+    parallel.add_argument("--layers", type=int, default=2, help="blocks of Wan 1.3B width")
+    parallel.add_argument("--frames", type=int, default=33)
+    parallel.add_argument("--height", type=int, default=480)
+    parallel.add_argument("--width", type=int, default=832)
+    parallel.add_argument("--socket-tflops", type=float, default=20.0,
+                          help="2-socket model: a socket's sustained bf16 TFLOP/s")
+    parallel.add_argument("--link-gbs", type=float, default=40.0,
+                          help="2-socket model: GB/s a rank's exchange gets across sockets")
     args = parser.parse_args(argv)
     # The exports take several GB of disk; they are removed when the run ends.
     with tempfile.TemporaryDirectory(prefix="numaov-dit-bench-") as work:
+        if args.parallel:
+            from dit_parallel import OUT as PARALLEL_OUT
+            from dit_parallel import run_parallel
+
+            args.out = args.out or PARALLEL_OUT
+            return run_parallel(args, Path(work))
+        args.out = args.out or OUT
         return run(args, Path(work))
 
 

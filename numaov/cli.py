@@ -25,6 +25,7 @@ from numaov.console import ProgressLine, quiet_libraries
 from numaov.manifest import LOWERINGS, PRECISIONS, TIMESTEP_KINDS, WEIGHT_FORMATS
 from numaov.runtime.lm import engine as lm_engine
 from numaov.runtime.wan import denoisers as wan_denoisers
+from numaov.runtime.wan import parallel as wan_parallel
 from numaov.runtime.wan import schedules as wan_schedules
 
 
@@ -112,7 +113,8 @@ def cmd_export_wan(args: argparse.Namespace) -> int:
 
     manifest = export_wan(args.checkpoint, args.out, args.precision, args.ops, _progress(args),
                           timestep=args.timestep, force=args.force, loras=args.loras or (),
-                          loras_2=args.loras_2 or (), reuse=args.reuse)
+                          loras_2=args.loras_2 or (), reuse=args.reuse,
+                          sequence_parallel=args.sequence_parallel or ())
     print(manifest.summary(args.out))
     return 0
 
@@ -143,9 +145,25 @@ def _add_export_wan_parser(sub: argparse._SubParsersAction) -> None:
                    "same checkpoint files with the same options and versions are taken as "
                    "they are (hard links) instead of exported again, e.g. UMT5 and the VAE "
                    "when only a LoRA changed")
+    p.add_argument("--sequence-parallel", type=_rank_counts, metavar="N[,N...]",
+                   help="also export each transformer split over N sequence-parallel ranks, "
+                   "for `run wan --parallel sequence|both` (N dividing the attention heads; "
+                   "one graph per N, in sequence_<N>/)")
     _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_wan)
+
+
+def _rank_counts(text: str) -> list[int]:
+    """``--sequence-parallel 2,4``: rank counts of at least 2."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}; expected rank counts of at least 2, comma-separated (e.g. 2 or 2,4)")
+    return counts
 
 
 def _lora_spec(text: str):
@@ -187,7 +205,8 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
         video = run_wan_pipeline(args.model_dir, request, args.prompt, args.out,
                                  negative_prompt=args.negative_prompt or "",
                                  backend=args.backend,
-                                 workers=args.workers, fps=DEFAULT_FPS if args.fps is None else args.fps,
+                                 workers=args.workers, parallel=args.parallel,
+                                 fps=DEFAULT_FPS if args.fps is None else args.fps,
                                  vae_tiling=VaeTiling() if args.vae_tiling else None,
                                  image=args.image, progress=_progress(args))
         print(video.summary(args.out))
@@ -195,7 +214,7 @@ def cmd_run_wan(args: argparse.Namespace) -> int:
     result = run_wan(args.model_dir, request, args.text_embeddings, args.out,
                      negative_embeddings=args.negative_embeddings,
                      first_frame_latents=args.first_frame_latents, backend=args.backend,
-                     workers=args.workers, progress=_progress(args))
+                     workers=args.workers, parallel=args.parallel, progress=_progress(args))
     print(result.summary(args.out))
     return 0
 
@@ -243,8 +262,13 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=wan_denoisers.BACKENDS, default="openvino",
                    help="what runs the models (default openvino)")
     p.add_argument("--workers", type=int, default=1,
-                   help="2 runs the two guidance branches on two pinned workers (default 1; "
-                   "not with --guidance 1, which has one branch)")
+                   help="pinned worker processes for one video, one per NUMA node (default 1); "
+                   "--parallel says how they share it")
+    p.add_argument("--parallel", choices=wan_parallel.SPLITS,
+                   help="guidance: 2 workers, one guidance branch each; sequence: the video's "
+                   "tokens in N shares (needs an export with --sequence-parallel N); both: 2 "
+                   "branches x N/2 token shares (default: guidance for 2 workers with "
+                   "guidance on, else sequence)")
     p.add_argument("--scheduler", dest="sampler", choices=wan_schedules.SAMPLERS,
                    help="the sampler: unipc (UniPCMultistepScheduler with flow sigmas) or euler "
                    "(FlowMatchEulerDiscreteScheduler); default: with --prompt the pipeline's "

@@ -37,6 +37,7 @@ its digest and scale, and the parity reference is the merged model.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +65,12 @@ from numaov.exporter.parity import (
     torch_reference,
 )
 from numaov.exporter.release import release_freed_memory
+from numaov.exporter.wan_sequence_export import (
+    PADDED_SIZES,
+    check_sequence_ranks,
+    export_sequence_onnx,
+    finish_sequence_graph,
+)
 from numaov.exporter.reuse import ComponentReuse, check_previous
 from numaov.exporter.wan_pipeline_export import (
     TRANSFORMER_2_DIR,
@@ -163,6 +170,7 @@ def export_wan(
     loras: Sequence[LoraSpec] = (),
     loras_2: Sequence[LoraSpec] = (),
     reuse: str | Path | None = None,
+    sequence_parallel: Sequence[int] = (),
 ) -> ExportManifest:
     """Export the Wan checkpoint in ``checkpoint_dir`` to ``out_dir``; returns the manifest.
 
@@ -171,6 +179,8 @@ def export_wan(
     ``loras`` are merged into the transformer, ``loras_2`` into a pipeline's second expert
     (``LoraSpec``: a file and its scale), in order. ``reuse`` is an earlier export whose
     graphs are taken where nothing they come from changed (``exporter.reuse``).
+    ``sequence_parallel`` adds, per transformer, a graph split over each of these rank counts
+    (``exporter.wan_sequence_export``).
 
     Raises ``ParityError`` (``out_dir`` left as it was) when ONNX Runtime or OpenVINO differ
     from PyTorch beyond the tolerance of ``numaov.exporter.parity``.
@@ -179,6 +189,8 @@ def export_wan(
     check_precision(precision)
     check_lowering(lowering)
     check_timestep(timestep)
+    sequence_parallel = check_sequence_ranks(sequence_parallel, None, timestep)
+    transformer = functools.partial(export_transformer, sequence_ranks=sequence_parallel)
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     # Fail before the (possibly long) model load, and before creating anything.
     if not checkpoint_dir.is_dir():
@@ -198,28 +210,38 @@ def export_wan(
                                      parameter="loras_2")
         with staged_output(out_dir, force) as staging:
             return export_pipeline_into(checkpoint_dir, staging, precision, lowering, timestep,
-                                        report, export_transformer, loras=(merged, merged_2),
+                                        report, transformer, loras=(merged, merged_2),
                                         reuse=reused)
     if loras_2:
         raise _no_second_expert(checkpoint_dir)
     merged = read_merged_loras(checkpoint_dir, loras, report)
     with staged_output(out_dir, force) as staging:  # published when the block returns
-        return export_transformer(checkpoint_dir, staging, precision, lowering, timestep, report,
-                                  loras=merged, reuse=reused, name="")
+        return transformer(checkpoint_dir, staging, precision, lowering, timestep, report,
+                           loras=merged, reuse=reused, name="")
 
 
 def export_transformer(
     checkpoint_dir: Path, out_dir: Path, precision: str, lowering: str, timestep: str,
     report: Callable[[str], None], loras: Sequence[WanLora], reuse: ComponentReuse,
-    name: str,
+    name: str, sequence_ranks: Sequence[int] = (),
 ) -> ExportManifest:
     """One transformer into ``out_dir`` (``name``: its directory in the export), or the same
     one taken from ``reuse``'s earlier export."""
+    if sequence_ranks:  # the heads the ranks must share, before any work
+        from numaov.models.checkpoint import read_config
+        from numaov.models.wan.transformer import CONFIG_NAME, WanTransformerConfig
+
+        config = WanTransformerConfig.from_dict(read_config(
+            checkpoint_dir, CONFIG_NAME, f"Wan checkpoint {str(checkpoint_dir)!r}"))
+        sequence_ranks = check_sequence_ranks(sequence_ranks, config.num_attention_heads,
+                                              timestep)
     options = {"graph": "wan", "precision": precision, "lowering": lowering,
                "timestep": timestep,
-               "loras": [{"xxh3_128": lora.digest, "scale": lora.scale} for lora in loras]}
+               "loras": [{"xxh3_128": lora.digest, "scale": lora.scale} for lora in loras],
+               **({"sequence_parallel": list(sequence_ranks)} if sequence_ranks else {})}
     return reuse.export(name, out_dir, checkpoint_dir, options, lambda: _export_into(
-        checkpoint_dir, out_dir, precision, lowering, timestep, report, loras=loras),
+        checkpoint_dir, out_dir, precision, lowering, timestep, report, loras=loras,
+        sequence_ranks=sequence_ranks),
         loras=[lora.record() for lora in loras])
 
 
@@ -283,6 +305,7 @@ def _export_into(
     timestep: str,
     report: Callable[[str], None],
     loras: Sequence[WanLora] = (),
+    sequence_ranks: Sequence[int] = (),
 ) -> ExportManifest:
     timings: dict[str, float] = {}
 
@@ -307,6 +330,11 @@ def _export_into(
         report,
         output_names=output_names,
     )
+    sequence_graphs = [
+        export_sequence_onnx(model, ranks, out_dir, example, _dynamic_shapes(config, timestep),
+                             ONNX_NAME, lowering, report)
+        for ranks in sequence_ranks
+    ]
     timings["onnx_export"] = time.perf_counter() - start
 
     # PyTorch's outputs first, then free the model: ONNX Runtime and OpenVINO each load a
@@ -372,8 +400,17 @@ def _export_into(
         export_seconds={k: round(v, 3) for k, v in timings.items()},
         reference_sample=REFERENCE_SAMPLE_NAME,
         parity_attention=parity_attention(figures),
-        files=digest_export(out_dir),
         loras=[lora.record() for lora in loras],
     )
+    if sequence_graphs:
+        start = time.perf_counter()
+        for part in sequence_graphs:
+            finish_sequence_graph(part, lambda onnx, xml: convert_to_ir(
+                onnx, xml, precision, report, keep_weight_casts=precision == "bf16",
+                f32_inputs=("timestep",)), xml_path,
+                # and a video whose tokens no rank count divides
+                [*input_sets, _inputs(config, PADDED_SIZES, rng, timestep)], manifest, report)
+        timings["sequence_parallel"] = time.perf_counter() - start
+    manifest.files = digest_export(out_dir)  # the sequence-parallel graphs' files included
     manifest.write_and_report(out_dir, timings, report)
     return manifest

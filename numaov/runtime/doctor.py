@@ -164,13 +164,44 @@ def _wan_components(model_dir: str | Path) -> list[dict[str, Any]]:
             for name, graph in graphs.items()]
 
 
-def _model_report(model_dir: str | Path) -> dict[str, Any]:
-    """``expert_stores`` for a language-model export, ``wan_components`` for a Wan one."""
+def _wan_splits(model_dir: str | Path, topology: Topology,
+                env: dict[str, str] | None) -> dict[str, Any]:
+    """How ``run wan --workers N --parallel ...`` would place one video of this export on this
+    machine: the rank counts every transformer has a split graph for (``sequence_graphs``),
+    and per split it can run, which worker runs which branch and token share on which CPUs."""
+    from numaov.manifest import PIPELINE_KIND
+    from numaov.runtime.manifest_reader import read_manifest
+    from numaov.runtime.placement.topology import format_cpu_list
+    from numaov.runtime.wan.parallel import choose_split, exported_shares
+
+    top = read_manifest(model_dir)
+    experts = ([read_manifest(top.directory / name) for name in top.record.components
+                if name.startswith("transformer")] if top.kind == PIPELINE_KIND else [top])
+    counts = sorted(set.intersection(*(set(exported_shares(m)) for m in experts)))
+    splits = []
+    for workers, parallel in [(2, "guidance"), *((n, "sequence") for n in counts),
+                              *((2 * n, "both") for n in counts)]:
+        row: dict[str, Any] = {"workers": workers, "parallel": parallel}
+        try:
+            plan = BindingPlan.resolve(topology, workers, env)
+            row["placement"] = choose_split(workers, parallel, guided=True).describe(
+                None, [format_cpu_list(r.cpus) for r in plan.ranks])
+        except NumaovError as exc:
+            row["error"] = str(exc)
+        splits.append(row)
+    return {"sequence_graphs": counts, "splits": splits}
+
+
+def _model_report(model_dir: str | Path, topology: Topology,
+                  env: dict[str, str] | None) -> dict[str, Any]:
+    """``expert_stores`` for a language-model export, ``wan_components`` and ``wan_splits``
+    for a Wan one."""
     from numaov.manifest import LM_KIND, ExportManifest
 
     if ExportManifest.read(model_dir).kind == LM_KIND:
         return {"expert_stores": _expert_stores(model_dir)}
-    return {"wan_components": _wan_components(model_dir)}
+    return {"wan_components": _wan_components(model_dir),
+            "wan_splits": _wan_splits(model_dir, topology, env)}
 
 
 def collect_report(topology: Topology | None = None, env: dict[str, str] | None = None,
@@ -243,7 +274,7 @@ def collect_report(topology: Topology | None = None, env: dict[str, str] | None 
         "warnings": warnings,
     }
     if model_dir is not None:
-        report.update(_model_report(model_dir))
+        report.update(_model_report(model_dir, topology, env))
     return report
 
 
@@ -314,6 +345,12 @@ def format_report(report: dict) -> str:
         lines += ["", "Wan graphs (IR weights; held once compiled and run, estimated)"]
         lines += [f"  {c['component']}: {_mib(c['weights_bytes'])} {c['precision']}; about "
                   f"{_mib(c['compiled_bytes'])} held" for c in report["wan_components"]]
+        splits = report["wan_splits"]
+        lines += ["", "One video over workers (run wan --workers N --parallel ...; sequence "
+                  "graphs for " + (", ".join(map(str, splits["sequence_graphs"])) or "no")
+                  + " workers)"]
+        lines += [f"  --workers {s['workers']} --parallel {s['parallel']}: "
+                  + s.get("placement", s.get("error", "")) for s in splits["splits"]]
     lines += ["", "Warnings" if report["warnings"] else "No warnings."]
     lines += [f"  - {w}" for w in report["warnings"]]
     return "\n".join(lines)

@@ -112,10 +112,13 @@ def test_latents_mode_samplers() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(SamplerInputError, match="workers=2 runs the two guidance branches one "
-                       "per worker, but at guidance 1"):
-        validate_request(_request(), "openvino", 2)
-    validate_request(_request(guidance=5.0, guidance_2=1.0), "openvino", 2)  # mixed: both run
+    with pytest.raises(SamplerInputError, match="parallel=guidance puts the guidance branches "
+                       "on their own workers, but at guidance 1"):
+        validate_request(_request(), "openvino", 2, "guidance")
+    # two workers at guidance 1 split the video's tokens instead
+    assert validate_request(_request(), "openvino", 2).name == "sequence"
+    mixed = validate_request(_request(guidance=5.0, guidance_2=1.0), "openvino", 2)
+    assert mixed.name == "guidance"  # mixed: both branches run on some steps
     with pytest.raises(SamplerInputError, match="unknown sampler 'ddim'; expected one of unipc, "
                        "euler"):
         validate_request(_request(sampler="ddim"), "openvino", 1)
@@ -132,8 +135,8 @@ def test_cli_refusals_are_one_line(tmp_path: Path) -> None:
                            *args)
 
     prompt = ["--prompt", "a cat", "--out", str(tmp_path / "v.mp4")]
-    one_line_error(run("--guidance", "1", "--workers", "2", *prompt), "--workers: workers=2",
-                   "at guidance 1")
+    one_line_error(run("--guidance", "1", "--workers", "2", "--parallel", "guidance", *prompt),
+                   "--parallel: parallel=guidance", "at guidance 1")
     one_line_error(run("--guidance", "1", "--negative-prompt", "blurry", *prompt),
                    "--negative-prompt:", "with guidance 1")
     one_line_error(run("--guidance", "1", "--negative-embeddings", "n.npy", "--text-embeddings",

@@ -104,7 +104,10 @@ def test_bad_inputs(wan: dict, tmp_path: Path) -> None:
         run_wan(model_dir, REQUEST, text, None, negative_embeddings=tmp_path / "short.npy")
     with pytest.raises(SamplerInputError, match="unknown backend 'cuda'"):
         run_wan(model_dir, REQUEST, text, None, backend="cuda")
-    with pytest.raises(SamplerInputError, match="workers=3; expected 1"):
+    with pytest.raises(SamplerInputError, match="workers=0; expected a positive integer"):
+        run_wan(model_dir, REQUEST, text, None, workers=0)
+    # 3 workers split the tokens, which needs the graph for them
+    with pytest.raises(SamplerInputError, match="no graph for 3 sequence-parallel workers"):
         run_wan(model_dir, REQUEST, text, None, workers=3)
     with pytest.raises(SamplerInputError, match="does not end in .npy"):
         run_wan(model_dir, REQUEST, text, tmp_path / "out.bin")

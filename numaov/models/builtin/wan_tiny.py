@@ -58,15 +58,17 @@ def save_wan_checkpoint(model: WanTransformer, directory: str | Path) -> Path:
     return path
 
 
-def build_tiny_wan(directory: str | Path, seed: int = 0) -> Path:
-    """Build the tiny Wan model from ``seed`` and save it to ``directory``; return the path.
+def build_tiny_wan(directory: str | Path, seed: int = 0,
+                   config: WanTransformerConfig = TINY_WAN_CONFIG) -> Path:
+    """Build the tiny Wan model (``config``) from ``seed`` and save it to ``directory``;
+    return the path.
 
     The same seed gives the same weights on the same torch version; the global RNG state
     of the caller is left untouched.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = WanTransformer(TINY_WAN_CONFIG)
+        model = WanTransformer(config)
         # Norm weights start at exactly 1 and biases at 0; perturb them so a checkpoint
         # that swapped or dropped one would be caught by parity checks.
         with torch.no_grad():

@@ -7,6 +7,16 @@ encoder and VAE graphs the exporter writes (``components``)."""
 # ``transformer``, so the runtime reads them without importing torch.
 BLOCK_OUTPUTS = ("embedded", "first_block", "last_block")
 
+# A transformer split over sequence-parallel ranks (``sequence_parallel``): the collective
+# group its graph's nodes name, the input that gives a rank its index, and the directory of
+# the graph for ``ranks`` ranks within the transformer's export.
+SEQUENCE_GROUP = "wan-sequence"
+RANK_INPUT = "sequence_rank"
+
+
+def sequence_dir_name(ranks: int) -> str:
+    return f"sequence_{ranks}"
+
 
 def block_states(num_layers: int) -> tuple[str, ...]:
     """The token states along the blocks, in order: into the first block, then out of each

@@ -58,6 +58,7 @@ from numaov.models.checkpoint import (
     read_state_dict,
 )
 from numaov.models.wan.lora import WanLora, check_loras_fit, merge_loras
+from numaov.models.wan.sequence_parallel import RankTokens, SequenceSplit, check_sequence_split
 
 logger = logging.getLogger(__name__)
 
@@ -243,13 +244,16 @@ class WanRotaryPosEmbed(nn.Module):
         height: int | torch.SymInt,
         width: int | torch.SymInt,
         device: torch.device,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """``(cos, sin)``, each ``[frames * height * width, D/2]`` fp32, tokens frame-major."""
+        """``(cos, sin)``, each ``[frames * height * width, D/2]`` fp32, tokens frame-major;
+        with ``positions`` (global token indices, a sequence-parallel rank's) one row each."""
         # Each token's (frame, row, column) from its index, instead of expanding three per-axis
         # tables to the grid: the same values, but no broadcast of size-1 axes, so an exported
         # graph stays valid for every grid size (one frame or one row included).
         # (Only // and * on the symbolic sizes: the ONNX exporter cannot translate % by one.)
-        token = torch.arange(frames * height * width, device=device)
+        token = torch.arange(frames * height * width, device=device) if positions is None \
+            else positions
         frame = token // (height * width)
         in_frame = token - frame * (height * width)
         row = in_frame // width
@@ -391,9 +395,12 @@ class WanAttention(nn.Module):
         WanAttention._reorder(state_dict, prefix, module._interleaved)
 
     def forward(
-        self, x: Tensor, context: Tensor, rotary: tuple[Tensor, Tensor] | None = None
+        self, x: Tensor, context: Tensor, rotary: tuple[Tensor, Tensor] | None = None,
+        sequence: RankTokens | None = None,
     ) -> Tensor:
-        """``x`` [B, L, C] attends to ``context`` [B, S, C]; ``rotary`` only for self-attention."""
+        """``x`` [B, L, C] attends to ``context`` [B, S, C]; ``rotary`` only for self-attention.
+        ``sequence``: ``x`` and ``context`` are a sequence-parallel rank's share of the tokens,
+        whose heads are exchanged with the other ranks' around the attention."""
         query = norm_infer(self.to_q(x), self.norm_q.weight, None, self.eps, True)
         key = norm_infer(self.to_k(context), self.norm_k.weight, None, self.eps, True)
         value = self.to_v(context)
@@ -406,11 +413,15 @@ class WanAttention(nn.Module):
             # Channels are in half-split order (see the class docstring).
             query = rotary_embedding(query, cos, sin, interleaved=False)
             key = rotary_embedding(key, cos, sin, interleaved=False)
+        if sequence is not None:  # every token, this rank's heads
+            query, key, value = sequence.to_heads(query, key, value)
 
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        )  # [B, H, L, D]
-        return self.to_out[0](out.transpose(1, 2).flatten(2))
+        ).transpose(1, 2)  # [B, L, H, D]
+        if sequence is not None:  # back to this rank's tokens, every head
+            out = sequence.to_tokens(out)
+        return self.to_out[0](out.flatten(2))
 
 
 class _GeluProjection(nn.Module):
@@ -520,6 +531,7 @@ class WanTransformerBlock(nn.Module):
         encoder_hidden_states: Tensor,
         modulation: Tensor,
         rotary: tuple[Tensor, Tensor],
+        sequence: RankTokens | None = None,
     ) -> Tensor:
         # modulation [B, 6, C] -> six [B, 1, C] rows; per-frame [B, F, 6, C] -> six [B, F, 1, C].
         # The table [1, 6, C] broadcasts against both ranks; the sum is fp32 as in diffusers.
@@ -531,7 +543,7 @@ class WanTransformerBlock(nn.Module):
         normed = fuse_scale_shift(
             norm_infer(hidden_states, None, None, self.eps, False), scale_msa, shift_msa
         )
-        attn_output = self.attn1(normed, normed, rotary)
+        attn_output = self.attn1(normed, normed, rotary, sequence)
 
         # 2. Cross-attention: gated residual, then the optional affine LayerNorm (no modulation)
         if self.norm2 is not None:
@@ -600,6 +612,9 @@ class WanTransformer(nn.Module):
         # (BLOCK_OUTPUTS first), so the runtime's step cache can run the graph in parts
         # (runtime/wan/step_cache.py) and the export's parity judge it block by block.
         self.block_outputs = False
+        # Set by split_sequence: forward takes its rank's share of the video's tokens
+        # (models/wan/sequence_parallel.py).
+        self.sequence: SequenceSplit | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -654,6 +669,14 @@ class WanTransformer(nn.Module):
             block.ffn.split_columns(blocks)
         return self
 
+    def split_sequence(self, world_size: int) -> WanTransformer:
+        """Run as one of ``world_size`` sequence-parallel ranks: ``forward`` then takes the
+        rank's index (``sequence_rank``) and computes its share of the tokens, exchanging
+        attention heads with the other ranks (``models/wan/sequence_parallel.py``)."""
+        check_sequence_split(self.config.num_attention_heads, world_size)
+        self.sequence = SequenceSplit(world_size)
+        return self
+
     def check_inputs(
         self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor
     ) -> None:
@@ -696,6 +719,21 @@ class WanTransformer(nn.Module):
                 f"[{batch}, text_length, {config.text_dim}]"
             )
 
+    def _rank_tokens(self, hidden_states: Tensor, timestep: Tensor,
+                     rank: Tensor | None) -> RankTokens | None:
+        """This rank's share of the tokens, or None when the model is not split."""
+        _check_rank(rank, self.sequence)
+        if self.sequence is None:
+            return None
+        if timestep.dim() != 1:
+            # per-frame modulation rows broadcast over whole frames, which a share need not be
+            raise WanInputError("Wan model: a sequence-parallel model takes one timestep per "
+                                "sample; expected timestep [batch], not per-frame")
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.config.patch_size
+        tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+        return RankTokens.of_rank(self.sequence, tokens, rank)
+
     def embed_patches(self, hidden_states: Tensor) -> Tensor:
         """``[B, C_in, F, H, W]`` latents -> ``[B, L, C]`` tokens, frame-major.
 
@@ -716,7 +754,8 @@ class WanTransformer(nn.Module):
         return F.linear(patches, conv.weight.flatten(1), conv.bias)
 
     def forward(
-        self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor
+        self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
+        sequence_rank: Tensor | None = None,
     ) -> Tensor:
         """Predict the flow for video latents.
 
@@ -725,6 +764,8 @@ class WanTransformer(nn.Module):
             timestep: ``[B]`` one timestep per sample, or ``[B, F / patch_t]`` one per latent
                 frame (Wan 2.2 TI2V). Integer or float.
             encoder_hidden_states: ``[B, S, text_dim]`` text embeddings.
+            sequence_rank: ``[1]`` int64, this rank's index, after ``split_sequence`` (every
+                rank is given the whole video and returns the whole prediction).
 
         Returns:
             ``[B, out_channels, F, H, W]`` in the model's compute dtype; with
@@ -732,6 +773,7 @@ class WanTransformer(nn.Module):
             and out of the last (``BLOCK_OUTPUTS``), then out of each block between them.
         """
         self.check_inputs(hidden_states, timestep, encoder_hidden_states)
+        sequence = self._rank_tokens(hidden_states, timestep, sequence_rank)
         dtype = self.dtype
         hidden_states = hidden_states.to(dtype)
         encoder_hidden_states = encoder_hidden_states.to(dtype)
@@ -740,8 +782,11 @@ class WanTransformer(nn.Module):
         grid = (frames // p_t, height // p_h, width // p_w)
 
         # 1. Patch & position embedding
-        rotary = self.rope(*grid, device=hidden_states.device)
+        rotary = self.rope(*grid, device=hidden_states.device,
+                           positions=None if sequence is None else sequence.positions)
         hidden_states = self.embed_patches(hidden_states)  # [B, L, C]
+        if sequence is not None:
+            hidden_states = sequence.own(hidden_states)  # [B, share, C]
 
         # 2. Condition embeddings
         # timestep [B] -> temb [B, C], modulation [B, 6, C];
@@ -753,7 +798,8 @@ class WanTransformer(nn.Module):
         # 3. Transformer blocks
         states = [hidden_states]
         for block in self.blocks:
-            hidden_states = block(hidden_states, encoder_hidden_states, modulation, rotary)
+            hidden_states = block(hidden_states, encoder_hidden_states, modulation, rotary,
+                                  sequence)
             states.append(hidden_states)
 
         # 4. Output norm, projection & unpatchify
@@ -766,8 +812,13 @@ class WanTransformer(nn.Module):
         )
         hidden_states = self.proj_out(hidden_states)  # [B, L, C_out * p_t * p_h * p_w]
         out_channels = self.config.output_channels
-        hidden_states = hidden_states.reshape(batch, *grid, p_t, p_h, p_w, out_channels)
-        hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, F', p_t, H', ...]
+        if sequence is None:
+            hidden_states = hidden_states.reshape(batch, *grid, p_t, p_h, p_w, out_channels)
+            hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, F', p_t, ..]
+        else:  # every rank's tokens, tokens first: [L, B, ...]
+            hidden_states = sequence.gather(hidden_states).reshape(
+                *grid, batch, p_t, p_h, p_w, out_channels)
+            hidden_states = hidden_states.permute(3, 7, 0, 4, 1, 5, 2, 6)
         sample = hidden_states.reshape(
             batch, out_channels, grid[0] * p_t, grid[1] * p_h, grid[2] * p_w
         )
@@ -777,6 +828,20 @@ class WanTransformer(nn.Module):
             last = states[-1] if len(states) > 2 else states[-1].clone()
             return sample, states[0], states[1], last, *states[2:-1]
         return sample
+
+
+def _check_rank(rank: Tensor | None, split: SequenceSplit | None) -> None:
+    if split is None:
+        if rank is not None:
+            raise WanInputError("Wan model: sequence_rank given to a model that is not split "
+                                "(split_sequence); expected no sequence_rank")
+        return
+    if rank is None or rank.shape != (1,) or rank.dtype != torch.int64:
+        raise WanInputError("Wan model: a sequence-parallel model takes sequence_rank, [1] "
+                            "int64; expected this rank's index")
+    if not torch.compiler.is_compiling() and not 0 <= int(rank) < split.world_size:
+        raise WanInputError(f"Wan model: sequence_rank {int(rank)}; expected 0 to "
+                            f"{split.world_size - 1}")
 
 
 def parameter_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

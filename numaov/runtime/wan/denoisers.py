@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from numaov.custom_ops.openvino_compile import WeightPages
+from numaov.models.wan import RANK_INPUT
 from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import ModelManifest
 from numaov.runtime.wan.request import INPUT_NAMES, SamplerInputError, video_tokens
@@ -52,11 +53,18 @@ def sample_part(manifest: ModelManifest) -> Any:
 
 
 class OpenVINODenoiser(Denoiser):
+    """``sequence_rank``: this worker's index in a transformer split over sequence-parallel
+    ranks (``runtime/wan/parallel.py``), fed to the split graph with every call."""
+
     name = "openvino"
 
-    def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, manifest: ModelManifest, config: dict[str, Any] | None = None,
+                 sequence_rank: int | None = None) -> None:
         self._manifest, self._config = manifest, dict(config or {})
-        self._compiled = manifest.compile_rank(0, config, part=sample_part(manifest))
+        self._rank = ({} if sequence_rank is None else
+                      {RANK_INPUT: np.array([sequence_rank], dtype=np.int64)})
+        self._compiled = manifest.compile_rank(sequence_rank or 0, config,
+                                               part=sample_part(manifest))
         # numaov's attention leaves no MHA snippet behind, so it needs no second compilation;
         # the compile says which kernel its attention nodes got.
         self.attention = self._compiled.attention
@@ -80,9 +88,8 @@ class OpenVINODenoiser(Denoiser):
         self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
     ) -> np.ndarray:
         request = self._request_for(hidden_states)
-        request.infer(
-            {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": text}
-        )
+        request.infer({"hidden_states": hidden_states, "timestep": timestep,
+                       "encoder_hidden_states": text, **self._rank})
         self._weight_pages.after_run(id(request))
         return np.array(request.get_output_tensor(0).data, dtype=np.float32)
 

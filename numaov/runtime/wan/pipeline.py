@@ -43,7 +43,6 @@ from numaov.manifest import (
     WAN_COMPONENTS,
 )
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
-from numaov.runtime.placement.binding import check_bind_string, plan_for_ranks
 from numaov.runtime.wan.graph_runner import GraphRunner
 from numaov.runtime.wan.image_condition import ImageEncoder
 from numaov.runtime.wan.image_input import image_pixels
@@ -61,12 +60,13 @@ from numaov.runtime.wan.request import (
     latent_shape,
 )
 from numaov.runtime.wan.sampler import (
-    MAX_WORKERS,
     Progress,
     SampleResult,
+    check_split_graphs,
     denoise,
     timestep_layout,
     validate_request,
+    worker_plan,
 )
 from numaov.runtime.wan.schedules import scheduler_config
 from numaov.runtime.wan.vae import (
@@ -306,6 +306,7 @@ def run_wan_pipeline(
     negative_prompt: str = "",
     backend: str = "openvino",
     workers: int = 1,
+    parallel: str | None = None,
     fps: int = DEFAULT_FPS,
     vae_tiling: VaeTiling | None = None,
     image: str | Path | np.ndarray | None = None,
@@ -324,10 +325,11 @@ def run_wan_pipeline(
     first-frame mask, are condition channels of every model input
     (``runtime/wan/image_condition.py``).
 
-    ``workers=2`` runs the guidance branches on two workers and, with ``vae_tiling``
-    (diffusers' tiled VAE decoding), the tiles too, every other tile on each worker."""
+    ``workers`` > 1 split the sampling as ``parallel`` says (``runtime/wan/sampler.run_wan``)
+    and, with ``vae_tiling`` (diffusers' tiled VAE decoding), the tiles too, tile ``i`` on
+    worker ``i % workers``."""
     report = progress or (lambda _msg: None)
-    validate_request(request, backend, workers)
+    split = validate_request(request, backend, workers, parallel)
     if request.unguided and negative_prompt:
         raise PromptError(
             f"negative prompt {negative_prompt[:40]!r} with guidance 1, which runs no "
@@ -335,11 +337,10 @@ def run_wan_pipeline(
             parameter="negative_prompt")
     if vae_tiling is not None:
         vae_tiling.check()
-    plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
-    if plan is None:
-        check_bind_string("sampling with workers=1")
+    plan = worker_plan(split)
     kind = None if out is None else output_format(out)
     pipeline = read_pipeline(model_dir)
+    check_split_graphs(pipeline.experts, split)
     if request.cache is not None:
         from numaov.runtime.wan.step_cache import check_block_outputs
 
@@ -401,7 +402,8 @@ def run_wan_pipeline(
     start = time.perf_counter()
     layout = (timestep_layout(transformer, shape) if condition is None else
               timestep_layout(transformer, shape, condition.first_frame, condition.channels))
-    sample = denoise(pipeline.experts, plan, backend, text, negative, shape, request, layout,
+    sample = denoise(pipeline.experts, plan, split, backend, text, negative, shape, request,
+                     layout,
                      progress)
     latents = sample.latents
     seconds["denoise"] = sum(sample.step_seconds)

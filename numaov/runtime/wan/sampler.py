@@ -45,8 +45,17 @@ import numpy as np
 from numaov import NumaovError
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 from numaov.runtime.placement.binding import BindingPlan, check_bind_string, plan_for_ranks
+from numaov.runtime.placement.topology import format_cpu_list
 from numaov.runtime.wan.denoisers import BACKENDS, Denoiser, open_denoiser, unknown_backend
+from numaov.models.wan import SEQUENCE_GROUP
 from numaov.runtime.wan.memory import check_memory, estimate_memory, held_line, resident_bytes
+from numaov.runtime.wan.parallel import (
+    WorkerSplit,
+    check_split,
+    choose_split,
+    join_token_group,
+    sequence_manifest,
+)
 from numaov.runtime.wan.request import (
     DEFAULT_SHIFT,
     PER_FRAME,
@@ -57,6 +66,7 @@ from numaov.runtime.wan.request import (
     latent_shape,
     load_first_frame_latents,
     load_text_embeddings,
+    video_tokens,
 )
 from numaov.runtime.wan.schedules import (
     check_sampler,
@@ -66,8 +76,6 @@ from numaov.runtime.wan.schedules import (
 )
 
 logger = logging.getLogger(__name__)
-
-MAX_WORKERS = 2  # one per guidance branch
 
 
 class GuidanceSplitError(NumaovError):
@@ -120,25 +128,31 @@ class BatchedGuidance(GuidedPredictor):
 
 
 class GatheredGuidance(GuidedPredictor):
-    """This rank's branch (rank 0 conditional, rank 1 unconditional) on its own denoiser; the
-    two halves are joined through ``all_gather_into_tensor`` so every rank holds both."""
+    """This worker's branch on its own denoiser; every worker's prediction is joined through
+    ``all_gather_into_tensor`` so each holds both branches: ``split``'s first ``shares``
+    workers run the conditional branch, the others the unconditional one (with token
+    shares, every worker of a branch holds the whole prediction)."""
 
-    def __init__(self, denoiser: Denoiser, branch_text: np.ndarray, communicator: Any) -> None:
+    def __init__(self, denoiser: Denoiser, branch_text: np.ndarray, communicator: Any,
+                 split: WorkerSplit) -> None:
         self._denoiser = denoiser
         self._text = np.ascontiguousarray(branch_text[None])  # [1, S, D]
         self._communicator = communicator
+        self._split = split
 
     def __call__(
         self, latents: np.ndarray, timestep: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         mine = np.ascontiguousarray(self._denoiser.predict(latents, timestep, self._text))
-        both = np.empty((2, *mine.shape[1:]), dtype=np.float32)
-        self._communicator.all_gather_into_tensor(both, mine)  # rank r's rows at [r]
-        return both[0:1], both[1:2]
+        every = np.empty((self._split.workers, *mine.shape[1:]), dtype=np.float32)
+        self._communicator.all_gather_into_tensor(every, mine)  # worker r's rows at [r]
+        uncond = self._split.shares  # the first worker of the second branch
+        return every[0:1], every[uncond:uncond + 1]
 
     def conditional(self, latents: np.ndarray, timestep: np.ndarray) -> np.ndarray:
-        # Only with guidance 1 on some steps and not others (two experts): the ranks still
-        # step together, each running its branch; unguided runs never take two workers.
+        # Only with guidance 1 on some steps and not others (two experts): the workers still
+        # step together, each running its branch; a split of the branches refuses a request
+        # at guidance 1 throughout (``parallel.choose_split``).
         return self(latents, timestep)[0]
 
 
@@ -267,31 +281,49 @@ def sample(
 
 @dataclass(frozen=True)
 class _RankJob:
-    """What a guidance worker needs; plain data, so it pickles into a spawned process."""
+    """What a worker needs; plain data, so it pickles into a spawned process."""
 
-    model_dirs: tuple[str, ...]  # one per expert
+    model_dirs: tuple[str, ...]  # one per expert (with token shares: its split graph)
     backend: str
-    branch_text: np.ndarray
+    text: np.ndarray
+    negative: np.ndarray | None
     shape: tuple[int, ...]
     request: WanSampleRequest
     layout: TimestepLayout
+    split: WorkerSplit
 
 
-def _guidance_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float], list[str]]:
-    """Worker body: this rank's branch, every step joined with the other rank's."""
-    from numaov.distributed.communicator import find_communicator
+def _split_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float], list[str]]:
+    """Worker body: this worker's branch(es) on its share of the tokens (``parallel``), every
+    step joined with the other workers'."""
+    from numaov.distributed.communicator import destroy_communicator, find_communicator
+    from numaov.runtime.wan.denoisers import OpenVINODenoiser
 
-    denoisers = [open_transformer(read_manifest(d, expected_kind="wan"), job.backend,
-                                  job.request, context.openvino_config())
-                 for d in job.model_dirs]
-    communicator = find_communicator(context.group)
+    split = job.split
+    branch, share = split.place(context.rank)
+    token_group = join_token_group(split, context.rank)
+    denoisers = []
     try:
-        predictors = [GatheredGuidance(d, job.branch_text, communicator) for d in denoisers]
+        for directory in job.model_dirs:
+            manifest = read_manifest(directory, expected_kind="wan")
+            denoisers.append(
+                open_transformer(manifest, job.backend, job.request, context.openvino_config())
+                if split.shares == 1 else
+                OpenVINODenoiser(manifest, context.openvino_config(), sequence_rank=share))
+        if split.branches == 1:
+            predictors = [BatchedGuidance(d, job.text, job.negative) for d in denoisers]
+        else:
+            branch_text = job.text if branch == 0 else job.negative
+            communicator = find_communicator(context.group)
+            predictors = [GatheredGuidance(d, branch_text, communicator, split)
+                          for d in denoisers]
         latents, seconds = sample(predictors, job.shape, job.request, layout=job.layout)
         return latents, seconds, cache_decisions(denoisers)
     finally:
         for denoiser in denoisers:
             denoiser.close()
+        if token_group is not None:
+            destroy_communicator(SEQUENCE_GROUP)
 
 
 def open_transformer(manifest: ModelManifest, backend: str, request: WanSampleRequest,
@@ -311,14 +343,11 @@ def cache_decisions(denoisers: Sequence[Denoiser]) -> list[str]:
     return [branch for d in denoisers for branch in getattr(d, "decisions", [])]
 
 
-def validate_request(request: WanSampleRequest, backend: str, workers: int) -> None:
+def validate_request(request: WanSampleRequest, backend: str, workers: int,
+                     parallel: str | None = None) -> WorkerSplit:
+    """Check ``request`` before any work; returns how its ``workers`` share it."""
     if backend not in BACKENDS:
         raise unknown_backend(backend)
-    if workers not in (1, MAX_WORKERS):
-        raise SamplerInputError(
-            f"workers={workers}; expected 1 (both guidance branches in one batch) or "
-            f"{MAX_WORKERS} (one branch per worker)", parameter="workers"
-        )
     if not isinstance(request.steps, int) or request.steps < 1:
         raise SamplerInputError(f"steps={request.steps!r}; expected a positive integer")
     for name in ("guidance", "guidance_2"):
@@ -334,13 +363,11 @@ def validate_request(request: WanSampleRequest, backend: str, workers: int) -> N
         from numaov.runtime.wan.step_cache import check_cache
 
         check_cache(request.cache, backend)
-    if workers == MAX_WORKERS and request.unguided:
-        raise SamplerInputError(
-            f"workers={workers} runs the two guidance branches one per worker, but at guidance "
-            "1 every step has one branch; expected workers=1", parameter="workers"
-        )
     check_sampler(request.sampler)
     check_shift(request.shift)
+    split = choose_split(workers, parallel, guided=not request.unguided)
+    check_split(split, backend, request.cache)
+    return split
 
 
 def run_wan(
@@ -353,19 +380,22 @@ def run_wan(
     first_frame_latents: str | Path | None = None,
     backend: str = "openvino",
     workers: int = 1,
+    parallel: str | None = None,
     progress: Progress = None,
 ) -> SampleResult:
     """Sample latents with an exported Wan model and (if ``out`` is given) save them as .npy.
 
-    ``workers=2`` runs the two guidance branches on two worker processes of the binding plan
-    (:func:`numaov.runtime.placement.binding.plan_for_ranks`), each pinned with its own compiled model;
+    ``workers`` > 1 run on worker processes of the binding plan
+    (:func:`numaov.runtime.placement.binding.plan_for_ranks`), each pinned with its own
+    compiled model, split as ``parallel`` says (``runtime/wan/parallel.py``: guidance
+    branches, token shares or both; None: guidance for 2 guided workers, else tokens);
     ``workers=1`` runs in this process, unpinned (a set ``NUMAOV_CPU_BIND`` is still checked).
     ``first_frame_latents`` (a ``.npy`` of ``[C, 1, H', W']`` or ``[1, C, 1, H', W']``)
     conditions the video on its first latent frame (Wan 2.2 TI2V image-to-video); it needs a
     model exported with ``timestep="per-frame"``.
     """
     report = progress or (lambda _msg: None)
-    validate_request(request, backend, workers)
+    split = validate_request(request, backend, workers, parallel)
     if negative_embeddings is not None and request.unguided:
         raise SamplerInputError(
             f"negative embeddings {str(negative_embeddings)!r} with guidance 1, which runs no "
@@ -376,11 +406,9 @@ def run_wan(
             f"guidance_2={request.guidance_2} is the second expert's guidance; expected it only "
             "with a prompt on a Wan 2.2 two-expert pipeline export", parameter="guidance_2"
         )
-    # The placement is checked before any file is read.
-    plan = plan_for_ranks(MAX_WORKERS) if workers == MAX_WORKERS else None
-    if plan is None:
-        check_bind_string("sampling with workers=1")
+    plan = worker_plan(split)  # the placement is checked before any file is read
     manifest = read_manifest(model_dir, expected_kind="wan")
+    check_split_graphs([manifest], split)
     if request.cache is not None:
         from numaov.runtime.wan.step_cache import check_block_outputs
 
@@ -430,7 +458,7 @@ def run_wan(
         None if first_frame_latents is None
         else load_first_frame_latents(first_frame_latents, shape, manifest),
     )
-    batch = 2 if workers == 1 and not request.unguided else 1
+    batch = 2 if split.branches == 1 and not request.unguided else 1
     check_against_manifest(
         manifest,
         {
@@ -443,16 +471,34 @@ def run_wan(
                                  branches=request.branches))
     request = dataclasses.replace(request, scheduler=scheduler_config(request.sampler,
                                                                       request.shift, None))
-    result = denoise([manifest], plan, backend, text, negative, shape, request, layout, progress)
+    result = denoise([manifest], plan, split, backend, text, negative, shape, request, layout,
+                     progress)
     if out_path is not None:
         np.save(out_path, result.latents)
         report(f"wrote {out_path}")
     return result
 
 
+def check_split_graphs(experts: Sequence[ModelManifest], split: WorkerSplit) -> None:
+    """A token split needs every transformer's graph for its share count: refused before
+    any work (``parallel.sequence_manifest``)."""
+    if split.shares > 1:
+        for manifest in experts:
+            sequence_manifest(manifest, split.shares)
+
+
+def worker_plan(split: WorkerSplit) -> BindingPlan | None:
+    """The binding plan of ``split``'s workers (None: one, in this process)."""
+    if split.workers > 1:
+        return plan_for_ranks(split.workers)
+    check_bind_string("sampling with workers=1")
+    return None
+
+
 def denoise(
     experts: Sequence[ModelManifest],
     plan: BindingPlan | None,
+    split: WorkerSplit,
     backend: str,
     text: np.ndarray,
     negative: np.ndarray | None,
@@ -462,17 +508,19 @@ def denoise(
     progress: Progress = None,
 ) -> SampleResult:
     """The sampling loop on one worker (``plan`` None: in this process, both guidance
-    branches in one batch) or on the plan's two workers (one branch each); ``experts`` are the
-    transformers (one, or Wan 2.2's two). ``negative`` is None for an unguided request (every
-    step at guidance 1)."""
+    branches in one batch) or on the plan's workers, as ``split`` shares the work; ``experts``
+    are the transformers (one, or Wan 2.2's two). ``negative`` is None for an unguided
+    request (every step at guidance 1)."""
     report = progress or (lambda _msg: None)
-    workers = 1 if plan is None else MAX_WORKERS
+    workers = split.workers
     schedule = (f", {request.scheduler.get('_class_name')}" if request.scheduler else
                 f", Euler with shift {request.shift or DEFAULT_SHIFT:g}")
     report(
         f"sampling latents {list(shape)} ({request.steps} steps, guidance {request.guidance}"
         f"{', one branch per step' if request.unguided else ''}{schedule}) on "
         f"{backend} with {workers} worker(s)"
+        + ("" if plan is None else "; " + split.describe(
+            video_tokens(experts[0].config, shape), [format_cpu_list(r.cpus) for r in plan.ranks]))
     )
     if workers == 1:
         start = time.perf_counter()
@@ -497,21 +545,24 @@ def denoise(
     else:
         from numaov.runtime.placement.workers import run_on_ranks
 
-        jobs = [
-            _RankJob(tuple(str(m.directory) for m in experts), backend, branch, tuple(shape),
-                     request, layout)
-            for branch in (text, negative)
-        ]
-        (latents, seconds, cond), (other, _, uncond) = run_on_ranks(plan, _guidance_rank, jobs)
-        # Each rank ran one branch of every transformer: per transformer, cond then uncond,
-        # as one worker's batch rows give them.
-        decisions = [branch for pair in zip(cond, uncond, strict=True) for branch in pair]
-        # Both ranks apply the same update to the same gathered predictions, so they must
-        # agree exactly; a difference would mean the gather mixed up rows or steps.
-        if not np.array_equal(latents, other):
+        graphs = (experts if split.shares == 1 else
+                  [sequence_manifest(m, split.shares) for m in experts])
+        job = _RankJob(tuple(str(m.directory) for m in graphs), backend, text, negative,
+                       tuple(shape), request, layout, split)
+        # With one branch the workers' own group is the one the split graphs' nodes name.
+        results = run_on_ranks(plan, _split_rank, [job] * workers,
+                               group=SEQUENCE_GROUP if split.branches == 1 else None)
+        latents, seconds, _ = results[0]
+        # The step cache runs with the guidance split only: one rank per branch, and per
+        # transformer cond then uncond, as one worker's batch rows give them.
+        decisions = ([] if split.branches == 1 else
+                     [b for pair in zip(results[0][2], results[1][2], strict=True) for b in pair])
+        # Every worker applies the same update to the same gathered predictions, so they
+        # must agree exactly; a difference would mean a gather mixed up rows or steps.
+        if not all(np.array_equal(latents, other) for other, _, _ in results[1:]):
             raise GuidanceSplitError(
-                "the two guidance workers ended with different latents; expected identical "
-                "latents from the same gathered predictions"
+                f"the {workers} workers ({split.name} split) ended with different latents; "
+                "expected identical latents from the same gathered predictions"
             )
     report(f"sampled in {sum(seconds):.2f} s ({sum(seconds) / len(seconds):.2f} s per step)")
     result = SampleResult(latents=latents, backend=backend, workers=workers,
