@@ -1,6 +1,9 @@
-"""The real `numaov` command line (a subprocess each): bind strings checked whenever set and
-named by entry, one binding rule for every command, library errors shown with the flag of
-their parameter, choices taken from the library, and worker errors as one line."""
+"""The `numaov` command line: bind strings checked whenever set and named by entry, one
+binding rule for every command, library errors shown with the flag of their parameter,
+choices taken from the library, and worker errors as one line. The usage errors, the bind
+checks of `bench wan` and the workers run the real command (a subprocess each); the
+parametrized variants of a rule run its `main` in this process (`numaov_here`), which prints
+and exits the same way without an interpreter's start-up each."""
 
 from __future__ import annotations
 
@@ -36,6 +39,23 @@ def numaov(*args: str, bind: str | None = None, **env: str) -> subprocess.Comple
                           env={**environ, **env})
 
 
+def numaov_here(*args: str, bind: str | None = None) -> subprocess.CompletedProcess:
+    """`numaov ARGS` run by `numaov.cli.main` in this process, NUMAOV_CPU_BIND set to `bind`
+    (None: unset) while it runs; the result as a finished process."""
+    from support.wan_harness import cli_in_process
+
+    saved = os.environ.pop("NUMAOV_CPU_BIND", None)
+    if bind is not None:
+        os.environ["NUMAOV_CPU_BIND"] = bind
+    try:
+        code, out, err = cli_in_process(*args)
+    finally:
+        os.environ.pop("NUMAOV_CPU_BIND", None)
+        if saved is not None:
+            os.environ["NUMAOV_CPU_BIND"] = saved
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     """The single `numaov: error:` line of a failed command (exit code 1, no traceback)."""
     assert proc.returncode == 1, (proc.returncode, proc.stderr)
@@ -45,12 +65,13 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def run_wan(model_dir: str | Path, *extra: str, text: str | Path = "text.npy",
-            out: str | Path = "out.npy", bind: str | None = None, **env: str
-            ) -> subprocess.CompletedProcess:
-    return numaov("run", "wan", "--model-dir", str(model_dir), "--frames", "5", "--height", "32",
-                  "--width", "32", "--steps", "2", "--guidance", "5", "--seed", "0",
-                  "--text-embeddings", str(text), "--out", str(out), "--quiet", *extra,
-                  bind=bind, **env)
+            out: str | Path = "out.npy", bind: str | None = None, here: bool = False,
+            **env: str) -> subprocess.CompletedProcess:
+    """`numaov run wan` on small settings; ``here``: in this process (``numaov_here``)."""
+    args = ("run", "wan", "--model-dir", str(model_dir), "--frames", "5", "--height", "32",
+            "--width", "32", "--steps", "2", "--guidance", "5", "--seed", "0",
+            "--text-embeddings", str(text), "--out", str(out), "--quiet", *extra)
+    return numaov_here(*args, bind=bind) if here else numaov(*args, bind=bind, **env)
 
 
 # -- bind strings: checked whenever set, before any file is read, the bad entry named ---------
@@ -66,7 +87,8 @@ def run_wan(model_dir: str | Path, *extra: str, text: str | Path = "text.npy",
 def test_run_wan_names_the_bad_bind_entry(tmp_path: Path, bind: str, message: str,
                                           workers: str) -> None:
     # The model directory does not exist: the bind string is checked first.
-    line = one_error_line(run_wan(tmp_path / "missing", "--workers", workers, bind=bind))
+    line = one_error_line(run_wan(tmp_path / "missing", "--workers", workers, bind=bind,
+                                  here=True))
     assert re.search(f"NUMAOV_CPU_BIND {message}", line), line
     assert "CPU list(s)" not in line  # not the entry count
 
@@ -102,10 +124,10 @@ def test_the_entry_count_is_its_own_message(tmp_path: Path) -> None:
      "numaov: error: model directory 'no-such-model' does not exist"),
 ])
 def test_library_errors_are_shown_with_the_flag_of_their_parameter(
-    tmp_path: Path, args: list[str], line: str
+    tmp_path: Path, args: list[str], line: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=TIMEOUT_S,
-                          cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    proc = numaov_here(*args)
     assert one_error_line(proc).startswith(line), proc.stderr
 
 
@@ -119,7 +141,7 @@ def test_library_errors_are_shown_with_the_flag_of_their_parameter(
     (["export", "wan", "--ops", "opset99"], LOWERINGS),
 ])
 def test_choices_are_the_library_tuples(args: list[str], names: tuple[str, ...]) -> None:
-    proc = numaov(*args)
+    proc = numaov_here(*args)
     line = one_error_line(proc)  # one line and exit code 1, as every other error
     assert f"(choose from {', '.join(map(repr, names))})" in line, proc.stderr
 
@@ -134,14 +156,14 @@ def test_usage_errors_are_one_line_and_exit_1(args: list[str]) -> None:
     ("wan", wan_denoisers.BACKENDS), ("deepseek", lm_engine.BACKENDS)])
 def test_bench_backends_help_lists_the_library_tuple(command: str,
                                                      backends: tuple[str, ...]) -> None:
-    proc = numaov("bench", command, "--help")
+    proc = numaov_here("bench", command, "--help")
     assert proc.returncode == 0
     assert f"comma-separated from {', '.join(backends)}" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.parametrize("model", ["wan", "deepseek"])
 def test_export_takes_force(model: str) -> None:
-    proc = numaov("export", model, "--help")
+    proc = numaov_here("export", model, "--help")
     assert proc.returncode == 0
     assert "replace an existing --out that is not a numaov export" in " ".join(
         proc.stdout.split())

@@ -17,6 +17,7 @@ OpenVINO's read and compile errors are many lines of C++ context; they become on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,39 +101,48 @@ def release_weight_pages(bin_path: str | Path) -> int:
     process's memory for nothing (measured: a 403 MB bf16 Wan transformer at 656 MiB
     anonymous plus 527 MiB of the mapped file after a step; 124 MiB of file after this, the
     next step the same, its outputs equal). A page read again later comes back from the file
-    (``MADV_DONTNEED`` on a file mapping), so nothing can go wrong but the memory; a mapping
-    with pages written into it (``Anonymous`` in ``smaps``: a private copy) is left alone.
+    (``MADV_DONTNEED`` on a file mapping), so nothing can go wrong but the memory; a writable
+    mapping, whose pages may have been written (a private copy), is left alone.
     Returns the bytes released; 0 where ``/proc`` or ``madvise`` is not available."""
-    import ctypes
-    import ctypes.util
     import os
 
-    target = os.path.realpath(bin_path)
-    ranges, current = [], None
-    try:
-        with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                head = line.split()
-                if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's line
-                    current = None
-                    if len(head) >= 6 and head[5] == target:
-                        start, end = (int(x, 16) for x in head[0].split("-"))
-                        current = [start, end, 0]
-                        ranges.append(current)
-                elif current is not None and head[0] == "Anonymous:":
-                    current[2] = int(head[1])
-    except OSError:
+    madvise = _madvise()
+    if madvise is None:
         return 0
-    name = ctypes.util.find_library("c")
-    if not name:
-        return 0
-    madvise = ctypes.CDLL(name, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
-    for start, end, anonymous in ranges:
-        if anonymous == 0 and madvise(start, end - start, _MADV_DONTNEED) == 0:
+    for start, end in _read_only_mappings(os.path.realpath(bin_path)):
+        if madvise(start, end - start, _MADV_DONTNEED) == 0:
             released += end - start
     return released
+
+
+def _read_only_mappings(target: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each of this process's read-only mappings of file ``target``, from
+    ``/proc/self/maps``. Read-only, so no page of it was ever written (a private copy would
+    be lost to ``MADV_DONTNEED``); a writable mapping is left alone. Not ``smaps``: the
+    kernel walks every mapping's pages to write it, 20 ms a read in a process running
+    OpenVINO, and a run lets go of several graphs' pages."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = [line.split() for line in maps if target in line]
+    except OSError:
+        return []
+    return [tuple(int(x, 16) for x in head[0].split("-")) for head in lines
+            if len(head) >= 6 and head[5] == target and "w" not in head[1]]
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise``, or None where there is no libc to load."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    madvise = ctypes.CDLL(name, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 class WeightPages:

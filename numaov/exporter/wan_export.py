@@ -65,12 +65,6 @@ from numaov.exporter.parity import (
     torch_reference,
 )
 from numaov.exporter.release import release_freed_memory
-from numaov.exporter.wan_sequence_export import (
-    PADDED_SIZES,
-    check_sequence_ranks,
-    export_sequence_onnx,
-    finish_sequence_graph,
-)
 from numaov.exporter.reuse import ComponentReuse, check_previous
 from numaov.exporter.wan_pipeline_export import (
     TRANSFORMER_2_DIR,
@@ -79,6 +73,12 @@ from numaov.exporter.wan_pipeline_export import (
     has_second_expert,
     is_pipeline_dir,
     read_model_index,
+)
+from numaov.exporter.wan_sequence_export import (
+    PADDED_SIZES,
+    check_sequence_ranks,
+    export_sequence_onnx,
+    finish_sequence_graph,
 )
 from numaov.manifest import TIMESTEP_KINDS, ExportManifest, RankFiles
 from numaov.models.wan import block_states, state_outputs

@@ -43,11 +43,11 @@ from typing import Any
 import numpy as np
 
 from numaov import NumaovError
+from numaov.models.wan import SEQUENCE_GROUP
 from numaov.runtime.manifest_reader import ModelDirError, ModelManifest, read_manifest
 from numaov.runtime.placement.binding import BindingPlan, check_bind_string, plan_for_ranks
 from numaov.runtime.placement.topology import format_cpu_list
 from numaov.runtime.wan.denoisers import BACKENDS, Denoiser, open_denoiser, unknown_backend
-from numaov.models.wan import SEQUENCE_GROUP
 from numaov.runtime.wan.memory import check_memory, estimate_memory, held_line, resident_bytes
 from numaov.runtime.wan.parallel import (
     WorkerSplit,
