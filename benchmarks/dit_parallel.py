@@ -69,6 +69,7 @@ class _RankJob:
     xml: str
     inputs: dict[str, np.ndarray]
     rounds: int
+    ready: Any
     go: Any
     done: Any
     exchange_values: int  # of one q / k / v all_to_all
@@ -100,6 +101,7 @@ def _rank(context: Any, job: _RankJob) -> dict[str, Any]:
     request = compiled.create_infer_request()
     feeds = {**job.inputs, "sequence_rank": np.array([context.rank], dtype=np.int64)}
     request.infer(feeds)  # warm-up
+    job.ready.wait()  # the one worker's rounds start once no worker compiles any more
     times = []
     for _ in range(job.rounds + 1):  # the last round is the profiled one
         job.go.wait()
@@ -165,14 +167,15 @@ def run_parallel(args: Any, work: Path) -> int:
     request = whole.create_infer_request()
     request.infer(inputs)  # warm-up
     ctx = mp.get_context("spawn")
-    go, done = ctx.Barrier(ranks + 1), ctx.Barrier(ranks + 1)
+    ready, go, done = (ctx.Barrier(ranks + 1) for _ in range(3))
     share = -(-tokens // ranks)
     job = _RankJob(str(work / "export" / f"sequence_{ranks}" / "model.xml"), inputs,
-                   args.rounds, go, done, exchange_values=3 * 2 * ranks * share * config.inner_dim)
+                   args.rounds, ready, go, done, exchange_values=3 * 2 * ranks * share * config.inner_dim)
     results: dict[str, Any] = {}
     workers = threading.Thread(target=lambda: results.update(split=run_rank_group(
         ranks, _rank, [job] * ranks, group=SEQUENCE_GROUP, timeout_s=7200)))
     workers.start()
+    ready.wait()  # (earlier runs timed their first round while the workers still compiled)
     one = []
     for round_ in range(args.rounds + 1):  # alternate: one worker, then the N workers
         begin = time.perf_counter()

@@ -135,7 +135,9 @@ class RankFiles:
     """The files of one rank, relative to the model directory."""
 
     rank: int
-    onnx: str
+    # None: a graph only OpenVINO runs (a Wan transformer's sequence-parallel split, whose
+    # collectives no ONNX runtime has), kept as IR only
+    onnx: str | None
     ir_xml: str
     ir_bin: str
     # The rank's expert store (``custom_ops.expert_store``), None for a graph without routed
@@ -496,7 +498,7 @@ class ExportManifest:
                 f"{expected_kind!r} model"
             )
         named = [(r.rank, key, getattr(r, key)) for r in manifest.ranks
-                 for key in ("onnx", "ir_xml", "ir_bin")]
+                 for key in ("onnx", "ir_xml", "ir_bin") if getattr(r, key) is not None]
         if manifest.reference_sample is not None:
             named.append((None, "reference sample", manifest.reference_sample))
         named += [(None, "component manifest", f"{c}/{MANIFEST_NAME}") for c in manifest.components]

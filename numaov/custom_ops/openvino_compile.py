@@ -187,10 +187,24 @@ class CompiledIR:
         count = len(self.outputs)
 
         def run(feeds: dict[str, Any]) -> list[Any]:
-            request.infer(feeds)
+            infer(request, feeds)
             return [np.array(request.get_output_tensor(i).data) for i in range(count)]
 
         return run
+
+
+class InferError(NumaovError):
+    """An inference failed inside OpenVINO (one of numaov's collectives in the graph among
+    the causes: a peer that died, a timeout)."""
+
+
+def infer(request: Any, feeds: dict[str, Any]) -> None:
+    """``request.infer(feeds)``, its failure one line: OpenVINO raises a ``RuntimeError``
+    whose text spans many lines and holds the cause (a collective's own message) inside."""
+    try:
+        request.infer(feeds)
+    except RuntimeError as exc:
+        raise InferError(f"OpenVINO inference failed: {_cause(exc)}") from exc
 
 
 def _cause(exc: BaseException) -> str:

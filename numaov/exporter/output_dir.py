@@ -98,12 +98,13 @@ def _publish(staging: Path, out_dir: Path) -> None:
 
 def digest_export(staging: Path, skip: Iterable[str] = ()) -> dict[str, FileDigest]:
     """The manifest's ``files``: every file the export wrote except the manifest itself and
-    ``skip`` (the expert stores, which carry a digest per layer in their own header)."""
-    skipped = set(skip)
+    ``skip`` (the expert stores, which carry a digest per layer in their own header). The
+    manifests of graphs in subdirectories (a transformer's ``sequence_<N>/``) are files of
+    this export like the others: ``--reuse`` takes them with it."""
+    skipped = {MANIFEST_NAME, *skip}
     names = [
         name for path in staging.rglob("*")
-        if path.is_file() and path.name != MANIFEST_NAME
-        and (name := path.relative_to(staging).as_posix()) not in skipped
+        if path.is_file() and (name := path.relative_to(staging).as_posix()) not in skipped
     ]
     return digest_files(staging, names)
 

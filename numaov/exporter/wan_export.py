@@ -72,11 +72,13 @@ from numaov.exporter.wan_pipeline_export import (
     export_pipeline_into,
     has_second_expert,
     is_pipeline_dir,
+    pipeline_timestep,
     read_model_index,
 )
 from numaov.exporter.wan_sequence_export import (
     PADDED_SIZES,
     check_sequence_ranks,
+    check_transformer_split,
     export_sequence_onnx,
     finish_sequence_graph,
 )
@@ -208,6 +210,10 @@ def export_wan(
         merged = read_merged_loras(checkpoint_dir / TRANSFORMER_DIR, loras, report)
         merged_2 = read_merged_loras(checkpoint_dir / TRANSFORMER_2_DIR, loras_2, report,
                                      parameter="loras_2")
+        # each transformer's heads and timestep kind, before the text encoder's export
+        for name in [TRANSFORMER_DIR, *([TRANSFORMER_2_DIR] if has_second_expert(index) else [])]:
+            check_transformer_split(checkpoint_dir / name, sequence_parallel,
+                                    pipeline_timestep(index, timestep))
         with staged_output(out_dir, force) as staging:
             return export_pipeline_into(checkpoint_dir, staging, precision, lowering, timestep,
                                         report, transformer, loras=(merged, merged_2),
@@ -227,14 +233,7 @@ def export_transformer(
 ) -> ExportManifest:
     """One transformer into ``out_dir`` (``name``: its directory in the export), or the same
     one taken from ``reuse``'s earlier export."""
-    if sequence_ranks:  # the heads the ranks must share, before any work
-        from numaov.models.checkpoint import read_config
-        from numaov.models.wan.transformer import CONFIG_NAME, WanTransformerConfig
-
-        config = WanTransformerConfig.from_dict(read_config(
-            checkpoint_dir, CONFIG_NAME, f"Wan checkpoint {str(checkpoint_dir)!r}"))
-        sequence_ranks = check_sequence_ranks(sequence_ranks, config.num_attention_heads,
-                                              timestep)
+    sequence_ranks = check_transformer_split(checkpoint_dir, sequence_ranks, timestep)
     options = {"graph": "wan", "precision": precision, "lowering": lowering,
                "timestep": timestep,
                "loras": [{"xxh3_128": lora.digest, "scale": lora.scale} for lora in loras],

@@ -200,6 +200,14 @@ def _check_condition_channels(directory: Path) -> None:
         )
 
 
+def pipeline_timestep(index: dict[str, Any], timestep: str) -> str:
+    """The timestep kind a pipeline's transformers are exported with: per frame for Wan 2.2
+    TI2V (``expand_timesteps``: diffusers gives every video token its own timestep, a
+    conditioned first frame's at 0; the transformer takes them per latent frame), else
+    ``timestep``."""
+    return "per-frame" if index.get("expand_timesteps") else timestep
+
+
 def export_pipeline_into(
     pipeline_dir: Path,
     out_dir: Path,
@@ -216,10 +224,7 @@ def export_pipeline_into(
     ``reuse`` takes the graphs an earlier export already holds (``exporter.reuse``)."""
     reuse = reuse or ComponentReuse(None, report)
     index = read_model_index(pipeline_dir)
-    if index.get("expand_timesteps"):
-        # Wan 2.2 TI2V: diffusers gives every video token its own timestep (a conditioned
-        # first frame's at 0); the transformer takes them per latent frame.
-        timestep = "per-frame"
+    timestep = pipeline_timestep(index, timestep)
     start = time.perf_counter()
     timings: dict[str, float] = {}
     parts: list[ExportManifest] = []

@@ -3,10 +3,11 @@
 For each rank count ``N`` the transformer is exported once more, split over ``N`` ranks
 (``models/wan/sequence_parallel.py``), into ``sequence_<N>/`` beside its plain graph:
 
-- ``model.onnx`` / ``model.xml``: one graph every rank runs, the rank's index an input
+- ``model.xml`` / ``model.bin``: one graph every rank runs, the rank's index an input
   (``sequence_rank``), the ``all_to_all`` and ``all_gather_into_tensor`` collectives of group
   ``wan-sequence`` in it. The ranks hold the same weights, so one IR serves them all (its
-  manifest lists ``N`` ranks on the same files) instead of ``N`` copies on disk;
+  manifest lists ``N`` ranks on the same files) instead of ``N`` copies on disk; its ONNX,
+  traced on the way, is removed once converted (no ONNX runtime has the collectives);
 - ``manifest.json``: ``world_size`` ``N``, the group, the parity figures.
 
 It is written before the plain graph's manifest, so that one digests these files too.
@@ -58,9 +59,10 @@ def check_sequence_ranks(ranks: Sequence[int], heads: int | None, timestep: str)
         return []
     if timestep != "scalar":
         raise WanSequenceExportError(
-            "--sequence-parallel needs one timestep per sample; a per-frame export (Wan 2.2 "
-            "TI2V) modulates whole frames, which a share of the tokens need not hold: expected "
-            "--timestep scalar", parameter="sequence_parallel")
+            "--sequence-parallel needs one timestep per sample, but this transformer takes "
+            "them per frame (--timestep per-frame, or a Wan 2.2 TI2V pipeline): its modulation "
+            "rows are whole frames, which a share of the tokens need not hold; expected a "
+            "text-to-video or I2V A14B transformer", parameter="sequence_parallel")
     for count in counts:
         try:
             if heads is not None:
@@ -70,6 +72,20 @@ def check_sequence_ranks(ranks: Sequence[int], heads: int | None, timestep: str)
         except NumaovError as exc:
             raise WanSequenceExportError(str(exc), parameter="sequence_parallel") from None
     return counts
+
+
+def check_transformer_split(transformer_dir: Path, ranks: Sequence[int],
+                            timestep: str) -> list[int]:
+    """``check_sequence_ranks`` for the transformer in ``transformer_dir`` (its config's
+    heads), before any export work."""
+    if not ranks:
+        return []
+    from numaov.models.checkpoint import read_config
+    from numaov.models.wan.transformer import CONFIG_NAME, WanTransformerConfig
+
+    config = WanTransformerConfig.from_dict(read_config(
+        transformer_dir, CONFIG_NAME, f"Wan checkpoint {str(transformer_dir)!r}"))
+    return check_sequence_ranks(ranks, config.num_attention_heads, timestep)
 
 
 @dataclass
@@ -128,6 +144,11 @@ def finish_sequence_graph(
     from numaov.distributed.rank_group import run_rank_group
 
     xml_path = convert(part.graph.path, part.directory / plain_xml.name)
+    # Only OpenVINO runs the split graph (its collectives are numaov's OpenVINO ops): its
+    # ONNX, f32 and twice a bf16 IR's size, is not kept.
+    for path in (part.graph.path, part.graph.data_path):
+        if path is not None:
+            path.unlink(missing_ok=True)
     run_whole, _ = openvino_runner(plain_xml, "f32")
     references = [run_whole(feeds)[0] for feeds in input_sets]
     del run_whole
@@ -144,7 +165,7 @@ def finish_sequence_graph(
             figures.append(measure(expected, got, "openvino", "f32", f"rank{rank}.{OUTPUT_NAME}",
                                    shapes, attention=attention))
     figures = judge(figures, f"the {part.ranks}-rank sequence-parallel graph does not match "
-                             "the unsplit PyTorch model")
+                             "the unsplit graph")
     report(summary(figures))
     manifest = ExportManifest(
         kind="wan",
@@ -155,7 +176,7 @@ def finish_sequence_graph(
         inference_precision=plain.inference_precision,
         lowering=plain.lowering,
         timestep=plain.timestep,
-        ranks=[RankFiles(rank=r, onnx=part.graph.path.name, ir_xml=xml_path.name,
+        ranks=[RankFiles(rank=r, onnx=None, ir_xml=xml_path.name,
                          ir_bin=xml_path.with_suffix(".bin").name) for r in range(part.ranks)],
         world_size=part.ranks,
         collective_group=SEQUENCE_GROUP,

@@ -177,7 +177,8 @@ def _wan_splits(model_dir: str | Path, topology: Topology,
     top = read_manifest(model_dir)
     experts = ([read_manifest(top.directory / name) for name in top.record.components
                 if name.startswith("transformer")] if top.kind == PIPELINE_KIND else [top])
-    counts = sorted(set.intersection(*(set(exported_shares(m)) for m in experts)))
+    counts = (sorted(set.intersection(*(set(exported_shares(m)) for m in experts)))
+              if experts else [])
     splits = []
     for workers, parallel in [(2, "guidance"), *((n, "sequence") for n in counts),
                               *((2 * n, "both") for n in counts)]:
@@ -196,12 +197,15 @@ def _model_report(model_dir: str | Path, topology: Topology,
                   env: dict[str, str] | None) -> dict[str, Any]:
     """``expert_stores`` for a language-model export, ``wan_components`` and ``wan_splits``
     for a Wan one."""
-    from numaov.manifest import LM_KIND, ExportManifest
+    from numaov.manifest import LM_KIND, PIPELINE_KIND, ExportManifest
 
-    if ExportManifest.read(model_dir).kind == LM_KIND:
+    kind = ExportManifest.read(model_dir).kind
+    if kind == LM_KIND:
         return {"expert_stores": _expert_stores(model_dir)}
-    return {"wan_components": _wan_components(model_dir),
-            "wan_splits": _wan_splits(model_dir, topology, env)}
+    report: dict[str, Any] = {"wan_components": _wan_components(model_dir)}
+    if kind in ("wan", PIPELINE_KIND):  # what has a transformer to split
+        report["wan_splits"] = _wan_splits(model_dir, topology, env)
+    return report
 
 
 def collect_report(topology: Topology | None = None, env: dict[str, str] | None = None,
@@ -345,6 +349,7 @@ def format_report(report: dict) -> str:
         lines += ["", "Wan graphs (IR weights; held once compiled and run, estimated)"]
         lines += [f"  {c['component']}: {_mib(c['weights_bytes'])} {c['precision']}; about "
                   f"{_mib(c['compiled_bytes'])} held" for c in report["wan_components"]]
+    if "wan_splits" in report:
         splits = report["wan_splits"]
         lines += ["", "One video over workers (run wan --workers N --parallel ...; sequence "
                   "graphs for " + (", ".join(map(str, splits["sequence_graphs"])) or "no")

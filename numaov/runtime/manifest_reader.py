@@ -30,7 +30,7 @@ class RankModel:
     """Absolute paths of one rank's exported graphs."""
 
     rank: int
-    onnx: Path
+    onnx: Path | None  # None: an IR-only graph (``RankFiles.onnx``)
     ir_xml: Path
     # The rank's expert store (None: no routed experts, or an export holding them in its IR).
     experts: Path | None = None
@@ -165,7 +165,7 @@ def read_manifest(model_dir: str | Path, expected_kind: str | None = None) -> Mo
         inference_precision=record.inference_precision,
         lowering=record.lowering,
         world_size=record.world_size,
-        ranks=[RankModel(r.rank, directory / r.onnx, directory / r.ir_xml,
+        ranks=[RankModel(r.rank, directory / r.onnx if r.onnx else None, directory / r.ir_xml,
                          directory / r.experts if r.experts else None)
                for r in sorted(record.ranks, key=lambda r: r.rank)],
         versions={str(k): str(v) for k, v in record.versions.items()},

@@ -114,8 +114,10 @@ def test_export_writes_one_graph_per_rank_count_checked_rank_by_rank(exported: d
         directory = model / f"sequence_{ranks}"
         manifest = json.loads((directory / "manifest.json").read_text())
         assert manifest["world_size"] == ranks and manifest["collective_group"] == SEQUENCE_GROUP
-        # one IR every rank compiles, not a copy of the weights per rank
+        # one IR every rank compiles, not a copy of the weights per rank, and no ONNX
         assert {r["ir_xml"] for r in manifest["ranks"]} == {"model.xml"}
+        assert {r["onnx"] for r in manifest["ranks"]} == {None}
+        assert not list(directory.glob("*.onnx*"))
         assert [r["rank"] for r in manifest["ranks"]] == list(range(ranks))
         assert "sequence_rank" in {i["name"] for i in manifest["inputs"]}
         figures = manifest["parity"]
@@ -125,7 +127,8 @@ def test_export_writes_one_graph_per_rank_count_checked_rank_by_rank(exported: d
         assert any(f["shapes"]["hidden_states"][3:] == [2, 14] for f in figures)
         assert max(f["rel_error"] for f in figures) < 1e-4
         # the transformer's own manifest digests the split graph's files too
-        assert f"sequence_{ranks}/model.bin" in whole["files"]
+        assert {f"sequence_{ranks}/model.bin", f"sequence_{ranks}/manifest.json"} <= set(
+            whole["files"])
     assert "parity check of the 2-rank sequence split" in exported["progress"]
 
 
@@ -166,7 +169,7 @@ def test_split_refusals_are_one_line(exported: dict, wan: dict, tmp_path: Path,
                    "--backend:", "openvino")
     one_line_error(cli_refusal(*_run_args(exported, out, "--parallel", "sequence")),
                    "workers of at least 2")
-    monkeypatch.setenv("NUMAOV_CPU_BIND", deepseek_bind)  # two emulated nodes: no warning line
+    monkeypatch.setenv("NUMAOV_CPU_BIND", deepseek_bind)  # two emulated nodes
     # an export without the split graph names what it has and the option that adds it
     one_line_error(cli_refusal("run", "wan", "--model-dir", str(wan["model_dir"]),
                                "--text-embeddings", str(wan["text"]), *RUN, "--out", str(out),
@@ -196,20 +199,23 @@ def _rank_processes(parent: int) -> list[int]:
 
 def test_a_killed_worker_fails_the_run_in_one_line_and_leaves_no_shared_memory(
         exported: dict, tmp_path: Path) -> None:
+    """The peers of a killed worker fail inside the split graph's collectives (OpenVINO's
+    error, made one line) or the parent notices the death: either way one line. (The
+    groups' segments are unlinked once every worker has joined; the check guards that.)"""
     job = f"sp-kill-{uuid.uuid4().hex[:8]}"
-    args = _run_args(exported, tmp_path / "x.npy", "--workers", "4", "--parallel", "both")
+    args = _run_args(exported, tmp_path / "x.npy", "--workers", "3", "--parallel", "sequence")
     args[args.index("--steps") + 1] = "100000"  # runs until killed
     proc = subprocess.Popen([*CLI, *args], stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "NUMAOV_JOB_ID": job})
     try:
         # the workers print nothing per step: kill one once all four have been sampling a while
         deadline = time.monotonic() + 120
-        while len(victims := _rank_processes(proc.pid)) < 4 and time.monotonic() < deadline:
+        while len(victims := _rank_processes(proc.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(victims) == 4
+        assert len(victims) == 3
         time.sleep(5)
         assert proc.poll() is None
-        os.kill(victims[3], 9)
+        os.kill(victims[2], 9)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -217,7 +223,7 @@ def test_a_killed_worker_fails_the_run_in_one_line_and_leaves_no_shared_memory(
     assert proc.returncode == 1
     errors = [line for line in err.splitlines() if line.startswith("numaov: error: ")]
     assert len(errors) == 1 and "Traceback" not in err, err
-    assert "rank 3" in errors[0], errors[0]
+    assert "rank" in errors[0], errors[0]
     deadline = time.monotonic() + 10
     while shm_leftovers(job) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -235,6 +241,14 @@ def test_pipeline_split_by_tokens_and_doctor(wan_pipeline_exported: dict, tmp_pa
                                   str(wan_pipeline_exported["export"]), "--sequence-parallel", "2")
     assert code == 0, err
     assert "text_encoder: reused from" in err  # only the transformer was exported
+    # exported again from the same files: the transformer is taken, its split graph with it
+    again = tmp_path / "again"
+    code, _, err = cli_in_process("export", "wan", "--checkpoint", str(root / "pipeline"),
+                                  "--out", str(again), "--reuse", str(export),
+                                  "--sequence-parallel", "2")
+    assert code == 0, err
+    assert "transformer: reused from" in err
+    export = again
     run = ["run", "wan", "--model-dir", str(export), "--prompt", "a w1 w2", "--frames", "5",
            "--height", "48", "--width", "48", "--steps", "3", "--guidance", "4", "--seed", "2"]
     code, _, err = cli_in_process(*run, "--out", str(tmp_path / "one.npy"))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov.custom_ops.openvino_compile import WeightPages
+from numaov.custom_ops.openvino_compile import WeightPages, infer
 from numaov.models.wan import RANK_INPUT
 from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import ModelManifest
@@ -88,8 +88,8 @@ class OpenVINODenoiser(Denoiser):
         self, hidden_states: np.ndarray, timestep: np.ndarray, text: np.ndarray
     ) -> np.ndarray:
         request = self._request_for(hidden_states)
-        request.infer({"hidden_states": hidden_states, "timestep": timestep,
-                       "encoder_hidden_states": text, **self._rank})
+        infer(request, {"hidden_states": hidden_states, "timestep": timestep,
+                        "encoder_hidden_states": text, **self._rank})
         self._weight_pages.after_run(id(request))
         return np.array(request.get_output_tensor(0).data, dtype=np.float32)
 

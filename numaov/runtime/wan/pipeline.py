@@ -10,8 +10,9 @@ The pipeline is diffusers' ``WanPipeline`` on an export of a pipeline directory
 2. **Encode** prompt and negative prompt in one batch on the text encoder graph, padded to
    the longer one with the mask off (padding changes no real token's output), then each
    embedding is cut at its own length and zero-padded to 512 tokens, as diffusers does.
-3. **Denoise** with the sampling loop of ``wan_pipeline`` (one or two guidance workers, one
-   branch per step at guidance 1), stepped by diffusers' scheduler built from the exported
+3. **Denoise** with the sampling loop of ``sampler`` (one worker, or workers splitting the
+   guidance branches, the tokens or both: ``parallel``; one branch per step at guidance 1),
+   stepped by diffusers' scheduler built from the exported
    ``scheduler/scheduler_config.json``, or by the request's ``sampler`` / ``shift``
    (``schedules.scheduler_config``: Euler or UniPC, as distilled LoRAs prescribe).
 4. **Decode** with the VAE decoder's two graphs, one latent frame at a time with their caches

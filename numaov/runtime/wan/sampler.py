@@ -13,9 +13,10 @@ request is lives in ``request``, the schedules in ``schedules``, the backends in
   rule holds per step, so ``guidance_2`` 1 makes the second expert's steps single-branch
   (diffusers instead turns guidance off for both experts whenever ``guidance_scale`` is 1).
 - Guidance: the conditional and unconditional predictions come from one batch of two
-  (``[cond, uncond]``) on one worker, or from two workers (one branch each) whose halves
-  are joined every step by the shared-memory ``all_gather_into_tensor``. The loop does not
-  know which: it asks a ``GuidedPredictor`` for both halves.
+  (``[cond, uncond]``) on one worker (or on each worker of a token split, ``parallel``), or
+  from workers of one branch each whose predictions are joined every step by the
+  shared-memory ``all_gather_into_tensor``. The loop does not know which: it asks a
+  ``GuidedPredictor`` for both halves.
 - Noise: ``torch.randn(shape, generator=torch.Generator().manual_seed(seed))`` as diffusers'
   ``prepare_latents`` does with a CPU generator, so every backend starts from the same noise.
 - Timesteps: a graph exported with ``timestep="per-frame"`` (manifest field ``timestep``) is
@@ -79,7 +80,7 @@ logger = logging.getLogger(__name__)
 
 
 class GuidanceSplitError(NumaovError):
-    """The two guidance workers disagree: their predictions were not joined correctly."""
+    """The workers of a split disagree: their predictions were not joined correctly."""
 
 
 Progress = Callable[[str], None] | None
@@ -555,8 +556,8 @@ def denoise(
         latents, seconds, _ = results[0]
         # The step cache runs with the guidance split only: one rank per branch, and per
         # transformer cond then uncond, as one worker's batch rows give them.
-        decisions = ([] if split.branches == 1 else
-                     [b for pair in zip(results[0][2], results[1][2], strict=True) for b in pair])
+        uncond = results[split.shares][2] if split.branches == 2 else []  # its first worker
+        decisions = [b for pair in zip(results[0][2], uncond, strict=True) for b in pair]
         # Every worker applies the same update to the same gathered predictions, so they
         # must agree exactly; a difference would mean a gather mixed up rows or steps.
         if not all(np.array_equal(latents, other) for other, _, _ in results[1:]):
