@@ -18,6 +18,7 @@ OpenVINO's read and compile errors are many lines of C++ context; they become on
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,18 +194,28 @@ class CompiledIR:
         return run
 
 
-class InferError(NumaovError):
-    """An inference failed inside OpenVINO (one of numaov's collectives in the graph among
-    the causes: a peer that died, a timeout)."""
+class InferError(NumaovError, RuntimeError):
+    """An inference failed inside OpenVINO (one of numaov's ops in the graph among the
+    causes: a collective whose peer died or timed out, an expert store not open). Still a
+    ``RuntimeError``, as OpenVINO's own error is."""
+
+
+# OpenVINO prefixes its message with the source location of every level it passed through.
+_OPENVINO_LOCATION = re.compile(r"Exception from \S+:\d+:\s*")
+_MAX_INFER_CAUSE_CHARS = 1200
 
 
 def infer(request: Any, feeds: dict[str, Any]) -> None:
     """``request.infer(feeds)``, its failure one line: OpenVINO raises a ``RuntimeError``
-    whose text spans many lines and holds the cause (a collective's own message) inside."""
+    whose text spans many lines, numaov's op's own message inside, after the source
+    locations OpenVINO adds (left out here)."""
     try:
         request.infer(feeds)
     except RuntimeError as exc:
-        raise InferError(f"OpenVINO inference failed: {_cause(exc)}") from exc
+        text = _OPENVINO_LOCATION.sub("", " ".join(str(exc).split()))
+        if len(text) > _MAX_INFER_CAUSE_CHARS:
+            text = text[:_MAX_INFER_CAUSE_CHARS] + " ..."
+        raise InferError(f"OpenVINO inference failed: {text}") from exc
 
 
 def _cause(exc: BaseException) -> str:
