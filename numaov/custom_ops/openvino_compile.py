@@ -212,15 +212,17 @@ def infer(request: Any, feeds: dict[str, Any]) -> None:
     try:
         request.infer(feeds)
     except RuntimeError as exc:
-        text = _OPENVINO_LOCATION.sub("", " ".join(str(exc).split()))
-        if len(text) > _MAX_INFER_CAUSE_CHARS:
-            text = text[:_MAX_INFER_CAUSE_CHARS] + " ..."
-        raise InferError(f"OpenVINO inference failed: {text}") from exc
+        cause = _cause(exc, _MAX_INFER_CAUSE_CHARS, _OPENVINO_LOCATION)
+        raise InferError(f"OpenVINO inference failed: {cause}") from exc
 
 
-def _cause(exc: BaseException) -> str:
+def _cause(exc: BaseException, limit: int = _MAX_CAUSE_CHARS,
+           drop: re.Pattern[str] | None = None) -> str:
+    """``exc``'s text on one line, ``drop``'s matches left out, cut at ``limit`` characters."""
     text = " ".join(str(exc).split())
-    return text if len(text) <= _MAX_CAUSE_CHARS else text[:_MAX_CAUSE_CHARS] + " ..."
+    if drop is not None:
+        text = drop.sub("", text)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _precision_name(precision: Any) -> str:

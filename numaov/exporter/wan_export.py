@@ -220,6 +220,7 @@ def export_wan(
                                         reuse=reused)
     if loras_2:
         raise _no_second_expert(checkpoint_dir)
+    check_transformer_split(checkpoint_dir, sequence_parallel, timestep)
     merged = read_merged_loras(checkpoint_dir, loras, report)
     with staged_output(out_dir, force) as staging:  # published when the block returns
         return transformer(checkpoint_dir, staging, precision, lowering, timestep, report,
@@ -232,8 +233,8 @@ def export_transformer(
     name: str, sequence_ranks: Sequence[int] = (),
 ) -> ExportManifest:
     """One transformer into ``out_dir`` (``name``: its directory in the export), or the same
-    one taken from ``reuse``'s earlier export."""
-    sequence_ranks = check_transformer_split(checkpoint_dir, sequence_ranks, timestep)
+    one taken from ``reuse``'s earlier export; ``sequence_ranks`` as ``export_wan`` checked
+    them against its heads."""
     options = {"graph": "wan", "precision": precision, "lowering": lowering,
                "timestep": timestep,
                "loras": [{"xxh3_128": lora.digest, "scale": lora.scale} for lora in loras],

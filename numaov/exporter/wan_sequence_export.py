@@ -39,7 +39,7 @@ from numaov.exporter.output_dir import digest_export, library_versions
 from numaov.exporter.parity import judge, measure, openvino_runner, summary
 from numaov.manifest import ExportManifest, RankFiles
 from numaov.models.wan import RANK_INPUT, SEQUENCE_GROUP, sequence_dir_name
-from numaov.models.wan.sequence_parallel import check_sequence_split
+from numaov.models.wan.sequence_parallel import check_rank_count, check_sequence_split
 
 OUTPUT_NAME = "sample"
 PARITY_TIMEOUT_S = 1800.0
@@ -65,10 +65,10 @@ def check_sequence_ranks(ranks: Sequence[int], heads: int | None, timestep: str)
             "text-to-video or I2V A14B transformer", parameter="sequence_parallel")
     for count in counts:
         try:
-            if heads is not None:
+            if heads is None:
+                check_rank_count(count)
+            else:
                 check_sequence_split(heads, count)
-            elif not isinstance(count, int) or count < 2:
-                check_sequence_split(count, count)
         except NumaovError as exc:
             raise WanSequenceExportError(str(exc), parameter="sequence_parallel") from None
     return counts

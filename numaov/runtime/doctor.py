@@ -146,37 +146,38 @@ def _expert_stores(model_dir: str | Path) -> list[dict[str, Any]]:
     return stores
 
 
-def _wan_components(model_dir: str | Path) -> list[dict[str, Any]]:
-    """Each graph of a Wan export (a pipeline's components, or the bare transformer): its IR
-    weights and what a run holds for them once compiled (``COMPILED_WEIGHTS_FACTOR``, the
-    factor ``run wan``'s memory estimate uses; the run reports what each really held)."""
+def _wan_graphs(model_dir: str | Path) -> dict[str, Any]:
+    """Each graph of a Wan export by name: a pipeline's components, or the bare graph."""
     from numaov.manifest import PIPELINE_KIND
     from numaov.runtime.manifest_reader import read_manifest
-    from numaov.runtime.wan.memory import COMPILED_WEIGHTS_FACTOR, graph_weight_bytes
 
     top = read_manifest(model_dir)
-    graphs = ({name: read_manifest(top.directory / name) for name in top.record.components}
-              if top.kind == PIPELINE_KIND
-              else {"transformer" if top.kind == "wan" else top.kind: top})
+    return ({name: read_manifest(top.directory / name) for name in top.record.components}
+            if top.kind == PIPELINE_KIND
+            else {"transformer" if top.kind == "wan" else top.kind: top})
+
+
+def _wan_components(graphs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each graph of a Wan export (``_wan_graphs``): its IR weights and what a run holds for
+    them once compiled (``COMPILED_WEIGHTS_FACTOR``, the factor ``run wan``'s memory estimate
+    uses; the run reports what each really held)."""
+    from numaov.runtime.wan.memory import COMPILED_WEIGHTS_FACTOR, graph_weight_bytes
+
     return [{"component": name, "precision": graph.record.precision,
              "weights_bytes": graph_weight_bytes(graph),
              "compiled_bytes": int(graph_weight_bytes(graph) * COMPILED_WEIGHTS_FACTOR)}
             for name, graph in graphs.items()]
 
 
-def _wan_splits(model_dir: str | Path, topology: Topology,
+def _wan_splits(graphs: dict[str, Any], topology: Topology,
                 env: dict[str, str] | None) -> dict[str, Any]:
     """How ``run wan --workers N --parallel ...`` would place one video of this export on this
     machine: the rank counts every transformer has a split graph for (``sequence_graphs``),
     and per split it can run, which worker runs which branch and token share on which CPUs."""
-    from numaov.manifest import PIPELINE_KIND
-    from numaov.runtime.manifest_reader import read_manifest
     from numaov.runtime.placement.topology import format_cpu_list
     from numaov.runtime.wan.parallel import choose_split, exported_shares
 
-    top = read_manifest(model_dir)
-    experts = ([read_manifest(top.directory / name) for name in top.record.components
-                if name.startswith("transformer")] if top.kind == PIPELINE_KIND else [top])
+    experts = [graph for name, graph in graphs.items() if name.startswith("transformer")]
     counts = (sorted(set.intersection(*(set(exported_shares(m)) for m in experts)))
               if experts else [])
     splits = []
@@ -202,9 +203,10 @@ def _model_report(model_dir: str | Path, topology: Topology,
     kind = ExportManifest.read(model_dir).kind
     if kind == LM_KIND:
         return {"expert_stores": _expert_stores(model_dir)}
-    report: dict[str, Any] = {"wan_components": _wan_components(model_dir)}
+    graphs = _wan_graphs(model_dir)
+    report: dict[str, Any] = {"wan_components": _wan_components(graphs)}
     if kind in ("wan", PIPELINE_KIND):  # what has a transformer to split
-        report["wan_splits"] = _wan_splits(model_dir, topology, env)
+        report["wan_splits"] = _wan_splits(graphs, topology, env)
     return report
 
 

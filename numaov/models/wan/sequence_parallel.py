@@ -35,10 +35,15 @@ class SequenceSplitError(NumaovError):
     """A sequence split the model cannot take (heads not divisible by the ranks, ...)."""
 
 
-def check_sequence_split(heads: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 2:
+def check_rank_count(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise SequenceSplitError(
             f"sequence-parallel ranks {world_size!r}; expected an integer of at least 2")
+
+
+def check_sequence_split(heads: int, world_size: int) -> None:
+    """``world_size`` ranks can share ``heads`` attention heads evenly."""
+    check_rank_count(world_size)
     if heads % world_size:
         divisors = [n for n in range(2, heads + 1) if heads % n == 0]
         raise SequenceSplitError(
@@ -124,6 +129,7 @@ __all__ = [
     "RankTokens",
     "SequenceSplit",
     "SequenceSplitError",
+    "check_rank_count",
     "check_sequence_split",
     "token_share",
 ]

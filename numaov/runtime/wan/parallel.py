@@ -117,9 +117,10 @@ def choose_split(workers: int, parallel: str | None, guided: bool) -> WorkerSpli
 
 def exported_shares(manifest: ModelManifest) -> list[int]:
     """The rank counts ``manifest``'s transformer has sequence-parallel graphs for."""
+    prefix = sequence_dir_name("")
     counts = []
-    for path in manifest.directory.glob("sequence_*/manifest.json"):
-        suffix = path.parent.name.removeprefix("sequence_")
+    for path in manifest.directory.glob(f"{sequence_dir_name('*')}/manifest.json"):
+        suffix = path.parent.name.removeprefix(prefix)
         if suffix.isdigit():
             counts.append(int(suffix))
     return sorted(counts)
