@@ -20,14 +20,23 @@ and its timers see only the forward calls; "total" is each run's whole wall time
 ``--large`` the VAE decode also runs tiled (diffusers' tiling defaults) on one worker and on
 two workers of the binding plan (on a one-node machine the cores are split between them).
 
-With ``--cache first-block:THRESHOLD`` each configuration also times the denoising of numaov
-and diffusers each without and with First Block Cache (numaov's ``--cache``, diffusers'
-``enable_cache``) in alternating rounds, with the evaluations skipped and each side's largest
-frame change from its uncached run; ``--layers`` sets the transformer's blocks (the cache
-saves all but the first, so it needs more than the default 2 to show).
+With ``--cache first-block:THRESHOLD`` (or ``magcache:THRESHOLD``) each configuration also
+times the denoising of numaov and diffusers each without and with the step cache (numaov's
+``--cache``, diffusers' ``enable_cache``; for MagCache both on the ratios a numaov
+``magcache:calibrate`` run measures first) in alternating rounds, with the evaluations skipped
+and each side's largest frame change from its uncached run; ``--layers`` sets the
+transformer's blocks (a skipped evaluation still runs the embedding and output head, and
+with first-block the first block, so the savings need more than the default 2 to show).
+
+With ``--few-step`` each configuration also runs the few-step recipe of step-distillation
+LoRAs end to end on both sides: a random rank-32 LoRA in diffusers' layout on every block's
+attention and feed-forward projections, merged by ``numaov export wan --lora`` and by
+diffusers' ``load_lora_weights`` + ``fuse_lora``, 4 steps of flow-matching Euler at shift 5
+without guidance. ``--no-baseline`` leaves the guided end-to-end comparison out.
 
     python benchmarks/wan_pipeline.py [--steps 2] [--rounds 2] [--large | --configs NAMES]
-        [--work DIR] [--layers N] [--cache first-block:THRESHOLD]
+        [--work DIR] [--layers N] [--cache first-block:T|magcache:T] [--few-step]
+        [--no-baseline]
 
 Writes benchmarks/out/wan_pipeline.json. A benchmark, not a test: it asserts nothing.
 """
@@ -54,6 +63,7 @@ from numaov.runtime.wan.pipeline import (
     run_wan_pipeline,
 )
 from numaov.runtime.wan.request import WanSampleRequest
+from numaov.runtime.wan.step_cache import RATIOS_FILE, StepCacheSetting
 from numaov.runtime.wan.vae import VaeDecoder, VaeTiling, decode_tiles_on_workers, decode_video
 
 OUT = Path(__file__).resolve().parent / "out" / "wan_pipeline.json"
@@ -114,14 +124,25 @@ class _Timer:
         return timed
 
 
-def run_diffusers(pipe, size, steps: int, cache: str | None = None,
-                  frames: dict | None = None) -> dict[str, float]:
-    """diffusers' run, timed per component; ``cache`` ("first-block:THRESHOLD") turns on its
-    First Block Cache for the run; ``frames`` (a dict) receives the frames."""
-    if cache is not None:
-        from diffusers.hooks import FirstBlockCacheConfig
+def diffusers_cache_config(cache: str, steps: int, ratios: list[float] | None = None):
+    """diffusers' config for numaov's ``--cache`` setting ``cache`` (MagCache with
+    ``ratios``, the ones numaov calibrated)."""
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
 
-        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=float(cache.split(":")[1])))
+    setting = StepCacheSetting.parse(cache)
+    if setting.kind == "first-block":
+        return FirstBlockCacheConfig(threshold=setting.threshold)
+    return MagCacheConfig(threshold=setting.threshold, max_skip_steps=setting.max_skip,
+                          retention_ratio=setting.retention, num_inference_steps=steps,
+                          mag_ratios=ratios)
+
+
+def run_diffusers(pipe, size, steps: int, cache: object = None, frames: dict | None = None,
+                  guidance: float = 5.0) -> dict[str, float]:
+    """diffusers' run, timed per component; ``cache`` (``diffusers_cache_config``'s) turns on
+    its step cache for the run; ``frames`` (a dict) receives the frames."""
+    if cache is not None:
+        pipe.transformer.enable_cache(cache)
     timers = {"text_encoder": _Timer(), "denoise": _Timer(), "vae_decode": _Timer()}
     originals = (pipe.text_encoder.forward, pipe.transformer.forward, pipe.vae.decode)
     pipe.text_encoder.forward = timers["text_encoder"].wrap(originals[0])
@@ -131,7 +152,7 @@ def run_diffusers(pipe, size, steps: int, cache: str | None = None,
         start = time.perf_counter()
         with torch.inference_mode():
             video = pipe(PROMPT, num_frames=size[0], height=size[1], width=size[2],
-                         num_inference_steps=steps, guidance_scale=5.0,
+                         num_inference_steps=steps, guidance_scale=guidance,
                          generator=torch.Generator().manual_seed(SEED), output_type="np")
         total = time.perf_counter() - start
     finally:
@@ -144,11 +165,15 @@ def run_diffusers(pipe, size, steps: int, cache: str | None = None,
 
 
 def run_numaov(export: Path, size, steps: int, out: Path | None, cache: str | None = None,
-               frames: dict | None = None) -> dict[str, float]:
+               frames: dict | None = None, guidance: float = 5.0,
+               sampler: str | None = None, shift: float | None = None,
+               tiled: bool = False) -> dict[str, float]:
     request = WanSampleRequest(frames=size[0], height=size[1], width=size[2], steps=steps,
-                               guidance=5.0, seed=SEED, cache=cache)
+                               guidance=guidance, seed=SEED, cache=cache, sampler=sampler,
+                               shift=shift)
     start = time.perf_counter()
-    result = run_wan_pipeline(export, request, PROMPT, out)
+    result = run_wan_pipeline(export, request, PROMPT, out,
+                              vae_tiling=VaeTiling() if tiled else None)
     if frames is not None:
         frames["frames"], frames["skipped"] = result.frames, result.sample.skipped
     return {**result.seconds, "total": time.perf_counter() - start}
@@ -161,6 +186,12 @@ def cached_rounds(export: Path, pipe, size, steps: int, rounds: int, cache: str)
     runs: dict[str, list[float]] = {k: [] for k in ("numaov", "numaov_cached", "diffusers",
                                                     "diffusers_cached")}
     frames: dict[str, dict] = {k: {} for k in runs}
+    ratios = None
+    if StepCacheSetting.parse(cache).kind == "magcache":  # both sides on numaov's ratios
+        print(f"step cache {cache}: calibrating", file=sys.stderr)
+        run_numaov(export, size, steps, None, "magcache:calibrate")
+        ratios = json.loads((export / "transformer" / RATIOS_FILE).read_text())["ratios"]
+    config = diffusers_cache_config(cache, steps, ratios)
     for r in range(rounds):
         print(f"step cache {cache}: round {r + 1}/{rounds}", file=sys.stderr)
         runs["numaov"].append(run_numaov(export, size, steps, None, None,
@@ -169,7 +200,7 @@ def cached_rounds(export: Path, pipe, size, steps: int, rounds: int, cache: str)
                                                 frames["numaov_cached"])["denoise"])
         runs["diffusers"].append(run_diffusers(pipe, size, steps, None,
                                                frames["diffusers"])["denoise"])
-        runs["diffusers_cached"].append(run_diffusers(pipe, size, steps, cache,
+        runs["diffusers_cached"].append(run_diffusers(pipe, size, steps, config,
                                                       frames["diffusers_cached"])["denoise"])
     median = {k: float(np.median(v)) for k, v in runs.items()}
     entry = {
@@ -191,6 +222,99 @@ def cached_rounds(export: Path, pipe, size, steps: int, rounds: int, cache: str)
           f"{entry['numaov_cached_vs_diffusers_cached']:.2f}x diffusers cached; largest frame "
           f"change from uncached: {entry['max_frame_change']}")
     return entry
+
+
+# (b) the few-step recipe of distilled LoRAs (lightx2v's): 4 steps of flow-matching Euler at
+# shift 5 without guidance, the LoRA merged.
+FEW_STEPS, FEW_SHIFT, LORA_RANK = 4, 5.0, 32
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def write_lora(transformer, path: Path) -> Path:
+    """A random rank-``LORA_RANK`` LoRA on every block's attention and feed-forward
+    projections (a step-distillation LoRA's layers), in diffusers' layout."""
+    import copy
+
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    maker = copy.deepcopy(transformer).float()
+    config = LoraConfig(r=LORA_RANK, lora_alpha=1, target_modules=LORA_TARGETS,
+                        init_lora_weights=False)
+    torch.manual_seed(SEED + 1)
+    maker.add_adapter(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    WanPipeline.save_lora_weights(path.parent, transformer_lora_layers=get_peft_model_state_dict(
+        maker), weight_name=path.name, transformer_lora_adapter_metadata=config.to_dict())
+    return path
+
+
+def few_step_rounds(root: Path, size, rounds: int) -> dict:
+    """numaov (the LoRA merged at export, ``--guidance 1 --scheduler euler --shift 5``) and
+    diffusers (``load_lora_weights`` + ``fuse_lora``, ``FlowMatchEulerDiscreteScheduler``,
+    ``guidance_scale=1``), end to end in alternating rounds; above 256x256 both decode in
+    tiles (diffusers' tiling defaults: untiled, numaov's estimate of the VAE's memory at
+    33x480x832 is more than this 24 GiB machine has beside diffusers' pipeline)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from numaov.models.wan.lora import LoraSpec
+
+    pipe = WanPipeline.from_pretrained(root / "pipeline")
+    lora = root / "lora" / "few_step_lora.safetensors"
+    if not lora.is_file():
+        write_lora(pipe.transformer, lora)
+    export = root / "export_lora"
+    if not (export / "manifest.json").is_file():
+        print("exporting the pipeline with the LoRA merged (bf16)", file=sys.stderr)
+        export_wan(root / "pipeline", export, precision="bf16", loras=[LoraSpec(lora)],
+                   reuse=root / "export")
+    pipe.load_lora_weights(lora)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=FEW_SHIFT)
+    pipe.to(torch.bfloat16)
+    tiled = size[1] * size[2] > 256 * 256
+    if tiled:
+        pipe.vae.enable_tiling()
+    rows: dict[str, list[dict[str, float]]] = {"numaov": [], "diffusers": []}
+    for r in range(rounds):
+        print(f"few-step: round {r + 1}/{rounds}", file=sys.stderr)
+        rows["numaov"].append(run_numaov(export, size, FEW_STEPS, None, guidance=1.0,
+                                         sampler="euler", shift=FEW_SHIFT, tiled=tiled))
+        rows["diffusers"].append(run_diffusers(pipe, size, FEW_STEPS, guidance=1.0))
+    return {"steps": FEW_STEPS, "guidance": 1.0, "shift": FEW_SHIFT, "lora_rank": LORA_RANK,
+            "vae_tiled": tiled, **compare(rows)}
+
+
+def compare(rows: dict[str, list[dict[str, float]]]) -> dict:
+    """Per component: both sides' best, median and range, and diffusers over numaov."""
+    best = {who: {k: min(run[k] for run in runs) for k in runs[0]}
+            for who, runs in rows.items()}
+    median = {who: {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
+              for who, runs in rows.items()}
+    spread = {who: {k: [min(run[k] for run in runs), max(run[k] for run in runs)]
+                    for k in runs[0]} for who, runs in rows.items()}
+    return {"best_seconds": best, "median_seconds": median, "range_seconds": spread,
+            "speedup": {k: best["diffusers"][k] / best["numaov"][k] for k in best["numaov"]
+                        if k in best["diffusers"]},
+            "median_speedup": {k: median["diffusers"][k] / median["numaov"][k]
+                               for k in median["numaov"] if k in median["diffusers"]}}
+
+
+def print_comparison(title: str, entry: dict) -> None:
+    best, median, spread = (entry[k] for k in ("best_seconds", "median_seconds",
+                                                "range_seconds"))
+    print(f"{title}:")
+    for key, ratio in entry["speedup"].items():
+        lo, hi = spread["numaov"][key]
+        dlo, dhi = spread["diffusers"][key]
+        print(f"  {key:13s} numaov {best['numaov'][key]:8.2f} s  diffusers "
+              f"{best['diffusers'][key]:8.2f} s  {ratio:.2f}x  (medians "
+              f"{median['numaov'][key]:.2f} [{lo:.2f}-{hi:.2f}] / "
+              f"{median['diffusers'][key]:.2f} [{dlo:.2f}-{dhi:.2f}] s, "
+              f"{entry['median_speedup'][key]:.2f}x)")
+    print(f"  numaov load and compile {best['numaov']['load']:.2f} s")
 
 
 def vae_workers(export: Path, size) -> dict[str, float]:
@@ -219,7 +343,11 @@ def write_results(path: Path, results: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="guided steps of the baseline and of --cache's runs")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="the guided end-to-end comparison (--no-baseline: only --cache's "
+                        "or --few-step's)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--large", action="store_true", help="also 33 frames at 480x832")
     parser.add_argument("--configs", help="comma-separated subset of " + ", ".join(CONFIGS)
@@ -228,9 +356,13 @@ def main() -> int:
                         "(reused when present; default: a temporary directory)")
     parser.add_argument("--layers", type=int, default=2,
                         help="transformer blocks (default 2; Wan 2.1 1.3B has 30)")
-    parser.add_argument("--cache", metavar="first-block:THRESHOLD",
+    parser.add_argument("--cache", metavar="first-block:T|magcache:T",
                         help="also time both sides with this step cache (numaov's --cache, "
-                        "diffusers' enable_cache), denoising only, and compare the frames")
+                        "diffusers' enable_cache; MagCache on the ratios numaov calibrates "
+                        "first), denoising only, and compare the frames")
+    parser.add_argument("--few-step", action="store_true",
+                        help=f"also time {FEW_STEPS} steps at guidance 1 (Euler, shift "
+                        f"{FEW_SHIFT:g}) with a random rank-{LORA_RANK} LoRA merged, end to end")
     args = parser.parse_args()
     names = (args.configs.split(",") if args.configs
              else list(CONFIGS) if args.large else ["17x256x256"])
@@ -253,39 +385,24 @@ def main() -> int:
         pipe.to(torch.bfloat16)
         for name, size in configs.items():
             rows: dict[str, list[dict[str, float]]] = {"numaov": [], "diffusers": []}
-            for r in range(args.rounds):
+            for r in range(args.rounds if args.baseline else 0):
                 print(f"{name}: round {r + 1}/{args.rounds}", file=sys.stderr)
                 rows["numaov"].append(run_numaov(root / "export", size, args.steps,
                                                  root / f"{name}.mp4"))
                 rows["diffusers"].append(run_diffusers(pipe, size, args.steps))
-            best = {who: {k: min(run[k] for run in runs) for k in runs[0]}
-                    for who, runs in rows.items()}
-            median = {who: {k: float(np.median([run[k] for run in runs])) for k in runs[0]}
-                      for who, runs in rows.items()}
-            spread = {who: {k: [min(run[k] for run in runs), max(run[k] for run in runs)]
-                            for k in runs[0]} for who, runs in rows.items()}
-            entry: dict[str, object] = {"best_seconds": best, "median_seconds": median,
-                                        "range_seconds": spread, "speedup": {
-                k: best["diffusers"][k] / best["numaov"][k] for k in best["numaov"]
-                if k in best["diffusers"]}, "median_speedup": {
-                k: median["diffusers"][k] / median["numaov"][k] for k in median["numaov"]
-                if k in median["diffusers"]}}
-            if name == "33x480x832":
+            entry = compare(rows) if args.baseline else {}
+            if name == "33x480x832" and args.baseline:
                 entry["vae_workers"] = vae_workers(root / "export", size)
             if args.cache:
                 entry["step_cache"] = cached_rounds(root / "export", pipe, size, args.steps,
                                                     args.rounds, args.cache)
+            if args.few_step:
+                entry["few_step"] = few_step_rounds(root, size, args.rounds)
+                print_comparison(f"{name}, {FEW_STEPS} steps at guidance 1 with a merged LoRA",
+                                 entry["few_step"])
             results["configs"][name] = entry
-            print(f"{name}:")
-            for key, ratio in entry["speedup"].items():
-                lo, hi = spread["numaov"][key]
-                dlo, dhi = spread["diffusers"][key]
-                print(f"  {key:13s} numaov {best['numaov'][key]:8.2f} s  diffusers "
-                      f"{best['diffusers'][key]:8.2f} s  {ratio:.2f}x  (medians "
-                      f"{median['numaov'][key]:.2f} [{lo:.2f}-{hi:.2f}] / "
-                      f"{median['diffusers'][key]:.2f} [{dlo:.2f}-{dhi:.2f}] s, "
-                      f"{entry['median_speedup'][key]:.2f}x)")
-            print(f"  numaov load and compile {best['numaov']['load']:.2f} s")
+            if args.baseline:
+                print_comparison(name, entry)
             if "vae_workers" in entry:
                 print(f"  tiled VAE: {entry['vae_workers']}")
     write_results(OUT, results)

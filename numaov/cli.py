@@ -277,11 +277,14 @@ def _add_run_wan_parser(sub: argparse._SubParsersAction) -> None:
                    help="timestep shift (flow_shift): default with --prompt the pipeline's "
                    "scheduler config's, with --text-embeddings 5.0 (Wan 2.1 T2V; 3.0 for "
                    "480p; distilled LoRAs: 5.0)")
-    p.add_argument("--cache", metavar="first-block[:THRESHOLD]",
-                   help="step caching as diffusers' FirstBlockCache (enable_cache): a "
-                   "branch whose first block's residual changed by at most THRESHOLD "
-                   "(relative, default 0.05) since its last full evaluation skips the other "
-                   "blocks; openvino backend")
+    p.add_argument("--cache", metavar="first-block[:T]|magcache[:T[:K[:R]]]|magcache:calibrate",
+                   help="step caching as diffusers' enable_cache: first-block (FirstBlockCache: "
+                   "a branch whose first block's residual changed by at most T, default 0.05, "
+                   "since its last full evaluation skips the other blocks) or magcache "
+                   "(MagCache: steps skipped while the accumulated error of the transformer's "
+                   "magnitude ratios is at most T, default 0.06, at most K in a row, default "
+                   "3, none in the first R of the steps, default 0.2; magcache:calibrate "
+                   "measures the ratios once into the export); openvino backend")
     _add_common(p)
     p.set_defaults(func=cmd_run_wan)
 

@@ -45,7 +45,8 @@ class GraphPart:
     the graph's inputs and from the graph outputs named in ``feeds``, which become inputs of
     the same name (their producers, and whatever only they need, are left out). A model that
     exports its intermediate states as outputs can so run in pieces: the Wan transformer's
-    step cache runs its first block alone, then the rest, or only the output head."""
+    step caches run its head alone (patch embedding, and first block), the whole step, or
+    only the output head."""
 
     outputs: tuple[str, ...]
     feeds: tuple[str, ...] = ()

@@ -152,12 +152,17 @@ def test_a_guidance_free_few_step_job_takes_the_scheduler_shift_and_cache(served
     assert (video.model_extra["scheduler"], video.model_extra["shift"]) == ("euler", 5.0)
     assert video.model_extra["guidance"] == 1
     assert video.model_extra["cache"] == "first-block:0.3"
-    for extra, param in (({"scheduler": "ddim"}, "scheduler"), ({"shift": 0}, "shift"),
-                         ({"cache": "magcache"}, "cache"), ({"cache": 0.1}, "cache"),
-                         ({"guidance": 1, "negative_prompt": "blur"}, "negative_prompt")):
+    for extra, param, needle in (
+            ({"scheduler": "ddim"}, "scheduler", "ddim"), ({"shift": 0}, "shift", "shift"),
+            ({"cache": "teacache"}, "cache", "expected first-block"),
+            ({"cache": "magcache"}, "cache", "lacks (measured once on the server"),
+            ({"cache": "magcache:calibrate"}, "cache", "measures the ratios into the served"),
+            ({"cache": 0.1}, "cache", "expected first-block"),
+            ({"guidance": 1, "negative_prompt": "blur"}, "negative_prompt", "guidance 1")):
         with pytest.raises(BadRequestError) as caught:
             client.videos.create(prompt=PROMPT, size="48x32", seconds="1", extra_body=extra)
         assert caught.value.body["param"] == param, caught.value.body
+        assert needle in caught.value.body["message"], caught.value.body
 
 
 @slow

@@ -178,3 +178,68 @@ def test_torch_backend_refuses_a_changed_lora(lora_export: dict, tmp_path: Path)
     manifest.write_text(json.dumps(record))
     with pytest.raises(SamplerInputError, match="changed since"):
         _numaov_frames(export, tmp_path, 1.0, 2, "torch")
+
+
+def test_magcache_calibrates_and_skips_each_expert_on_its_own_steps(lora_export: dict,
+                                                                    tmp_path: Path) -> None:
+    """MagCache on two experts: calibration writes each expert's ratios over the steps it runs
+    (beside its own manifest), and each expert then keeps its own state per branch, deciding
+    as diffusers' MagCache on that transformer with its own step count (the decisions do not
+    depend on the weights, so the base pipeline is the reference)."""
+    import json
+    import os
+    import shutil
+
+    from diffusers.hooks import mag_cache as mc
+
+    from numaov.runtime.wan.step_cache import RATIOS_FILE
+
+    export = tmp_path / "export"
+    shutil.copytree(lora_export["export"], export, copy_function=os.link)
+    pipeline = read_pipeline(export)
+    steps, setting = 12, "magcache:1:2:0"
+    fields = {"frames": 9, "height": 48, "width": 32, "steps": steps, "guidance": 5.0,
+              "seed": SEED}
+    plain = run_wan_pipeline(export, WanSampleRequest(**fields), PROMPT, None,
+                             negative_prompt=NEGATIVE)
+    calibrated = run_wan_pipeline(export, WanSampleRequest(**fields, cache="magcache:calibrate"),
+                                  PROMPT, None, negative_prompt=NEGATIVE)
+    assert calibrated.sample.skipped == 0
+    assert np.abs(calibrated.frames - plain.frames).max() <= F32_FRAME_TOL
+    counts = [len(d) for d in calibrated.sample.cache_decisions[::2]]
+    assert len(counts) == 2 and sum(counts) == steps and min(counts) > 0
+    ratios = []
+    for expert, count in zip(pipeline.experts, counts, strict=True):
+        ratios.append(json.loads((export / expert.directory.name / RATIOS_FILE).read_text())[
+            "ratios"])
+        assert len(ratios[-1]) == count and ratios[-1][0] == 1.0
+    cached = run_wan_pipeline(export, WanSampleRequest(**fields, cache=setting), PROMPT, None,
+                              negative_prompt=NEGATIVE)
+    assert cached.sample.skipped > 0
+
+    pipe = lora_export["pipe"]
+    transformers = (pipe.transformer, pipe.transformer_2)
+    seen: dict[tuple[int, str], list[bool]] = {}
+    head = mc.MagCacheHeadHook.new_forward
+
+    def decided(hook, module, *args, **kwargs):
+        output = head(hook, module, *args, **kwargs)
+        which = next(k for k, t in enumerate(transformers) if module is t.blocks[0])
+        seen.setdefault((which, hook.state_manager.context.name), []).append(
+            hook.state_manager.get_state().should_compute)
+        return output
+
+    mc.MagCacheHeadHook.new_forward = decided  # (bound when the hooks are registered)
+    try:
+        for transformer, count, measured in zip(transformers, counts, ratios, strict=True):
+            transformer.enable_cache(mc.MagCacheConfig(
+                threshold=1.0, max_skip_steps=2, retention_ratio=0.0,
+                num_inference_steps=count, mag_ratios=measured))
+        _diffusers_frames(pipe, 5.0, steps, negative_prompt=NEGATIVE)
+    finally:
+        mc.MagCacheHeadHook.new_forward = head
+        for transformer in transformers:
+            transformer.disable_cache()
+    expected = ["".join("C" if d else "." for d in seen[(k, b)])
+                for k in (0, 1) for b in ("cond", "uncond")]
+    assert cached.sample.cache_decisions == expected

@@ -235,19 +235,23 @@ def full_context(transformer: torch.nn.Module,
 
 def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
                       prompt_index: np.ndarray, text: torch.Tensor, empty: torch.Tensor,
-                      generator: torch.Generator, say) -> float:
+                      generator: torch.Generator, say, steps: int | None = None,
+                      lr: float = TRANSFORMER_LR) -> float:
     """Flow matching over the short context (:class:`PaddingWeightedCrossAttention`):
-    ``text`` and ``empty`` are the pipeline's 512-row embeddings, cut here."""
+    ``text`` and ``empty`` are the pipeline's 512-row embeddings, cut here. Only the
+    parameters that require a gradient train (all, or a LoRA's), for ``steps`` (default
+    ``TRANSFORMER_STEPS``)."""
+    steps = TRANSFORMER_STEPS if steps is None else steps
     full_length = text.shape[1]
     text, empty = text[:, :SHORT_CONTEXT], empty[:SHORT_CONTEXT]
     padding_bias(text, full_length)  # every prompt leaves a padding row (else it says so)
     processors = short_context(transformer)
-    optimizer, schedule = one_cycle_adamw(transformer.parameters(), TRANSFORMER_LR,
-                                          TRANSFORMER_STEPS, weight_decay=0.01, fused=True)
+    trained = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer, schedule = one_cycle_adamw(trained, lr, steps, weight_decay=0.01, fused=True)
     index = torch.from_numpy(prompt_index)
     transformer.train()
     loss = torch.tensor(0.0)
-    for step in range(TRANSFORMER_STEPS):
+    for step in range(steps):
         rows = torch.randint(len(latents), (TRANSFORMER_BATCH,), generator=generator)
         x = latents[rows]
         context = text[index[rows]]
@@ -264,8 +268,8 @@ def train_transformer(transformer: torch.nn.Module, latents: torch.Tensor,
         prediction = transformer(noisy, timestep=sigma * 1000, encoder_hidden_states=context,
                                  return_dict=False)[0]
         loss = (prediction - (noise - x)).pow(2).mean()
-        optimizer_step(loss, optimizer, schedule, clip=transformer.parameters())
-        if step % 100 == 0 or step == TRANSFORMER_STEPS - 1:
+        optimizer_step(loss, optimizer, schedule, clip=trained)
+        if step % 100 == 0 or step == steps - 1:
             say(f"transformer step {step}: flow-matching mse {loss.item():.4f}")
     full_context(transformer, processors)
     transformer.eval()

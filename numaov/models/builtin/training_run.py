@@ -1,4 +1,4 @@
-"""What both training scripts share: the thread setup, the optimiser and its step, and the
+"""What the training scripts share: the thread setup, the optimiser and its step, and the
 command line."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def training_main(doc: str, default_out: Path, train: Callable[..., object],
                   argv: list[str] | None = None, flags: dict[str, str] | None = None) -> int:
     """``python -m ...train_x [--out DIR] [--seed N] [--threads N]``, progress on stdout.
     ``flags``: a script's own on/off options (name: help), passed to ``train`` by keyword."""
+    from numaov.console import quiet_libraries
+
+    quiet_libraries("INFO")  # the model libraries' warnings and progress bars stay off
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, default=default_out, help="model directory")
     parser.add_argument("--seed", type=int, default=0)

@@ -64,7 +64,8 @@ class VideoJob:
     # --scheduler and --shift: the few-step recipes of distilled LoRAs
     scheduler: str | None = None
     shift: float | None = None
-    # the step cache ("first-block:THRESHOLD", as `run wan --cache`), None for none
+    # the step cache ("first-block:THRESHOLD", "magcache:THRESHOLD", as `run wan --cache`),
+    # None for none
     cache: str | None = None
 
     @property
@@ -172,9 +173,15 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
             raise RequestError(f"cache is {json.dumps(cache)}; expected a string such as "
                                "\"first-block:0.05\"", "cache")
         try:
-            cache = str(StepCacheSetting.parse(cache))
+            setting = StepCacheSetting.parse(cache)
         except SamplerInputError as exc:
             raise RequestError(str(exc), "cache") from None
+        if setting.calibrate:
+            raise RequestError(
+                f"cache {cache!r} measures the ratios into the served export; expected a cache "
+                "to run (calibrate once with `numaov run wan --cache magcache:calibrate`)",
+                "cache")
+        cache = str(setting)
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(62)
@@ -275,6 +282,8 @@ def check_video_job(job: VideoJob, pipeline: Any, model_name: str, video: bool) 
         where = ("expected input_reference, the video's first frame" if video else
                  "expected POST /v1/videos with input_reference, the video's first frame")
         raise RequestError(f"{model_name!r} is image-to-video: {where}", "input_reference")
+    if job.cache is not None:
+        check_served_cache(job.cache, pipeline, model_name)
     if job.image is None:
         return job
     try:
@@ -283,3 +292,20 @@ def check_video_job(job: VideoJob, pipeline: Any, model_name: str, video: bool) 
     except ImageInputError as exc:
         raise RequestError(str(exc), "input_reference") from None
     return dataclasses.replace(job, pixels=pixels)
+
+
+def check_served_cache(cache: str, pipeline: Any, model_name: str) -> None:
+    """A MagCache job on an export whose transformers have their magnitude ratios (said
+    without the server's paths)."""
+    from numaov.runtime.wan.step_cache import MAGCACHE, read_ratios
+
+    if StepCacheSetting.parse(cache).kind != MAGCACHE:
+        return
+    try:
+        for expert in pipeline.experts:
+            read_ratios(expert.directory, 1)
+    except SamplerInputError:
+        raise RequestError(
+            f"cache {cache!r} needs {model_name!r}'s measured magnitude ratios, which its export "
+            "lacks (measured once on the server with `numaov run wan --cache "
+            "magcache:calibrate`); expected another cache or none", "cache") from None

@@ -155,8 +155,9 @@ def check_split(split: WorkerSplit, backend: str, cache: Any) -> None:
             "split graph's collectives are numaov's OpenVINO ops)", parameter="backend")
     if cache is not None:
         raise SamplerInputError(
-            f"cache {cache} with a sequence split: the cache decides on the whole video's "
-            "first-block residual, which no worker holds; expected no cache, or "
+            f"cache {cache} with a sequence split: the cache runs the transformer in parts "
+            "of its whole graph and keeps the whole video's residuals (first-block decides on "
+            "them), which the split graph does not give; expected no cache, or "
             "parallel=guidance", parameter="cache")
 
 

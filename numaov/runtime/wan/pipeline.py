@@ -342,11 +342,21 @@ def run_wan_pipeline(
     kind = None if out is None else output_format(out)
     pipeline = read_pipeline(model_dir)
     check_split_graphs(pipeline.experts, split)
+    scheduler = scheduler_config(request.sampler, request.shift, pipeline.scheduler_config)
+    boundary = pipeline.boundary_timestep(scheduler)
+    if request.guidance_2 is not None and boundary is None:
+        raise SamplerInputError(
+            f"guidance_2={request.guidance_2} is the second expert's guidance, but the pipeline "
+            f"in {str(pipeline.directory)!r} has one transformer: expected no guidance_2",
+            parameter="guidance_2",
+        )
+    request = dataclasses.replace(request, scheduler=scheduler, boundary_timestep=boundary)
     if request.cache is not None:
-        from numaov.runtime.wan.step_cache import check_block_outputs
+        from numaov.runtime.wan.sampler import expert_steps
+        from numaov.runtime.wan.step_cache import check_cache_export
 
-        for expert in pipeline.experts:
-            check_block_outputs(expert, request.cache)
+        for expert, steps in zip(pipeline.experts, expert_steps(request), strict=True):
+            check_cache_export(expert, request.cache, steps)
     transformer = pipeline.components[TRANSFORMER]
     geometry = VaeGeometry.of(pipeline.components[VAE_FIRST_FRAME])
     shape = latent_shape(transformer.config, request.frames, request.height, request.width,
@@ -359,15 +369,6 @@ def run_wan_pipeline(
                                         conditioned=pixels is not None)
     check_memory(estimate)
     report(f"{estimate.describe()}")
-    scheduler = scheduler_config(request.sampler, request.shift, pipeline.scheduler_config)
-    boundary = pipeline.boundary_timestep(scheduler)
-    if request.guidance_2 is not None and boundary is None:
-        raise SamplerInputError(
-            f"guidance_2={request.guidance_2} is the second expert's guidance, but the pipeline "
-            f"in {str(pipeline.directory)!r} has one transformer: expected no guidance_2",
-            parameter="guidance_2",
-        )
-    request = dataclasses.replace(request, scheduler=scheduler, boundary_timestep=boundary)
     # Loading and compiling ("load") apart from each model's compute.
     seconds: dict[str, float] = {"load": 0.0}
 

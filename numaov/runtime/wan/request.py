@@ -56,7 +56,8 @@ class WanSampleRequest:
     # second transformer with guidance ``guidance_2`` (default: ``guidance``).
     boundary_timestep: float | None = None
     guidance_2: float | None = None
-    # Step caching (``step_cache.StepCacheSetting``: "first-block:THRESHOLD"), None for none.
+    # Step caching (``step_cache.StepCacheSetting``: "first-block:THRESHOLD",
+    # "magcache:THRESHOLD", ...), None for none.
     cache: str | None = None
 
     def expert(self, timestep: float) -> int:

@@ -305,10 +305,11 @@ def _split_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float], l
     token_group = join_token_group(split, context.rank)
     denoisers = []
     try:
-        for directory in job.model_dirs:
+        for expert, directory in enumerate(job.model_dirs):
             manifest = read_manifest(directory, expected_kind="wan")
             denoisers.append(
-                open_transformer(manifest, job.backend, job.request, context.openvino_config())
+                open_transformer(manifest, job.backend, job.request, expert,
+                                 context.openvino_config())
                 if split.shares == 1 else
                 OpenVINODenoiser(manifest, context.openvino_config(), sequence_rank=share))
         if split.branches == 1:
@@ -319,6 +320,8 @@ def _split_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float], l
             predictors = [GatheredGuidance(d, branch_text, communicator, split)
                           for d in denoisers]
         latents, seconds = sample(predictors, job.shape, job.request, layout=job.layout)
+        if branch == 0:  # the conditional branch's magnitude ratios, when calibrating
+            save_measured_ratios(denoisers, job.request)
         return latents, seconds, cache_decisions(denoisers)
     finally:
         for denoiser in denoisers:
@@ -328,18 +331,42 @@ def _split_rank(context: Any, job: _RankJob) -> tuple[np.ndarray, list[float], l
 
 
 def open_transformer(manifest: ModelManifest, backend: str, request: WanSampleRequest,
-                     config: dict[str, Any] | None = None) -> Denoiser:
-    """The request's transformer: ``open_denoiser``'s, or with ``request.cache`` the step
-    cache's (``step_cache``)."""
+                     expert: int = 0, config: dict[str, Any] | None = None) -> Denoiser:
+    """The request's transformer ``expert`` (0, or 1 for a two-expert pipeline's second):
+    ``open_denoiser``'s, or with ``request.cache`` the step cache's (``step_cache``)."""
     if request.cache is None:
         return open_denoiser(manifest, backend, config)
     from numaov.runtime.wan.step_cache import open_cached_denoiser
 
-    return open_cached_denoiser(manifest, backend, request.cache, config)
+    return open_cached_denoiser(manifest, backend, request.cache,
+                                expert_steps(request)[expert], config)
+
+
+def expert_steps(request: WanSampleRequest) -> list[int]:
+    """The steps each transformer runs: ``[steps]``, or the two experts' shares (of the
+    request's schedule: a pipeline's request once its scheduler is set)."""
+    counts = [0, 0]
+    for timestep in make_schedule(request).timesteps:
+        counts[request.expert(timestep)] += 1
+    return counts if request.boundary_timestep is not None else counts[:1]
+
+
+def save_measured_ratios(denoisers: Sequence[Denoiser], request: WanSampleRequest,
+                         ) -> list[Path]:
+    """With ``magcache:calibrate``: each transformer's measured ratios written beside its
+    manifest, with the run's settings (``step_cache.save_measured_ratios``)."""
+    if request.cache is None:
+        return []
+    from numaov.runtime.wan.step_cache import save_measured_ratios as save
+
+    settings = {"steps": request.steps, "guidance": request.guidance,
+                "sampler": request.sampler, "shift": request.shift,
+                "size": [request.frames, request.height, request.width]}
+    return save(list(denoisers), settings)
 
 
 def cache_decisions(denoisers: Sequence[Denoiser]) -> list[str]:
-    """The step cache's decisions (``FirstBlockCacheDenoiser.decisions``), a string per
+    """The step cache's decisions (``step_cache._GraphParts.decisions``), a string per
     transformer and guidance branch; none without a cache."""
     return [branch for d in denoisers for branch in getattr(d, "decisions", [])]
 
@@ -411,9 +438,9 @@ def run_wan(
     manifest = read_manifest(model_dir, expected_kind="wan")
     check_split_graphs([manifest], split)
     if request.cache is not None:
-        from numaov.runtime.wan.step_cache import check_block_outputs
+        from numaov.runtime.wan.step_cache import check_cache_export
 
-        check_block_outputs(manifest, request.cache)
+        check_cache_export(manifest, request.cache, request.steps)
     config = manifest.config
     missing = [key for key in ("in_channels", "text_dim", "patch_size") if key not in config]
     if missing:
@@ -526,7 +553,8 @@ def denoise(
     if workers == 1:
         start = time.perf_counter()
         before = resident_bytes()
-        denoisers = [open_transformer(manifest, backend, request) for manifest in experts]
+        denoisers = [open_transformer(manifest, backend, request, expert)
+                     for expert, manifest in enumerate(experts)]
         attention = getattr(denoisers[0], "attention", None)
         report(
             f"loaded {len(denoisers)} transformer(s) on {backend}"
@@ -539,6 +567,7 @@ def denoise(
                 progress, layout
             )
             decisions = cache_decisions(denoisers)
+            save_measured_ratios(denoisers, request)
             report(held_line(f"the transformer(s) on {backend}", before, experts))
         finally:
             for denoiser in denoisers:
@@ -569,7 +598,23 @@ def denoise(
     result = SampleResult(latents=latents, backend=backend, workers=workers,
                           step_seconds=seconds, cache_decisions=decisions)
     if request.cache is not None:
-        report(f"step cache {request.cache}: skipped {result.skipped} of "
-               f"{sum(map(len, decisions))} transformer evaluations (first block and output "
-               f"head only; {' '.join(decisions)})")
+        report_cache(request, result, experts, report)
     return result
+
+
+def report_cache(request: WanSampleRequest, result: SampleResult,
+                 experts: Sequence[ModelManifest], report: Callable[[str], None]) -> None:
+    """The step cache's line: the evaluations it skipped, or where calibration wrote."""
+    from numaov.runtime.wan.step_cache import RATIOS_FILE, StepCacheSetting
+
+    setting = StepCacheSetting.parse(str(request.cache))
+    decisions = result.cache_decisions
+    if setting.calibrate:  # (a transformer that ran no step has none to write)
+        steps = expert_steps(request)
+        written = [str(m.directory / RATIOS_FILE)
+                   for m, n in zip(experts, steps, strict=True) if n]
+        report(f"step cache {setting}: measured the magnitude ratios of "
+               f"{' and '.join(map(str, steps))} step(s), written to {', '.join(written)}")
+        return
+    report(f"step cache {setting}: skipped {result.skipped} of {sum(map(len, decisions))} "
+           f"transformer evaluations ({setting.skipped_work} only; {' '.join(decisions)})")

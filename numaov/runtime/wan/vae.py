@@ -42,8 +42,10 @@ TEMPORAL_FACTOR = 4
 
 # The OpenVINO requests of a decode (first frame, then two taking turns) hold intermediate
 # buffers of about 6.5 sets of caches beyond the caches themselves: measured 6.3-6.7 on the
-# tiny test VAE at 512x512 and on Wan 2.1's published VAE (base_dim 96) at 256x256, each a
-# whole decode's growth of resident memory against vae_memory's cache set.
+# tiny test VAE at 512x512 and on Wan 2.1's published VAE (base_dim 96) at 256x256 (f32),
+# each a whole decode's growth of resident memory against vae_memory's cache set; the
+# published VAE at bf16 grew 2.80 GiB for 17x256x256 and 15.0 GiB for 33x480x832 against
+# 2.77 and 17.0 estimated in bf16 elements.
 VAE_WORK_CACHE_SETS = 6.5
 
 
@@ -212,7 +214,11 @@ def vae_memory(component: ModelManifest, latent: Sequence[int],
     channels = [int(spec[1]) for name, spec in component.inputs.items()
                 if name.startswith("caches_")]
     factors = component.config.get("spatial_factors", [1] * len(channels))
-    caches = sum(c * 2 * (f * height) * (f * width) * 4
+    # A bf16 decoder's caches and intermediate buffers are bf16 (measured with the published
+    # VAE, bf16, 33x480x832 untiled: 15.0 GiB grown for this estimate's 17.0; counting 4 bytes
+    # made it 33.8 GiB and refused the video on a 24 GiB machine).
+    element = 2 if component.inference_precision == "bf16" else 4
+    caches = sum(c * 2 * (f * height) * (f * width) * element
                  for c, f in zip(channels, factors, strict=False))
     return {"vae_caches": 3 * caches, "vae_work": int(VAE_WORK_CACHE_SETS * caches),
             "video": pixels * (2 * 4 + 1)}
