@@ -75,6 +75,7 @@ from numaov.runtime.wan.schedules import (
     make_schedule,
     scheduler_config,
 )
+from numaov.runtime.wan.step_cache import save_measured_ratios
 
 logger = logging.getLogger(__name__)
 
@@ -349,20 +350,6 @@ def expert_steps(request: WanSampleRequest) -> list[int]:
     for timestep in make_schedule(request).timesteps:
         counts[request.expert(timestep)] += 1
     return counts if request.boundary_timestep is not None else counts[:1]
-
-
-def save_measured_ratios(denoisers: Sequence[Denoiser], request: WanSampleRequest,
-                         ) -> list[Path]:
-    """With ``magcache:calibrate``: each transformer's measured ratios written beside its
-    manifest, with the run's settings (``step_cache.save_measured_ratios``)."""
-    if request.cache is None:
-        return []
-    from numaov.runtime.wan.step_cache import save_measured_ratios as save
-
-    settings = {"steps": request.steps, "guidance": request.guidance,
-                "sampler": request.sampler, "shift": request.shift,
-                "size": [request.frames, request.height, request.width]}
-    return save(list(denoisers), settings)
 
 
 def cache_decisions(denoisers: Sequence[Denoiser]) -> list[str]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ import numpy as np
 from numaov.models.wan import BLOCK_OUTPUTS
 from numaov.runtime.manifest_reader import ModelManifest
 from numaov.runtime.wan.denoisers import Denoiser
-from numaov.runtime.wan.request import SamplerInputError
+from numaov.runtime.wan.request import SamplerInputError, WanSampleRequest
 
 FIRST_BLOCK, MAGCACHE = "first-block", "magcache"
 CACHE_KINDS = (FIRST_BLOCK, MAGCACHE)
@@ -462,8 +463,14 @@ def open_cached_denoiser(manifest: ModelManifest, backend: str, text: str, evalu
     return FirstBlockCacheDenoiser(manifest, setting, config)
 
 
-def save_measured_ratios(denoisers: list[Denoiser], settings: dict[str, Any]) -> list[Path]:
-    """Each calibrating transformer's ratios written (``MagCacheDenoiser.save_ratios``)."""
+def save_measured_ratios(denoisers: Sequence[Denoiser], request: WanSampleRequest,
+                         ) -> list[Path]:
+    """After a ``magcache:calibrate`` run of ``request``: each transformer's measured ratios
+    written beside its manifest, with the run's settings (``MagCacheDenoiser.save_ratios``);
+    nothing for any other run."""
+    settings = {"steps": request.steps, "guidance": request.guidance,
+                "sampler": request.sampler, "shift": request.shift,
+                "size": [request.frames, request.height, request.width]}
     saved = [d.save_ratios(settings) for d in denoisers if isinstance(d, MagCacheDenoiser)]
     return [path for path in saved if path is not None]
 
