@@ -35,9 +35,12 @@
    intermediate) per second, as a share of the f32 FMA peak and of the peak of the
    instructions the kernel runs the format on (bf16: AMX tiles for experts of two rows or
    more where usable, else AVX512-BF16; int8 / int4 / fp8 are widened to f32 FMAs); and the
-   roofline: the time the larger of the two bounds allows over the time taken. The formats
-   and cases of a shape are timed in alternating rounds (``benchmarks/moe.py``'s helpers);
-   medians and ranges.
+   roofline: the time the larger of the two bounds allows over the time taken. An empty call
+   (a model with the op's inputs returning x, compiled the same way) is timed in the same
+   rounds: what one ``infer`` costs by itself (~60 us here: inputs set, threads woken, the
+   output returned), which the op does not pay inside a model's step; ``op%read`` is the
+   read share of the call less the empty one. The formats and cases of a shape are timed in
+   alternating rounds (``benchmarks/moe.py``'s helpers); medians and ranges.
 
     python benchmarks/roofline.py [--rounds 3] [--threads N] [--formats bf16,int8,int4,fp8]
         [--shapes v2-lite,v3,qwen3] [--v3-experts 16] [--part all|limits]
@@ -562,6 +565,24 @@ def stored_op(shape: LayerShape, formats: list[str], threads: int, where: Path
     return built
 
 
+def empty_call(shape: LayerShape, threads: int) -> Any:
+    """A model with the op's inputs whose output is x itself, compiled as the op is: what one
+    ``infer`` costs (inputs set, threads woken, output returned) without the op. In a model the
+    op runs among the step's other nodes and pays none of it, so the op's own time is a call's
+    minus this one, timed in the same rounds."""
+    import openvino as ov
+
+    from numaov.custom_ops import compile_ir
+
+    opset = ov.opset13
+    x = opset.parameter([-1, shape.hidden], np.float32, name="x")
+    ids = opset.parameter([-1, shape.top_k], np.int64, name="ids")
+    weights = opset.parameter([-1, shape.top_k], np.float32, name="weights")
+    y = opset.multiply(x, np.float32(1))
+    model = ov.Model([y], [x, ids, weights], "empty")
+    return compile_ir(model, "f32", {"INFERENCE_NUM_THREADS": threads}).create_infer_request()
+
+
 def routed_feeds(shape: LayerShape, rows_per_expert: int) -> list[dict[str, np.ndarray]]:
     """One input per disjoint set of ``top_k`` stored experts: ``rows_per_expert`` rows, each
     routed to every expert of the set."""
@@ -581,15 +602,19 @@ def cycling(request: Any, feeds: list[dict[str, np.ndarray]]) -> Callable[[], No
 
 
 def shares(measured: dict[str, Any], weights: str, rows_per_expert: int, nbytes: float,
-           macs: float, seconds: float) -> dict[str, Any]:
+           macs: float, seconds: float, op_seconds: float) -> dict[str, Any]:
     """A call's bytes and multiply-adds per second against the measured limits (all cores),
-    and its roofline: the time the binding limit allows over the time taken."""
+    and its roofline: the time the binding limit allows over the time taken. ``op_seconds``:
+    the call less an empty call (`empty_call`), whose bytes per second are also given as a
+    share of the read bandwidth (``of_read_op``)."""
     limits = measured["limits"]
     read = limits["read"]["all_cores"]["median"] if "read" in limits else None
     fma = limits["fma_f32"]["all_cores"]["median"] if "fma_f32" in limits else None
     gb_s, gmac_s = nbytes / seconds / 1e9, macs / seconds / 1e9
+    op_gb_s = nbytes / op_seconds / 1e9
     out: dict[str, Any] = {"gb_s": gb_s, "gmac_s": gmac_s,
                            "of_read": gb_s / read if read else None,
+                           "op_gb_s": op_gb_s, "of_read_op": op_gb_s / read if read else None,
                            "of_fma_f32": gmac_s / fma if fma else None}
     if "amx_bf16" in limits:
         out["of_amx_bf16"] = gmac_s / limits["amx_bf16"]["all_cores"]["median"]
@@ -614,6 +639,8 @@ def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: in
     cases = (1, *PREFILL_ROWS)
     feeds = {c: routed_feeds(shape, c) for c in cases}
     competitors = {(w, c): cycling(built[w][0], feeds[c]) for w in formats for c in cases}
+    empty = empty_call(shape, threads)
+    competitors.update({("empty", c): cycling(empty, feeds[c]) for c in cases})
     for weights in formats:  # warm-up: every stored expert read once (its pages mapped) ...
         for _ in feeds[1]:
             competitors[(weights, 1)]()
@@ -626,16 +653,21 @@ def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: in
             samples[key].append(_timed(competitors[key]))
     rows = []
     for (weights, c), times in samples.items():
+        if weights == "empty":
+            continue
         per_expert = built[weights][1]
         nbytes = shape.top_k * per_expert
         macs = c * shape.top_k * 3 * shape.hidden * shape.inter
         seconds = statistics.median(times)
+        empty_seconds = statistics.median(samples[("empty", c)])
         rows.append({"shape": shape.name, "hidden": shape.hidden, "inter": shape.inter,
                      "experts": shape.experts, "stored_experts": shape.stored,
                      "top_k": shape.top_k, "weights": weights, "rows_per_expert": c,
                      "tokens": c, "bytes": nbytes, "macs": macs,
                      "ms": {k: 1e3 * v for k, v in stats(times).items()},
-                     **shares(measured, weights, c, nbytes, macs, seconds)})
+                     "empty_call_ms": 1e3 * empty_seconds,
+                     **shares(measured, weights, c, nbytes, macs, seconds,
+                              seconds - empty_seconds)})
     return rows
 
 
@@ -645,14 +677,15 @@ def _percent(value: float | None) -> str:
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'shape':17s} {'format':6s} {'rows/e':>6s} {'ms median [min-max]':>24s} "
-             f"{'MB':>7s} {'GB/s':>6s} {'%read':>6s} {'GMAC/s':>7s} {'%fma32':>7s} "
-             f"{'%peak':>6s} {'peak':9s} {'bound':9s} {'%roof':>6s}"]
+             f"{'MB':>7s} {'GB/s':>6s} {'%read':>6s} {'op%read':>7s} {'GMAC/s':>7s} "
+             f"{'%fma32':>7s} {'%peak':>6s} {'peak':9s} {'bound':9s} {'%roof':>6s}"]
     for r in rows:
         t = r["ms"]
         lines.append(
             f"{r['shape']:17s} {r['weights']:6s} {r['rows_per_expert']:6d} "
             f"{t['median']:9.2f} [{t['min']:.2f}-{t['max']:.2f}]".ljust(56)
             + f" {r['bytes'] / 1e6:7.1f} {r['gb_s']:6.1f} {_percent(r['of_read']):>6s} "
+            f"{_percent(r['of_read_op']):>7s} "
             f"{r['gmac_s']:7.1f} {_percent(r['of_fma_f32']):>7s} {_percent(r['of_peak']):>6s} "
             f"{r['peak'] or '-':9s} {r.get('bound', '-'):9s} "
             f"{_percent(r.get('of_roofline')):>6s}")

@@ -405,9 +405,11 @@ def kernel_unavailable_reason(weight_format: str) -> str:
 # choice between AMX tiles and AVX512-BF16 is made at run time (``bf16_kernel``).
 FORMAT_KERNELS = {
     "f32": "AVX-512 f32 FMA",
-    "int8": "AVX-512: int8 weights widened to f32 and scaled per group as read, f32 FMA",
-    "int4": "AVX-512: int4 weights unpacked, widened to f32 and scaled per group, f32 FMA",
-    "fp8": "AVX-512: E4M3 weights widened to f32 and scaled per group as read, f32 FMA",
+    "int8": "AVX-512: int8 weights widened to f32 as read, f32 FMA, scaled per group",
+    "int4": "AVX-512: int4 weights widened to f32 by a 16-entry lookup, f32 FMA, scaled per "
+            "group",
+    "fp8": "AVX-512: E4M3 weights widened to f32 as IEEE halves (F16C), f32 FMA, scaled per "
+           "group",
 }
 
 

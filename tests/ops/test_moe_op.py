@@ -234,10 +234,11 @@ def test_quantized_formats_refuse_missing_or_misfit_scales() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _compiled(tmp_path: Path, gate_up, down, top_k: int, precision: str, scales=None):
+def _compiled(tmp_path: Path, gate_up, down, top_k: int, precision: str, scales=None,
+              properties=None):
     onnx_path = write_moe_onnx(tmp_path / "moe.onnx", gate_up, down, top_k, scales)
     xml = convert_to_ir(onnx_path, tmp_path / f"moe_{precision}.xml", precision)
-    return compile_ir(xml, precision)
+    return compile_ir(xml, precision, properties)
 
 
 def _feeds(x, ids, weights) -> dict[str, np.ndarray]:
@@ -281,11 +282,14 @@ def test_openvino_op_equals_eager_op_bf16_and_keeps_bf16_weights(tmp_path: Path)
 
 @needs_avx512
 # A one-row tile takes a row's weights a 64-byte line at a time (int8 / fp8: 64
-# values, int4: 128) and the rest in single steps: 96 and 64 values are one line
-# and a rest (int8) or single steps only (int4), 288 and 160 lines and a rest for both.
+# values, int4: 128) and the rest in single steps, and scales each group's sum:
+# 96 and 64 values are one line and a rest (int8) or single steps only (int4),
+# 288 and 160 lines and a rest for both (int4 in groups of 32), 512 and 256 int4
+# lines in groups of 128 (four and two lines a group).
 @pytest.mark.parametrize(("weight_format", "group_size", "hidden", "inter"),
                          [("int8", None, 96, 64), ("int8", 16, 96, 64), ("int4", 32, 96, 64),
-                          ("int8", None, 288, 160), ("int4", None, 288, 160)])
+                          ("int8", None, 288, 160), ("int4", None, 288, 160),
+                          ("int4", None, 512, 256)])
 def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: str,
                                                group_size: int | None, hidden: int,
                                                inter: int) -> None:
@@ -442,12 +446,15 @@ def test_openvino_op_equals_eager_op_fp8(tmp_path: Path, hidden: int, inter: int
 
 
 @needs_avx512
-def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flush_denormals", [False, True])
+def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path,
+                                                       flush_denormals: bool) -> None:
     """Every E4M3FN byte but the NaNs, in every lane of a 16-value step: down row 16 + c holds
     code c in lane c % 16 (zeros elsewhere), and rows 0 .. 15 hold 1.0 in lane i, so out[i] is
     the activation a[i] and out[16 + c] must be a[c % 16] * value(c) rounded once, where
     value(c) is torch's float8_e4m3fn -> float conversion: subnormals, -0, negatives and 448
-    included."""
+    included. Also with OpenVINO's threads flushing denormals (DAZ / FTZ): E4M3's subnormals
+    are widened through subnormal IEEE halves, which DAZ must not flush."""
     codes = torch.arange(256)
     nan = (codes & 0x7F) == 0x7F
     hidden, inter = 16 + 256, 16
@@ -458,7 +465,8 @@ def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(5)
     gate_up, _ = quantize_experts(torch.randn(1, 2 * inter, hidden, generator=g), "fp8")
     ones = (torch.ones(1, 2 * inter, 1), torch.ones(1, hidden, 1))
-    run = _compiled(tmp_path, gate_up, down, 1, "f32", ones).runner()
+    run = _compiled(tmp_path, gate_up, down, 1, "f32", ones,
+                    {"CPU_DENORMALS_OPTIMIZATION": flush_denormals}).runner()
     x = torch.randn(1, hidden, generator=g)
     (got,) = run(_feeds(x, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)))
     act = got[0, :16]

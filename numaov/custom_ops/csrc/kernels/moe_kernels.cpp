@@ -116,20 +116,22 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols
 }
 
 // A one-row tile (decode) reads each weight once, so its loop should be bound
-// by the weight reads: each row's line kPrefetchBytes ahead is requested in
-// software, as moe_amx.cpp's tiles do, so that the kTileCols row streams (and
-// the other threads') do not wait on the hardware prefetcher. The distance is
-// a first choice, not tuned (issue 33 measured it only together with the
-// line-at-a-time loops that issue it).
-// Past a row's end it is the start of the next row of the stack (rows are
-// contiguous), which this or the next tile reads; past the stack's end it is
-// harmless (a prefetch never faults). Tiles of more rows reuse the weights from
-// cache and are bound by the FMAs, so they issue none.
-constexpr size_t kPrefetchBytes = 1024;
-
-NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void prefetch_rows(const uint8_t* const (&w)[kTileCols], size_t byte) {
+// by the weight reads. The tile's kTileCols rows are adjacent in the stack (one
+// contiguous block of kTileCols rows), and so is the next tile's block: the
+// one a decode thread reads next (the next columns of its item). Row streams of
+// a few kilobytes each (int8 / fp8 rows of 2,048 values: 2 KB, int4: 1 KB) are
+// too short for the hardware prefetcher to ramp up, so the tile requests the
+// next block in software as one stream: each iteration that takes 64 bytes from
+// each of its rows requests the next kTileCols lines of the next block, which
+// is thus in cache, whole, when the tile ends (a distance of one block: 8 KB
+// for int8 rows of 2,048, within L1). Past the item's end it is the next
+// columns' block, which this thread or another reads soon; past the stack's
+// end it is harmless (a prefetch never faults). Tiles of more rows reuse the
+// weights from cache and are bound by the FMAs, so they issue none (issue 33:
+// 1 KB ahead in each row took int8 to 40% of the read bandwidth, this to ...).
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[n] + byte + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T0);
     }
 }
 
@@ -160,13 +162,15 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile(const float* const* a_in, const float* c
 
 // The same over bf16 pairs (vdpbf16ps: 32 products per instruction, f32 sums).
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a_in, const uint16_t* const* w_in, size_t K, float* c) {
+NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a_in, const uint16_t* const* w_in, size_t K,
+                                        const uint8_t* next, float* c) {
     const uint16_t* a[M];
     const uint16_t* w[kTileCols];
     local_rows<M>(a_in, w_in, a, w);
     __m512 acc[M][kTileCols];
     zero_tile<M>(acc);
     for (size_t k = 0; k < K; k += 32) {
+        if constexpr (M == 1) prefetch_next_block(next, 2 * k);
         const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
         __m512i wv[kTileCols];
         NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_epi16(mask, w[n] + k);
@@ -185,131 +189,161 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE __m512 widen_int8(__m128i bytes) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
-// 16 E4M3FN bytes (float8_e4m3fn) as 16 exact f32 values, built from their bits
-// with integer operations only, so no denormal f32 arithmetic is involved (the
-// caller's thread may run with DAZ / FTZ set). A normal byte S.EEEE.MMM is
-// 2^(E-7) * 1.MMM: f32 exponent E + 120 and mantissa MMM at its top, i.e. the
-// bits ((b & 0x7f) << 20) + (120 << 23). A subnormal one (E == 0) is MMM * 2^-9:
-// converted from the integer and scaled by a power of two (exact, and normal in
-// f32). The sign bit moves to bit 31. The NaN codes (S.1111.111) are never
-// written by the quantizer and read as 480 here.
+// 16 E4M3FN bytes (float8_e4m3fn) as their 16 exact f32 values times 2^-8
+// (kFp8Unit undoes it, folded into the scales). The bits of an E4M3 value
+// S.EEEE.MMM, moved 7 places up into a 16-bit lane, are those of the IEEE half
+// S.0EEEE.MMM0000000, whose value is the E4M3 value times 2^-8: exponent bias
+// 15 against 7, for normal and subnormal codes alike. F16C's conversion widens
+// halves exactly, subnormal halves included, without DAZ (no denormal f32
+// arithmetic is involved), so three lane operations and one conversion widen 16
+// weights. The NaN codes (S.1111.111) are never written by the quantizer and
+// read as 480.
+constexpr float kFp8Unit = 256.0f;
+
 NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE __m512 widen_fp8(__m128i bytes) {
-    const __m512i b = _mm512_cvtepu8_epi32(bytes);
-    const __m512i normal =
-        _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), 20),
-                         _mm512_set1_epi32(120 << 23));
-    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))),
-                                           _mm512_set1_ps(1.0f / 512));
-    const __mmask16 is_subnormal = _mm512_testn_epi32_mask(b, _mm512_set1_epi32(0x78));
-    const __m512i magnitude =
-        _mm512_mask_blend_epi32(is_subnormal, normal, _mm512_castps_si512(subnormal));
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(magnitude, sign));
+    const __m256i b = _mm256_cvtepi8_epi16(bytes);  // sign-extended: the sign in bits 7 .. 15
+    // bits 7 .. 13 the magnitude, bit 15 the sign, bit 14 (a copy of the sign) cleared
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBF80)));
+    return _mm512_cvtph_ps(half);
 }
 
 // The kTileCols group scales of scale group g, one vector each.
-NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void group_scales(const float* const* scale, size_t g,
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void group_scales(const float* const* scale, size_t g, float unit,
                                                           __m512 (&s)[kTileCols]) {
-    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) s[n] = _mm512_set1_ps(scale[n][g]);
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) s[n] = _mm512_set1_ps(scale[n][g] * unit);
 }
 
-// One step of dot_tile_bytes: 16 weights of each row widened by `widen`,
-// scaled by their group's scale s[n], then one FMA per activation row; `mask`
-// is all ones but in the last step of a row of one group with K % 16 != 0.
-template <int M, __m512 (*widen)(__m128i)>
-NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void byte_step(__m512 (&acc)[M][kTileCols], const float* const (&a)[M],
-                                                       const uint8_t* const (&w)[kTileCols],
-                                                       const __m512 (&s)[kTileCols], size_t k, __mmask16 mask) {
-    __m512 wv[1][kTileCols];
-    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
-        wv[0][n] = _mm512_mul_ps(widen(_mm_maskz_loadu_epi8(mask, w[n] + k)), s[n]);
+// Scaled weights: each widened weight vector times its group's scale before the
+// FMAs (tiles of several rows: one multiply serves them all). A one-row tile
+// instead sums the unscaled products of a group in `part` and adds part times
+// the scale into its accumulators at the group's end: one FMA per 16 weights
+// and no multiply, which decode, bound by these instructions between reads,
+// needs (issue 33). Both are f32 sums of the same products, in another order.
+template <int M>
+struct GroupSums {
+    __m512 acc[M][kTileCols];
+    __m512 part[M][kTileCols];  // one-row tiles: this group's unscaled sums
+    __m512 s[kTileCols];        // this group's scales
+
+    NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void start(const float* const* scale, size_t g, float unit) {
+        group_scales(scale, g, unit, s);
+        if constexpr (M == 1) zero_tile<M>(part);
     }
-    fma_tile<M, 1>(acc, a, k, mask, wv);
+    // The vectors of weights one step widened, into the FMAs.
+    template <int V>
+    NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void add(const float* const (&a)[M], size_t k, __mmask16 mask,
+                                                     __m512 (&wv)[V][kTileCols]) {
+        if constexpr (M == 1) {
+            fma_tile<M, V>(part, a, k, mask, wv);
+        } else {
+            NUMAOV_UNROLL for (int v = 0; v < V; ++v) {
+                NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[v][n] = _mm512_mul_ps(wv[v][n], s[n]);
+            }
+            fma_tile<M, V>(acc, a, k, mask, wv);
+        }
+    }
+    NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void finish() {
+        if constexpr (M == 1) {
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+                acc[0][n] = _mm512_fmadd_ps(part[0][n], s[n], acc[0][n]);
+            }
+        }
+    }
+};
+
+// One step of dot_tile_bytes: 16 weights of each row widened by `widen`, then
+// one FMA per activation row; `mask` is all ones but in the last step of a row
+// of one group with K % 16 != 0.
+template <int M, __m512 (*widen)(__m128i)>
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void byte_step(GroupSums<M>& sums, const float* const (&a)[M],
+                                                       const uint8_t* const (&w)[kTileCols], size_t k, __mmask16 mask) {
+    __m512 wv[1][kTileCols];
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[0][n] = widen(_mm_maskz_loadu_epi8(mask, w[n] + k));
+    sums.template add<1>(a, k, mask, wv);
 }
 
 // Rows of one byte per weight (int8, fp8): 16 weights at a time through
-// byte_step. `group` is K (one scale per row) or a multiple of 16. The scale
-// groups are the outer loop, so no division finds a value's group.
+// byte_step, `unit` the value of a widened 1 (kFp8Unit for fp8). `group` is K
+// (one scale per row) or a multiple of 16. The scale groups are the outer loop,
+// so no division finds a value's group.
 template <int M, __m512 (*widen)(__m128i)>
 NUMAOV_TARGET_AVX512_BF16 void dot_tile_bytes(const float* const* a_in, const uint8_t* const* w_in,
-                                              const float* const* scale, size_t K, size_t group, float* c) {
+                                              const float* const* scale, float unit, size_t K, size_t group,
+                                              const uint8_t* next, float* c) {
     const float* a[M];
     const uint8_t* w[kTileCols];
     local_rows<M>(a_in, w_in, a, w);
-    __m512 acc[M][kTileCols];
-    zero_tile<M>(acc);
+    GroupSums<M> sums;
+    zero_tile<M>(sums.acc);
     for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
-        __m512 s[kTileCols];
-        group_scales(scale, g, s);
+        sums.start(scale, g, unit);
         const size_t k1 = k0 + group;  // <= K
         size_t k = k0;
         if constexpr (M == 1) {
             // One row (decode): a whole 64-byte line of each weight row per
-            // iteration, four steps unrolled (more loads in flight, one prefetch
-            // per line). The steps run in the same order, so the sums do not change.
+            // iteration, four steps unrolled (more loads in flight). The steps run
+            // in the same order, so the sums do not change.
             for (; k + 64 <= k1; k += 64) {
-                prefetch_rows(w, k);
+                prefetch_next_block(next, k);
                 NUMAOV_UNROLL for (size_t v = 0; v < 64; v += 16) {
-                    byte_step<M, widen>(acc, a, w, s, k + v, __mmask16(0xFFFF));
+                    byte_step<M, widen>(sums, a, w, k + v, __mmask16(0xFFFF));
                 }
             }
         }
         for (; k < k1; k += 16) {
-            byte_step<M, widen>(acc, a, w, s, k,
-                                k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1));
+            byte_step<M, widen>(sums, a, w, k, k1 - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k1 - k)) - 1));
         }
+        sums.finish();
     }
-    store_tile<M>(acc, c);
+    store_tile<M>(sums.acc, c);
 }
 
 // One step of dot_tile_int4: 32 weights of each row (16 bytes: low nibbles
-// values k .. k+15, high nibbles k+16 .. k+31, each q + 8) widened and scaled by
-// s[n], then two FMAs per activation row.
+// values k .. k+15, high nibbles k+16 .. k+31, each q + 8) widened by looking
+// each nibble up in `values` (q as f32 at q + 8: the lookup takes an index's
+// low 4 bits, so the low nibbles need no mask), then two FMAs per activation row.
 template <int M>
-NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void int4_step(__m512 (&acc)[M][kTileCols], const float* const (&a)[M],
-                                                       const uint8_t* const (&w)[kTileCols],
-                                                       const __m512 (&s)[kTileCols], size_t k) {
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m512i offset = _mm512_set1_epi32(8);
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void int4_step(GroupSums<M>& sums, const float* const (&a)[M],
+                                                       const uint8_t* const (&w)[kTileCols], __m512 values, size_t k) {
     __m512 wv[2][kTileCols];
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + k / 2));
-        const __m512i ql = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)), offset);
-        const __m512i qh =
-            _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)), offset);
-        wv[0][n] = _mm512_mul_ps(_mm512_cvtepi32_ps(ql), s[n]);
-        wv[1][n] = _mm512_mul_ps(_mm512_cvtepi32_ps(qh), s[n]);
+        const __m512i b =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[n] + k / 2)));
+        wv[0][n] = _mm512_permutexvar_ps(b, values);
+        wv[1][n] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
     }
-    fma_tile<M, 2>(acc, a, k, __mmask16(0xFFFF), wv);
+    sums.template add<2>(a, k, __mmask16(0xFFFF), wv);
 }
 
-// int4 rows: 32 weights at a time through int4_step, widened and scaled like
-// int8. K and `group` are multiples of 32; the scale groups are the outer loop,
-// as in dot_tile_bytes.
+// int4 rows: 32 weights at a time through int4_step, scaled like int8. K and
+// `group` are multiples of 32; the scale groups are the outer loop, as in
+// dot_tile_bytes.
 template <int M>
 NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a_in, const uint8_t* const* w_in,
-                                             const float* const* scale, size_t K, size_t group, float* c) {
+                                             const float* const* scale, size_t K, size_t group,
+                                             const uint8_t* next, float* c) {
     const float* a[M];
     const uint8_t* w[kTileCols];
     local_rows<M>(a_in, w_in, a, w);
-    __m512 acc[M][kTileCols];
-    zero_tile<M>(acc);
+    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    GroupSums<M> sums;
+    zero_tile<M>(sums.acc);
     for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
-        __m512 s[kTileCols];
-        group_scales(scale, g, s);
+        sums.start(scale, g, 1.0f);
         const size_t k1 = k0 + group;  // <= K
         size_t k = k0;
         if constexpr (M == 1) {
             // One row (decode): a 64-byte line (128 values) of each weight row per
-            // iteration and one prefetch per line, as in dot_tile_bytes.
+            // iteration, as in dot_tile_bytes.
             for (; k + 128 <= k1; k += 128) {
-                prefetch_rows(w, k / 2);
-                NUMAOV_UNROLL for (size_t v = 0; v < 128; v += 32) int4_step<M>(acc, a, w, s, k + v);
+                prefetch_next_block(next, k / 2);
+                NUMAOV_UNROLL for (size_t v = 0; v < 128; v += 32) int4_step<M>(sums, a, w, values, k + v);
             }
         }
-        for (; k < k1; k += 32) int4_step<M>(acc, a, w, s, k);
+        for (; k < k1; k += 32) int4_step<M>(sums, a, w, values, k);
+        sums.finish();
     }
-    store_tile<M>(acc, c);
+    store_tile<M>(sums.acc, c);
 }
 
 // One weight stack (gate_up or down) in its format: `rows` rows of K values per expert.
@@ -338,17 +372,29 @@ template <int M, class T>
 void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t* r, float* c) {
     const uint8_t* w[kTileCols];
     for (size_t n = 0; n < kTileCols; ++n) w[n] = s.row(expert, r[n]);
+    // the block of kTileCols rows after this tile's (see prefetch_next_block)
+    const uint8_t* next = w[0] + kTileCols * s.row_bytes();
     if constexpr (std::is_same_v<T, uint16_t>) {
-        dot_tile<M>(a, reinterpret_cast<const uint16_t* const*>(w), s.K, c);
+        dot_tile<M>(a, reinterpret_cast<const uint16_t* const*>(w), s.K, next, c);
     } else {
         if (s.format == WeightFormat::f32) return dot_tile<M>(a, reinterpret_cast<const float* const*>(w), s.K, c);
         const float* scale[kTileCols];
         for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(expert, r[n]);
-        if (s.format == WeightFormat::int8) {
-            return dot_tile_bytes<M, widen_int8>(a, w, scale, s.K, s.K / s.groups, c);
+        if constexpr (M == 1) {
+            // The next block's scales too (a few lines, in another region of the
+            // stack): their first read would otherwise stall the next tile's start.
+            const char* next_scale = reinterpret_cast<const char*>(scale[0] + kTileCols * s.groups);
+            for (size_t b = 0; b < kTileCols * s.groups * sizeof(float); b += 64) {
+                _mm_prefetch(next_scale + b, _MM_HINT_T0);
+            }
         }
-        if (s.format == WeightFormat::fp8) return dot_tile_bytes<M, widen_fp8>(a, w, scale, s.K, s.K / s.groups, c);
-        dot_tile_int4<M>(a, w, scale, s.K, s.K / s.groups, c);
+        if (s.format == WeightFormat::int8) {
+            return dot_tile_bytes<M, widen_int8>(a, w, scale, 1.0f, s.K, s.K / s.groups, next, c);
+        }
+        if (s.format == WeightFormat::fp8) {
+            return dot_tile_bytes<M, widen_fp8>(a, w, scale, kFp8Unit, s.K, s.K / s.groups, next, c);
+        }
+        dot_tile_int4<M>(a, w, scale, s.K, s.K / s.groups, next, c);
     }
 }
 

@@ -24,11 +24,16 @@
 // inference do) and accumulate in f32: on AMX tiles (moe_amx.hpp) for experts
 // with 2 or more rows where AMX is usable, else with AVX512-BF16 dot products
 // (NUMAOV_MOE_AMX: auto, off, always; read at every call).
-// int8, int4 and fp8 weights are weight-only: each weight is widened to f32
-// and multiplied by its group's scale as it is read, and the activations stay
-// f32 (so decode, which is bound by reading the weights, reads 1/4 or 1/8 of
-// the f32 bytes). The sums over slots are f32; the output is rounded once to x's
-// type.
+// int8, int4 and fp8 weights are weight-only: each weight is widened to its
+// exact f32 value as it is read (int8 by conversion, int4 by a 16-entry lookup,
+// fp8 through the bits of an IEEE half and F16C's conversion), and the
+// activations stay f32. A tile of several rows multiplies each widened weight
+// by its group's scale (one multiply for all its rows); a one-row tile (decode)
+// sums a group's unscaled products and scales the sum once. Decode is bound by
+// reading the weights: it reads 1/4 (int8, fp8) or 1/8 (int4) of the f32 bytes,
+// and each one-row tile requests the next block of rows and its scales in
+// software (rows of a few KB are too short for the hardware prefetcher). The
+// sums over slots are f32; the output is rounded once to x's type.
 //
 // Weight formats (the layout moe_ops.py's quantizer writes):
 //   f32, bf16: gate_up [E, 2I, H], down [E, H, I] as they are.
@@ -43,9 +48,11 @@
 //              of bias 7, 3 mantissa bits; subnormals at exponent 0; no
 //              infinities; NaN only at S.1111.111; largest 448), w = value *
 //              scale, with scales f32 [E, rows, G] as for int8 (K / G a
-//              multiple of 16, or G = 1). Each byte is widened to its exact f32
-//              value by bit manipulation (no denormal f32 arithmetic, so DAZ /
-//              FTZ do not change it). DeepSeek-V3's released FP8 experts keep
+//              multiple of 16, or G = 1). Each byte's bits moved 7 places up are
+//              the IEEE half of its value times 2^-8 (subnormals included; the
+//              scale undoes the factor), which F16C widens exactly: DAZ does not
+//              apply to half inputs and no denormal f32 arithmetic is involved,
+//              so DAZ / FTZ do not change it. DeepSeek-V3's released FP8 experts keep
 //              their 128 x 128 block scales as per-row groups of 128 columns
 //              (moe_ops.fp8_row_scales).
 #pragma once
