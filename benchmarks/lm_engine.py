@@ -49,7 +49,13 @@ stateful), and both run the same seeded prompts:
   transformation (``_OPTIMUM_PAGED``);
 - ``profile``: OpenVINO's per-node-type time of a decode step (``PERF_COUNT``) at 1 and 8
   requests and 128 cached tokens, numaov dp=1 and dp=2 per rank, and optimum-intel's graph
-  (``_OPTIMUM_PROFILE``).
+  (``_OPTIMUM_PROFILE``);
+- ``roofline``: numaov dp=1's decode step of one request (128 cached tokens, the profile's
+  per-node times) against the read bandwidth measured in the same run (``roofline.py``'s
+  probe): the bytes a token reads (every IR constant but the token embedding, of which one
+  row, and the top-k routed experts of each MoE layer as the store holds them) over the step
+  time, and the same split into the routed experts (their ``MoeExperts`` nodes' time) and the
+  rest (the other weights over the rest of the step). numaov only.
 
 optimum-intel runs in its own venv (``benchmarks/optimum_venv.sh``), never in numaov's; its
 exports of deepseek_v2 / deepseek_v3 need its transformers cap lifted in its process (see
@@ -59,7 +65,7 @@ records them.
 Run on a quiet machine: ``uptime`` is printed at the start and the end.
 
     .venv/bin/python benchmarks/lm_engine.py [--family deepseek_v2|deepseek_v3|qwen_moe]
-        [--sections decode,prefill,greedy,context,kv,profile] [--precision f32]
+        [--sections decode,prefill,greedy,context,kv,profile,roofline] [--precision f32]
         [--weights f32|bf16|int8|int4|fp8] [--rounds 3] [--also bf16:bf16,bf16:fp8]
         [--batches 1,8,32] [--new-tokens 64]
 
@@ -440,7 +446,9 @@ def _profile_rank(context: Any, job: dict[str, Any]) -> dict[str, Any]:
              "past_slots": np.arange(rows * past, dtype=np.int64).reshape(rows, past)}
     for _ in range(3):
         request.infer(feeds)
+    moe_nodes = set(moe_node_names(manifest.rank(context.rank).ir_xml))
     by_type: dict[str, float] = {}
+    moe_seconds = 0.0
     walls = []
     for _ in range(job["steps"]):
         start = time.perf_counter()
@@ -449,11 +457,122 @@ def _profile_rank(context: Any, job: dict[str, Any]) -> dict[str, Any]:
         for info in request.get_profiling_info():
             key = info.node_type
             by_type[key] = by_type.get(key, 0.0) + info.real_time.total_seconds()
+            if info.node_name in moe_nodes:
+                moe_seconds += info.real_time.total_seconds()
     steps = job["steps"]
     return {"rank": context.rank, "threads": context.binding.threads,
             "step_ms_median": 1e3 * statistics.median(walls),
+            "moe_experts_ms": 1e3 * moe_seconds / steps,
             "by_type_ms": {k: round(1e3 * v / steps, 3) for k, v in
                            sorted(by_type.items(), key=lambda kv: -kv[1]) if v / steps > 2e-5}}
+
+
+# -- the decode step against the read bandwidth -------------------------------------------------
+
+
+def _ir_model(xml: Path) -> Any:
+    import openvino as ov
+
+    from numaov.native import add_extension
+
+    core = ov.Core()
+    add_extension(core)
+    return core.read_model(str(xml))
+
+
+def moe_node_names(xml: Path) -> list[str]:
+    """The friendly names of the IR's ``MoeExperts`` nodes (as OpenVINO's profile names them)."""
+    return [op.get_friendly_name() for op in _ir_model(xml).get_ops()
+            if op.get_type_name() == "MoeExperts"]
+
+
+# The ops between a weight's constants and its use: its decompression (NNCF's int8 / int4
+# and bf16 storage).
+_DECOMPRESSION = {"Convert", "Multiply", "Subtract", "Reshape", "Unsqueeze", "Squeeze"}
+
+
+def _weight_constants(node: Any) -> list[Any]:
+    """The constants of the weight ``node`` is (a Constant, or its decompression of
+    constants); empty when ``node`` is computed from anything else."""
+    if node.get_type_name() == "Constant":
+        return [node]
+    if node.get_type_name() not in _DECOMPRESSION:
+        return []
+    found = []
+    for value in node.input_values():
+        above = _weight_constants(value.get_node())
+        if not above:
+            return []
+        found += above
+    return found
+
+
+def weights_read_per_token(model_dir: Path) -> dict[str, Any]:
+    """What one decode step of one request reads from rank 0's weights: every constant of its IR
+    (attention, norms, router, dense and shared MLPs, lm_head) but the token embedding, of which
+    it reads one row, and the top-k routed experts of each MoE layer, in the store's format
+    (weights and scales). The KV cache (a few hundred KB at 128 tokens) is left out."""
+    from numaov.custom_ops.expert_store import STORE_NAME, open_store
+    from numaov.runtime.manifest_reader import read_manifest
+
+    xml = read_manifest(model_dir).rank(0).ir_xml
+    model = _ir_model(xml)
+    constants = sum(op.get_byte_size() for op in model.get_ops()
+                    if op.get_type_name() == "Constant")
+    embedding, embedding_rows = 0, 1
+    for op in model.get_ops():  # the token embedding: the Gather with the largest table
+        if op.get_type_name() == "Gather":
+            table = _weight_constants(op.input_value(0).get_node())
+            size = sum(c.get_byte_size() for c in table)
+            if size > embedding:
+                largest = max(table, key=lambda c: c.get_byte_size())
+                embedding, embedding_rows = size, int(largest.get_output_shape(0)[0])
+    store = open_store(xml.parent / STORE_NAME)
+    experts = 0
+    moe_layers = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "MoeExperts":
+            layer = store.layers[int(op.get_attributes()["layer"])]
+            regions = layer.plan.regions().values()
+            per_expert = sum(size for _, _, size in regions) // layer.plan.experts
+            top_k = op.get_input_partial_shape(1)[1].get_length()
+            experts += top_k * per_expert
+            moe_layers += 1
+    other = constants - embedding + embedding // embedding_rows
+    return {"ir_constants_bytes": constants, "embedding_bytes": embedding,
+            "moe_layers": moe_layers, "routed_experts_bytes": experts,
+            "other_weights_bytes": other, "total_bytes": other + experts}
+
+
+def step_roofline(model_dir: Path, rounds: int) -> dict[str, Any]:
+    """The batch-1 decode step of numaov dp=1 (context 128, OpenVINO's per-node profile)
+    against the read bandwidth measured in the same run (``roofline.py``'s probe, on the
+    rank's cores): the whole step, the routed experts (the ``MoeExperts`` nodes' time, their
+    top-k experts' bytes) and the rest (the other weights over the rest of the step)."""
+    import roofline  # benchmarks/roofline.py, beside this file
+
+    from numaov.runtime.placement.binding import plan_for_ranks
+    from numaov.runtime.placement.workers import run_on_ranks
+
+    cpus = sorted(os.sched_getaffinity(0))
+    limits = roofline.measure_limits(cpus, rounds, roofline.l3_bytes())
+    read = limits["limits"]["read"]["all_cores"]["median"]
+    os.environ["NUMAOV_CPU_BIND"] = "0-1"
+    job = {"model_dir": str(model_dir), "rows": [1], "context": 128, "steps": 20 * rounds}
+    (profile,) = run_on_ranks(plan_for_ranks(1), _profile_rank, [job], timeout_s=1800)
+    weights = weights_read_per_token(model_dir)
+    step_s, moe_s = profile["step_ms_median"] / 1e3, profile["moe_experts_ms"] / 1e3
+    parts = {"step": (weights["total_bytes"], step_s),
+             "routed_experts": (weights["routed_experts_bytes"], moe_s),
+             "rest": (weights["other_weights_bytes"], step_s - moe_s)}
+    out: dict[str, Any] = {"read_gb_s": read, "limits": limits, "bytes": weights,
+                           "profile": profile}
+    for name, (nbytes, seconds) in parts.items():
+        gb_s = nbytes / seconds / 1e9
+        out[name] = {"ms": 1e3 * seconds, "mb": nbytes / 1e6, "gb_s": gb_s, "of_read": gb_s / read}
+        log(f"roofline {name}: {nbytes / 1e6:.1f} MB in {1e3 * seconds:.2f} ms, "
+            f"{gb_s:.1f} GB/s, {100 * gb_s / read:.0f}% of {read:.1f} GB/s read")
+    return out
 
 
 def profile_dp(dirs: dict[int, Path]) -> dict[str, Any]:
@@ -862,7 +981,7 @@ def main() -> None:
     parser.add_argument("--family", default="deepseek_v2", choices=lm_checkpoints.FAMILIES,
                         help="the checkpoint's model family (lm_checkpoints.py)")
     parser.add_argument("--sections", default="decode,context,kv",
-                        help="of decode,prefill,greedy,context,kv,profile")
+                        help="of decode,prefill,greedy,context,kv,profile,roofline")
     parser.add_argument("--precision", default="f32", choices=("f32", "bf16"),
                         help="inference precision of both systems")
     parser.add_argument("--weights", choices=("f32", "bf16", "int8", "int4", "fp8"),
@@ -897,7 +1016,8 @@ def main() -> None:
     log(f"load at start: {results['load_start']}")
     checkpoint = build_checkpoint()
     results["checkpoint"] = str(checkpoint.relative_to(HERE))
-    dirs = {dp: numaov_export(checkpoint, dp, args.precision, args.weights) for dp in (1, 2)}
+    ranks = (1, 2) if sections & {"decode", "prefill", "context", "profile"} else (1,)
+    dirs = {dp: numaov_export(checkpoint, dp, args.precision, args.weights) for dp in ranks}
     inference = "f32" if args.precision == "f32" else "bf16"
     if sections & {"decode", "prefill"}:
         group_size = json.loads((dirs[1] / "manifest.json").read_text()).get(
@@ -965,6 +1085,8 @@ def main() -> None:
         results["greedy"] = greedy_check(checkpoint)
     if "context" in sections:
         results["context_ms"] = {f"dp{dp}": engine_context(dirs[dp], dp) for dp in (1, 2)}
+    if "roofline" in sections:
+        results["roofline"] = step_roofline(dirs[1], args.rounds)
     if "profile" in sections:
         results["profile"] = profile_dp(dirs)
         results["profile"]["optimum"] = optimum_script(_OPTIMUM_PROFILE, inference, args.weights)

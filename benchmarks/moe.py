@@ -379,9 +379,10 @@ def moe_layer_bench(tmp: Path, rounds: int, formats: list[str]) -> dict[str, Any
                 need = layer_work(moe, torch.from_numpy(inputs[rows]), weights,
                                   built["groups"][weights])
                 ms = layer["times_ms"][f"openvino_{weights}_{rows}"]["median"]
+                read = measured["limits"].get("read", {}).get("all_cores", {}).get("median")
                 layer["work"][f"{weights}_{rows}"] = {**need, **shares(
-                    measured, weights, need["rows_per_expert"], need["bytes"], need["macs"],
-                    ms / 1e3)}
+                    measured, read, weights, need["rows_per_expert"], need["bytes"],
+                    need["macs"], ms / 1e3)}
         results["layers"].append(layer)
         log(f"  E={experts} (top-{BENCH_CONFIG.num_experts_per_tok}), ms median [min-max] "
             f"over {rounds} rounds:")

@@ -31,8 +31,10 @@
    store), so a call's weights were last read several calls ago and come from memory, not the
    cache, as in a model with many layers. Per call: the bytes it must read (the k selected
    experts' weights and scales in the format, as the store holds them) per second, as a share
-   of the read bandwidth of all the rank's cores; its multiply-adds (rows x k x 3 x hidden x
-   intermediate) per second, as a share of the f32 FMA peak and of the peak of the
+   of the read bandwidth of all the rank's cores, sampled once in every round of the shape's
+   op timings (a shared VM's bandwidth moves by 2x within minutes, so the share compares the
+   two under the same load; the limits of part 1 are measured before); its multiply-adds
+   (rows x k x 3 x hidden x intermediate) per second, as a share of the f32 FMA peak and of the peak of the
    instructions the kernel runs the format on (bf16: AMX tiles for experts of two rows or
    more where usable, else AVX512-BF16; int8 / int4 / fp8 are widened to f32 FMAs); and the
    roofline: the time the larger of the two bounds allows over the time taken. An empty call
@@ -40,7 +42,9 @@
    rounds: what one ``infer`` costs by itself (~60 us here: inputs set, threads woken, the
    output returned), which the op does not pay inside a model's step; ``op%read`` is the
    read share of the call less the empty one. The formats and cases of a shape are timed in
-   alternating rounds (``benchmarks/moe.py``'s helpers); medians and ranges.
+   alternating rounds (``benchmarks/moe.py``'s helpers); medians and ranges. The share of
+   CPU time the hypervisor stole while each part ran (``/proc/stat``) is printed and recorded:
+   a run with much stolen time is disturbed.
 
     python benchmarks/roofline.py [--rounds 3] [--threads N] [--formats bf16,int8,int4,fp8]
         [--shapes v2-lite,v3,qwen3] [--v3-experts 16] [--part all|limits]
@@ -431,6 +435,43 @@ def stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def read_bytes_per_thread(threads: int, llc_bytes: int | None) -> int:
+    """The read probe's buffer per thread: 4x the last-level cache in all, split over the
+    threads (at least 32 MiB each when there are several), in whole pages."""
+    total = 4 * (llc_bytes or 64 << 20)
+    size = total if threads == 1 else max(-(-total // threads), 32 << 20)
+    return -(-size // 4096) * 4096
+
+
+class ReadSampler:
+    """The read probe on all of ``cpus``, one ~PASS_S pass a sample. Sampled in every round
+    of the op, so a share compares the op with the bandwidth the machine gave in the same
+    minutes (a shared VM's bandwidth moves by 2x within minutes)."""
+
+    def __init__(self, cpus: list[int], llc_bytes: int | None) -> None:
+        self.library, self.cpus = ProbeLibrary(), cpus
+        self.size = read_bytes_per_thread(len(cpus), llc_bytes)
+        seconds = self.library.run(PROBES["read"], cpus, self.size, 1)[-1]
+        self.iters = max(1, round(PASS_S / max(seconds, 1e-6)))
+
+    def sample(self) -> float:
+        """GB/s of one pass (after a warm-up pass)."""
+        seconds = self.library.run(PROBES["read"], self.cpus, self.size, self.iters)[-1]
+        return len(self.cpus) * self.size * self.iters / seconds / 1e9
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(all, stolen) CPU time of the machine so far, in clock ticks (/proc/stat): the share the
+    hypervisor gave other guests between two readings says how disturbed a measurement was."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return sum(fields), fields[7]
+
+
+def stolen_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    total = after[0] - before[0]
+    return (after[1] - before[1]) / total if total else 0.0
+
+
 def measure_limits(cpus: list[int], rounds: int, llc_bytes: int | None) -> dict[str, Any]:
     """Each limit of ``PROBES`` the CPU has, on ``cpus[:1]`` (``one_core``) and on all of
     ``cpus`` (``all_cores``): ``{"limits": {name: {"unit", "one_core": stats, "all_cores":
@@ -444,10 +485,8 @@ def measure_limits(cpus: list[int], rounds: int, llc_bytes: int | None) -> dict[
     not_measured = {name: reason for name in PROBES
                     if (reason := unavailable(name, flags, library, amx_errno))}
     names = [name for name in PROBES if name not in not_measured]
-    # 4x the last-level cache in all, split over the threads (at least 32 MiB each).
-    total = 4 * (llc_bytes or 64 << 20)
-    sizes = {"one_core": total, "all_cores": max(-(-total // len(cpus)), 32 << 20)}
-    sizes = {k: -(-v // 4096) * 4096 for k, v in sizes.items()}
+    sizes = {"one_core": read_bytes_per_thread(1, llc_bytes),
+             "all_cores": read_bytes_per_thread(len(cpus), llc_bytes)}
     configs = {"one_core": cpus[:1], "all_cores": cpus}
     iters: dict[str, int] = {}
     for name in names:  # calibrated on one core: a pass of ~PASS_S
@@ -459,6 +498,7 @@ def measure_limits(cpus: list[int], rounds: int, llc_bytes: int | None) -> dict[
                                              / sizes["all_cores"] / len(cpus)))
     keys = [(name, config) for name in names for config in configs]
     samples: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
+    ticks = cpu_ticks()
     for round_number in range(rounds):
         for name, config in keys if round_number % 2 == 0 else keys[::-1]:
             probe, chosen = PROBES[name], configs[config]
@@ -476,7 +516,7 @@ def measure_limits(cpus: list[int], rounds: int, llc_bytes: int | None) -> dict[
         if name == "read":
             limits[name]["bytes_per_thread"] = sizes
     return {"cpus": cpus, "library": str(library.path), "limits": limits,
-            "not_measured": not_measured}
+            "not_measured": not_measured, "stolen": stolen_share(ticks, cpu_ticks())}
 
 
 def format_limits(measured: dict[str, Any]) -> str:
@@ -488,6 +528,8 @@ def format_limits(measured: dict[str, Any]) -> str:
         lines.append(f"{name:10s} {limit['unit']:7s} {cells[0]:>30s} {cells[1]:>34s}")
     for name, reason in measured["not_measured"].items():
         lines.append(f"{name:10s} not measured: {reason}")
+    lines.append(f"CPU time stolen by the hypervisor while measuring: "
+                 f"{100 * measured['stolen']:.0f}%")
     return "\n".join(lines)
 
 
@@ -601,21 +643,23 @@ def cycling(request: Any, feeds: list[dict[str, np.ndarray]]) -> Callable[[], No
     return lambda: request.infer(next(order))
 
 
-def shares(measured: dict[str, Any], weights: str, rows_per_expert: int, nbytes: float,
-           macs: float, seconds: float, op_seconds: float) -> dict[str, Any]:
-    """A call's bytes and multiply-adds per second against the measured limits (all cores),
-    and its roofline: the time the binding limit allows over the time taken. ``op_seconds``:
-    the call less an empty call (`empty_call`), whose bytes per second are also given as a
-    share of the read bandwidth (``of_read_op``)."""
+def shares(measured: dict[str, Any], read: float | None, weights: str, rows_per_expert: int,
+           nbytes: float, macs: float, seconds: float, op_seconds: float | None = None
+           ) -> dict[str, Any]:
+    """A call's bytes and multiply-adds per second against the measured limits (all cores;
+    ``read``: the read bandwidth to compare with, None when not measured), and its roofline:
+    the time the binding limit allows over the time taken. ``op_seconds``: the call less an
+    empty call (`empty_call`), whose bytes per second are also given as a share of the read
+    bandwidth (``of_read_op``)."""
     limits = measured["limits"]
-    read = limits["read"]["all_cores"]["median"] if "read" in limits else None
     fma = limits["fma_f32"]["all_cores"]["median"] if "fma_f32" in limits else None
     gb_s, gmac_s = nbytes / seconds / 1e9, macs / seconds / 1e9
-    op_gb_s = nbytes / op_seconds / 1e9
     out: dict[str, Any] = {"gb_s": gb_s, "gmac_s": gmac_s,
                            "of_read": gb_s / read if read else None,
-                           "op_gb_s": op_gb_s, "of_read_op": op_gb_s / read if read else None,
                            "of_fma_f32": gmac_s / fma if fma else None}
+    if op_seconds is not None:
+        out["op_gb_s"] = nbytes / op_seconds / 1e9
+        out["of_read_op"] = out["op_gb_s"] / read if read else None
     if "amx_bf16" in limits:
         out["of_amx_bf16"] = gmac_s / limits["amx_bf16"]["all_cores"]["median"]
     peak = compute_peak(measured, weights, rows_per_expert)
@@ -633,8 +677,14 @@ def shares(measured: dict[str, Any], weights: str, rows_per_expert: int, nbytes:
 
 
 def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: int,
-                 measured: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
-    """Every format at decode and each prefill row count, timed in alternating rounds."""
+                 measured: dict[str, Any], reads: ReadSampler, tmp: Path
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every format at decode and each prefill row count, timed in alternating rounds: the
+    rows, and the read samples and the share of CPU time stolen by the hypervisor while they
+    ran. Each decode sample comes with a read sample taken just before it, and a decode row's
+    read shares are the medians of the paired ratios (this VM's read bandwidth moves from 37
+    to 82 GB/s between consecutive 0.1 s samples); a prefill row's (compute-bound) are
+    against the median of the read samples."""
     built = stored_op(shape, formats, threads, tmp / shape.name)
     cases = (1, *PREFILL_ROWS)
     feeds = {c: routed_feeds(shape, c) for c in cases}
@@ -648,9 +698,17 @@ def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: in
         call()
     samples: dict[tuple[str, int], list[float]] = {key: [] for key in competitors}
     keys = list(competitors)
+    paired: dict[tuple[str, int], list[float]] = {key: [] for key in competitors
+                                                  if key[1] == 1 and key[0] != "empty"}
+    ticks = cpu_ticks()
     for round_number in range(rounds):
         for key in keys if round_number % 2 == 0 else keys[::-1]:
+            if key in paired:
+                paired[key].append(reads.sample())
             samples[key].append(_timed(competitors[key]))
+    read_samples = [gb_s for values in paired.values() for gb_s in values]
+    conditions = {"read_gb_s": stats(read_samples), "stolen": stolen_share(ticks, cpu_ticks())}
+    read = conditions["read_gb_s"]["median"]
     rows = []
     for (weights, c), times in samples.items():
         if weights == "empty":
@@ -660,15 +718,33 @@ def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: in
         macs = c * shape.top_k * 3 * shape.hidden * shape.inter
         seconds = statistics.median(times)
         empty_seconds = statistics.median(samples[("empty", c)])
-        rows.append({"shape": shape.name, "hidden": shape.hidden, "inter": shape.inter,
-                     "experts": shape.experts, "stored_experts": shape.stored,
-                     "top_k": shape.top_k, "weights": weights, "rows_per_expert": c,
-                     "tokens": c, "bytes": nbytes, "macs": macs,
-                     "ms": {k: 1e3 * v for k, v in stats(times).items()},
-                     "empty_call_ms": 1e3 * empty_seconds,
-                     **shares(measured, weights, c, nbytes, macs, seconds,
-                              seconds - empty_seconds)})
-    return rows
+        row = {"shape": shape.name, "hidden": shape.hidden, "inter": shape.inter,
+               "experts": shape.experts, "stored_experts": shape.stored,
+               "top_k": shape.top_k, "weights": weights, "rows_per_expert": c,
+               "tokens": c, "bytes": nbytes, "macs": macs,
+               "ms": {k: 1e3 * v for k, v in stats(times).items()},
+               "empty_call_ms": 1e3 * empty_seconds,
+               **shares(measured, read, weights, c, nbytes, macs, seconds,
+                        seconds - empty_seconds)}
+        if (weights, c) in paired:
+            reads_gb_s = paired[(weights, c)]
+            row["read_paired_gb_s"] = reads_gb_s
+            row["of_read"] = statistics.median(
+                nbytes / t / 1e9 / r for t, r in zip(times, reads_gb_s, strict=True))
+            row["of_read_op"] = statistics.median(
+                nbytes / (t - empty_seconds) / 1e9 / r
+                for t, r in zip(times, reads_gb_s, strict=True))
+            if row.get("bound") == "read":
+                row["of_roofline"] = row["of_read"]
+        rows.append(row)
+    return rows, conditions
+
+
+def format_conditions(shape: str, conditions: dict[str, Any]) -> str:
+    read = conditions["read_gb_s"]
+    return (f"{shape}: read during its rounds {read['median']:.1f} [{read['min']:.1f}-"
+            f"{read['max']:.1f}] GB/s; CPU time stolen by the hypervisor "
+            f"{100 * conditions['stolen']:.0f}%")
 
 
 def _percent(value: float | None) -> str:
@@ -685,7 +761,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"{r['shape']:17s} {r['weights']:6s} {r['rows_per_expert']:6d} "
             f"{t['median']:9.2f} [{t['min']:.2f}-{t['max']:.2f}]".ljust(56)
             + f" {r['bytes'] / 1e6:7.1f} {r['gb_s']:6.1f} {_percent(r['of_read']):>6s} "
-            f"{_percent(r['of_read_op']):>7s} "
+            f"{_percent(r.get('of_read_op')):>7s} "
             f"{r['gmac_s']:7.1f} {_percent(r['of_fma_f32']):>7s} {_percent(r['of_peak']):>6s} "
             f"{r['peak'] or '-':9s} {r.get('bound', '-'):9s} "
             f"{_percent(r.get('of_roofline')):>6s}")
@@ -750,16 +826,22 @@ def main() -> None:
         log(f"bf16 experts: {kernel['kernel']} ({kernel['reason']})")
         results["moe_bf16_kernel"] = kernel
         results["moe"] = []
+        results["moe_conditions"] = {}
+        reads = ReadSampler(cpus, llc)
         with tempfile.TemporaryDirectory(prefix="numaov-roofline-") as tmp:
             for name in shape_names:
-                rows = moe_roofline(shapes[name], formats, args.rounds, threads,
-                                    results["limits"], Path(tmp))
+                rows, conditions = moe_roofline(shapes[name], formats, args.rounds, threads,
+                                                results["limits"], reads, Path(tmp))
                 results["moe"] += rows
+                results["moe_conditions"][shapes[name].name] = conditions
                 log(format_rows(rows))
+                log(format_conditions(shapes[name].name, conditions))
                 save(results)
         log(f"MoeExperts op, {args.rounds} alternating rounds, shares of the limits' medians "
-            f"on all {threads} cores:")
+            f"on all {threads} cores (read: sampled in the op's rounds):")
         log(format_rows(results["moe"]))
+        for name, conditions in results["moe_conditions"].items():
+            log(format_conditions(name, conditions))
     results["load_average_end"] = load_average()
     log(f"load {results['load_average_end']}")
     save(results)
