@@ -127,8 +127,10 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols
 // for int8 rows of 2,048, within L1). Past the item's end it is the next
 // columns' block, which this thread or another reads soon; past the stack's
 // end it is harmless (a prefetch never faults). Tiles of more rows reuse the
-// weights from cache and are bound by the FMAs, so they issue none (issue 33:
-// 1 KB ahead in each row took int8 to 40% of the read bandwidth, this to ...).
+// weights from cache and are bound by the FMAs, so they issue none. (Issue 33:
+// decode's samples sat on the first load of each line before; prefetching into
+// L2 instead, or the next expert's rows at a hit's last tile, measured no
+// better; benchmarks/RESULTS.md.)
 NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
         _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T0);
