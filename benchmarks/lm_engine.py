@@ -532,11 +532,9 @@ def weights_read_per_token(model_dir: Path) -> dict[str, Any]:
     moe_layers = 0
     for op in model.get_ops():
         if op.get_type_name() == "MoeExperts":
-            layer = store.layers[int(op.get_attributes()["layer"])]
-            regions = layer.plan.regions().values()
-            per_expert = sum(size for _, _, size in regions) // layer.plan.experts
+            plan = store.layers[int(op.get_attributes()["layer"])].plan
             top_k = op.get_input_partial_shape(1)[1].get_length()
-            experts += top_k * per_expert
+            experts += top_k * plan.expert_bytes()
             moe_layers += 1
     other = constants - embedding + embedding // embedding_rows
     return {"ir_constants_bytes": constants, "embedding_bytes": embedding,

@@ -31,10 +31,11 @@
    store), so a call's weights were last read several calls ago and come from memory, not the
    cache, as in a model with many layers. Per call: the bytes it must read (the k selected
    experts' weights and scales in the format, as the store holds them) per second, as a share
-   of the read bandwidth of all the rank's cores, sampled once in every round of the shape's
-   op timings (a shared VM's bandwidth moves by 2x within minutes, so the share compares the
-   two under the same load; the limits of part 1 are measured before); its multiply-adds
-   (rows x k x 3 x hidden x intermediate) per second, as a share of the f32 FMA peak and of the peak of the
+   of the read bandwidth of all the rank's cores: each decode timing is paired with a read
+   sample taken just before it and a decode share is the median of the paired ratios (a
+   shared VM's bandwidth moves by 2x between samples), prefill's against the median of those
+   samples (the limits of part 1 are measured before); its multiply-adds (rows x k x 3 x
+   hidden x intermediate) per second, as a share of the f32 FMA peak and of the peak of the
    instructions the kernel runs the format on (bf16: AMX tiles for experts of two rows or
    more where usable, else AVX512-BF16; int8 / int4 / fp8 are widened to f32 FMAs); and the
    roofline: the time the larger of the two bounds allows over the time taken. An empty call
@@ -596,7 +597,7 @@ def stored_op(shape: LayerShape, formats: list[str], threads: int, where: Path
         write_stacks(store_path, {0: (gate_up, down)}, weights,
                      expert_group_size(weights, h, i))
         store = open_store(store_path)  # the op reads the store this process opened
-        per_expert = sum(size for _, _, size in store.layers[0].plan.regions().values()) // e
+        per_expert = store.layers[0].plan.expert_bytes()
         onnx_path = write_store_moe_onnx(directory / "moe.onnx", STORE_NAME, store.store_id,
                                          0, h, shape.top_k)
         precision = "bf16" if weights == "bf16" else "f32"

@@ -102,6 +102,11 @@ class LayerPlan:
                                  e * h * self.down_groups * 4)
         return out
 
+    def expert_bytes(self) -> int:
+        """What one expert takes in the store: its weights and scales (all regions over the
+        experts)."""
+        return sum(size for _, _, size in self.regions().values()) // self.experts
+
 
 def _align(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT

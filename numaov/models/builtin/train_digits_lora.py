@@ -31,6 +31,7 @@ from numaov.models.builtin.train_digits_wan import (
     clip_set,
     encode_latents,
     prompt_embeddings,
+    scaled_latents,
     train_transformer,
 )
 from numaov.models.builtin.training_run import set_up_threads, training_main
@@ -71,10 +72,7 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print,
     transformer, vae = pipe.transformer, pipe.vae.eval()
     images, labels = load_digit_images()
     clips, prompt_index = clip_set(images, labels, np.random.default_rng(seed))
-    mu = encode_latents(vae, clips)
-    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
-    latents = (mu - mean) / std
+    latents = scaled_latents(vae, encode_latents(vae, clips))
 
     text = prompt_embeddings(pipe, [p for _, _, p in all_prompts()])
     empty = prompt_embeddings(pipe, [""])[0]

@@ -173,6 +173,14 @@ def encode_latents(vae: torch.nn.Module, clips: torch.Tensor) -> torch.Tensor:
                       for i in range(0, len(clips), 256)])
 
 
+def scaled_latents(vae: torch.nn.Module, mu: torch.Tensor) -> torch.Tensor:
+    """Encoded clips ``[N, 16, F', h, w]`` scaled by the VAE's ``latents_mean`` /
+    ``latents_std``, as the pipeline scales the latents the transformer sees."""
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return (mu - mean) / std
+
+
 @torch.no_grad()
 def prompt_embeddings(pipe, prompts: list[str]) -> torch.Tensor:
     """``[P, 512, D]`` text embeddings exactly as WanPipeline (and numaov's runtime) feed the
@@ -301,21 +309,18 @@ def train(out: Path, seed: int = 0, threads: int = 1, say=print,
         parts["vae"] = AutoencoderKLWan.from_pretrained(out / "vae").eval()
         figures = json.loads((out / "training.json").read_text(encoding="utf-8"))
         mu = encode_latents(parts["vae"], clips)
-        mean = torch.tensor(parts["vae"].config.latents_mean)
-        std = torch.tensor(parts["vae"].config.latents_std)
     else:
         vae_mse = train_vae(parts["vae"], clips, generator, say)
         vae_seconds = time.perf_counter() - started
         vae_judged = judged_reconstructions(parts["vae"], DigitJudge.fit(), seed)
         say(f"the judge labels {vae_judged:.0%} of the VAE's reconstructions of real clips right")
         mu = encode_latents(parts["vae"], clips)  # [N, 16, F', h, w]
-        mean = mu.mean(dim=(0, 2, 3, 4))
-        std = mu.std(dim=(0, 2, 3, 4))
-        parts["vae"].register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+        parts["vae"].register_to_config(latents_mean=mu.mean(dim=(0, 2, 3, 4)).tolist(),
+                                        latents_std=mu.std(dim=(0, 2, 3, 4)).tolist())
         figures = {"seed": seed, "clips": len(clips), "vae_steps": VAE_STEPS,
                    "vae_mse": round(vae_mse, 5), "vae_judged": round(vae_judged, 3),
                    "vae_seconds": round(vae_seconds, 1)}
-    latents = (mu - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+    latents = scaled_latents(parts["vae"], mu)
 
     pipe = WanPipeline(**parts)
     prompts = [p for _, _, p in all_prompts()]

@@ -196,9 +196,9 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE __m512 widen_int8(__m128i bytes) {
 // S.EEEE.MMM, moved 7 places up into a 16-bit lane, are those of the IEEE half
 // S.0EEEE.MMM0000000, whose value is the E4M3 value times 2^-8: exponent bias
 // 15 against 7, for normal and subnormal codes alike. F16C's conversion widens
-// halves exactly, subnormal halves included, without DAZ (no denormal f32
-// arithmetic is involved), so three lane operations and one conversion widen 16
-// weights. The NaN codes (S.1111.111) are never written by the quantizer and
+// halves exactly, subnormal halves included (DAZ does not apply to its half
+// inputs, and no denormal f32 arithmetic is involved), so three lane operations
+// and one conversion widen 16 weights. The NaN codes (S.1111.111) are never written by the quantizer and
 // read as 480.
 constexpr float kFp8Unit = 256.0f;
 
