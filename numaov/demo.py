@@ -74,13 +74,41 @@ def cached_export(out: Path, read: Callable[[Path], object], export: Callable[[b
     return False
 
 
+def wan_export(out_dir: Path, line: ProgressLine) -> Path:
+    """The built-in digits pipeline's export, ``out_dir/wan/model``: the one there when it
+    reads back, else made (f32, decomposed ops)."""
+    from numaov.exporter.wan_export import export_wan
+    from numaov.models.builtin import DIGITS_WAN_DIR
+    from numaov.runtime.wan.pipeline import read_pipeline
+
+    model = out_dir / "wan" / "model"
+    with line.phase("digits-wan: export") as phase:
+        cached_export(model, read_pipeline,
+                      lambda force: export_wan(DIGITS_WAN_DIR, model, "f32", "decomposed", phase,
+                                               force=force), phase)
+    return model
+
+
+def lm_export(out_dir: Path, line: ProgressLine) -> Path:
+    """The built-in tiny MoE's export for dp=2, ``out_dir/deepseek/model``: the one there when
+    it reads back, else made (f32)."""
+    from numaov.exporter.lm_export import export_lm
+    from numaov.models.builtin import TINY_MOE_DIR
+    from numaov.runtime.lm.engine import open_lm_manifest
+
+    model = out_dir / "deepseek" / "model"
+    with line.phase("tiny-moe: export for dp=2") as phase:
+        cached_export(model, lambda d: open_lm_manifest(d, "openvino"),
+                      lambda force: export_lm(TINY_MOE_DIR, model, dp=2, precision="f32",
+                                              progress=phase, force=force), phase)
+    return model
+
+
 def wan_section(out_dir: Path, line: ProgressLine) -> DemoSection:
     """The built-in digits pipeline: export, one clip per digit on OpenVINO into a grid GIF,
     and one prompt on torch and OpenVINO for parity and per-step time."""
     import numpy as np
 
-    from numaov.exporter.wan_export import export_wan
-    from numaov.models.builtin import DIGITS_WAN_DIR
     from numaov.models.builtin.digit_clips import (
         DIRECTIONS,
         FRAMES,
@@ -91,15 +119,11 @@ def wan_section(out_dir: Path, line: ProgressLine) -> DemoSection:
     )
     from numaov.runtime.comparison import max_rel_error
     from numaov.runtime.wan.clip_grid import tile_clips
-    from numaov.runtime.wan.pipeline import read_pipeline, run_wan_pipeline
+    from numaov.runtime.wan.pipeline import run_wan_pipeline
     from numaov.runtime.wan.request import WanSampleRequest
     from numaov.runtime.wan.video_output import write_video
 
-    model = out_dir / "wan" / "model"
-    with line.phase("digits-wan: export") as phase:
-        cached_export(model, read_pipeline,
-                      lambda force: export_wan(DIGITS_WAN_DIR, model, "f32", "decomposed", phase,
-                                               force=force), phase)
+    model = wan_export(out_dir, line)
     request = WanSampleRequest(frames=FRAMES, height=SIZE, width=SIZE, steps=SAMPLING_STEPS,
                                guidance=SAMPLING_GUIDANCE, seed=0)
     names = list(DIRECTIONS)
@@ -140,21 +164,11 @@ def wan_section(out_dir: Path, line: ProgressLine) -> DemoSection:
 def lm_section(out_dir: Path, line: ProgressLine) -> DemoSection:
     """The built-in tiny MoE: export for dp=2, complete a few prompts on two workers with
     OpenVINO and torch, compare tokens, logits and speed."""
-    from numaov.exporter.lm_export import export_lm
     from numaov.models.builtin import TINY_MOE_DIR
     from numaov.runtime.comparison import GenerationComparison
-    from numaov.runtime.lm.engine import (
-        encode_prompts,
-        load_tokenizer,
-        open_lm_manifest,
-        run_lm,
-    )
+    from numaov.runtime.lm.engine import encode_prompts, load_tokenizer, run_lm
 
-    model = out_dir / "deepseek" / "model"
-    with line.phase("tiny-moe: export for dp=2") as phase:
-        cached_export(model, lambda d: open_lm_manifest(d, "openvino"),
-                      lambda force: export_lm(TINY_MOE_DIR, model, dp=2, precision="f32",
-                                              progress=phase, force=force), phase)
+    model = lm_export(out_dir, line)
     tokenizer = load_tokenizer(TINY_MOE_DIR)
     prompts = encode_prompts(tokenizer, LM_PROMPTS)
     runs = {}

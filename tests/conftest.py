@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     import shutil
     import tempfile
-    from pathlib import Path
 
     base = Path(session.config.option.basetemp or tempfile.gettempdir()).absolute()
     while not base.exists():  # --basetemp names a directory pytest has not made yet
@@ -77,6 +77,50 @@ def wan_pipeline_exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     return {"root": root, "pipe": pipe, "export": root / "export", "summary": proc.stdout}
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, built as the Makefile builds (without build isolation, against
+    this venv's OpenVINO wheel) and installed without extras into a clean venv, as a user
+    gets it; returns the venv."""
+    import subprocess
+    import sys
+
+    root, work = Path(__file__).resolve().parents[1], tmp_path_factory.mktemp("wheel")
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                            "--no-build-isolation", "-w", str(work / "wheels"), str(root)],
+                           capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = (work / "wheels").glob("numaov-*.whl")
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # --no-compile: the modules run here are compiled as they are imported; compiling every
+    # installed file first (torch's, transformers') took two thirds of the install (71 -> 24 s)
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                              "--no-compile", str(wheel), "torch==2.13.0"],
+                             capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stderr[-3000:]
+    return venv
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory: pytest.TempPathFactory, installed_wheel: Path) -> dict:
+    """``numaov demo`` run once from the installed wheel (``installed_wheel``; its working
+    directory outside the repository, so the installed package is the one imported), both
+    built-in models exported into ``out`` (``wan/model``, ``deepseek/model``): for
+    test_builtin_models.py and, as exports already made, test_notebooks.py."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("demo")
+    env = dict(os.environ)
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) >= 2:
+        env["NUMAOV_CPU_BIND"] = f"{allowed[0]}|{allowed[1]}"
+    proc = subprocess.run([str(installed_wheel / "bin" / "numaov"), "demo", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=out)
+    assert proc.returncode == 0, proc.stderr
+    return {"out": out, "stdout": proc.stdout, "stderr": proc.stderr, "env": env}
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 Fast: the committed files (sizes, model cards), the digit judge on real clips, the LM's
 held-out loss against the unigram baseline of its own tokenizer. Slow: a few steps of the
 digits script's ``--transformer-only`` training from the committed VAE, the demo run once
-through the CLI (exporting both models), its GIF read back and judged, the digits pipeline's
-quality on the OpenVINO export, and dp=2 tokens against dp=1.
+through the CLI of the installed wheel (exporting both models), its GIF read back and judged,
+the digits pipeline's quality on the OpenVINO export, and dp=2 tokens against dp=1.
 """
 
 from __future__ import annotations
@@ -265,19 +265,6 @@ def test_tiny_moe_held_out_loss_is_well_below_the_unigram_baseline() -> None:
 # -- slow: the demo, then quality on its exports ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("demo")
-    env = dict(os.environ)
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) >= 2:
-        env["NUMAOV_CPU_BIND"] = f"{allowed[0]}|{allowed[1]}"
-    proc = subprocess.run([*CLI, "demo", "--out", str(out)], capture_output=True, text=True,
-                          timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return {"out": out, "stdout": proc.stdout, "stderr": proc.stderr, "env": env}
-
-
 @pytest.mark.slow
 def test_demo_gif_is_ten_judged_clips_and_a_table(demo: dict, judge: DigitJudge) -> None:
     from PIL import Image, ImageSequence
@@ -301,8 +288,7 @@ def test_demo_gif_is_ten_judged_clips_and_a_table(demo: dict, judge: DigitJudge)
                 if not line.startswith("WARNING numaov.")]
     assert len(progress) <= 10, demo["stderr"]
     assert all(line.startswith("numaov: ") for line in progress), demo["stderr"]
-    # That a second run reuses both exports: the wheel's test runs it
-    # (test_the_wheel_without_extras_runs_doctor_and_the_demo).
+    # That a second run reuses both exports: test_a_second_demo_run_reuses_both_exports.
 
 
 # The digits pipeline's VAE is 4x spatial (16x16 frames are 4x4 latents), not Wan 2.1's 8x:
@@ -522,38 +508,33 @@ def test_tiny_moe_dp2_gives_the_tokens_of_dp1(demo: dict) -> None:
 
 
 @pytest.mark.slow
-def test_the_wheel_without_extras_runs_doctor_and_the_demo(demo: dict, tmp_path: Path) -> None:
-    """``pip install`` of the built wheel (no extras) into a clean venv, then ``numaov doctor``
-    and ``numaov demo`` from it (on the exports the demo fixture cached)."""
-    root = Path(__file__).resolve().parents[1]
-    wheels = tmp_path / "wheels"
-    # Without build isolation, as the Makefile builds: against this venv's OpenVINO wheel.
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                            "--no-build-isolation", "-w", str(wheels), str(root)],
-                           capture_output=True, text=True, timeout=900)
-    assert build.returncode == 0, build.stderr[-3000:]
-    (wheel,) = wheels.glob("numaov-*.whl")
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    # --no-compile: the modules run here are compiled as they are imported; compiling every
-    # installed file first (torch's, transformers') took two thirds of the install (71 -> 24 s)
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile",
-                              str(wheel), "torch==2.13.0"], capture_output=True, text=True,
-                             timeout=900)
-    assert install.returncode == 0, install.stderr[-3000:]
-    listed = subprocess.run([str(python), "-m", "pip", "list"], capture_output=True, text=True)
+def test_the_wheel_without_extras_runs_doctor_and_the_demo(demo: dict, installed_wheel: Path,
+                                                           tmp_path: Path) -> None:
+    """The built wheel installed without extras into a clean venv (``installed_wheel``) runs
+    ``numaov doctor``, and ran the demo every slow test here reads (the ``demo`` fixture)."""
+    listed = subprocess.run([str(installed_wheel / "bin" / "python"), "-m", "pip", "list"],
+                            capture_output=True, text=True)
     # none of the dev extra's own tools (scikit-learn is not one: NNCF, which the exporter
     # uses, depends on it)
     installed = {line.split()[0].lower() for line in listed.stdout.splitlines()[2:] if line}
     assert not installed & {"pytest", "ruff", "nbclient", "openai"}, installed
-    numaov = venv / "bin" / "numaov"
-    doctor = subprocess.run([str(numaov), "doctor"], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path)
+    doctor = subprocess.run([str(installed_wheel / "bin" / "numaov"), "doctor"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert doctor.returncode == 0, doctor.stderr
-    run = subprocess.run([str(numaov), "demo", "--out", str(demo["out"])], capture_output=True,
-                         text=True, timeout=900, env=demo["env"], cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert "tiny-moe dp=2 decode" in run.stdout
-    # a second run of the demo reuses both exports the first one made
-    assert run.stderr.count("reusing the export") == 2, run.stderr
+    assert "tiny-moe dp=2 decode" in demo["stdout"]
+
+
+@pytest.mark.slow
+def test_a_second_demo_run_reuses_both_exports(demo: dict) -> None:
+    """The demo's export steps, run again on its output directory, take both exports as they
+    are (they read back) instead of exporting again."""
+    import io
+
+    from numaov.console import ProgressLine
+    from numaov.demo import lm_export, wan_export
+
+    stream = io.StringIO()
+    line = ProgressLine(stream)
+    assert wan_export(demo["out"], line) == demo["out"] / "wan" / "model"
+    assert lm_export(demo["out"], line) == demo["out"] / "deepseek" / "model"
+    assert stream.getvalue().count("reusing the export") == 2, stream.getvalue()
