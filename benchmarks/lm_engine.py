@@ -75,6 +75,7 @@ Run on a quiet machine: ``uptime`` is printed at the start and the end.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -838,8 +839,11 @@ def optimum_script(script: str, precision: str, weights: str, *args: str) -> dic
     directory = WORK / f"optimum_{OPTIMUM_WEIGHTS.get((weights, precision), weights)}_{precision}"
     if not (directory / "openvino_model.xml").is_file():
         return {"note": f"no optimum-intel export at {directory} (run the decode section)"}
-    proc = subprocess.run([str(OPTIMUM_PYTHON), "-c", script, str(directory), precision, *args],
-                          stdout=subprocess.PIPE, text=True)
+    # the scripts time with this module's timed(), handed over as source
+    helpers = ("from __future__ import annotations\nimport statistics, time\n"
+               + inspect.getsource(timed))
+    proc = subprocess.run([str(OPTIMUM_PYTHON), "-c", helpers + script, str(directory),
+                           precision, *args], stdout=subprocess.PIPE, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])

@@ -225,8 +225,8 @@ class CausalLM(nn.Module):
         ``[layers, B, P, kv_cache_dim]``. Returns ``(logits [B, T, V], present_key_values
         [layers, B, P+T, kv_cache_dim])``.
         """
-        hidden, present = self.model(input_ids, position_ids, attention_mask, past_key_values)
-        return self.lm_head(hidden), present
+        hidden, new = self.model(input_ids, position_ids, attention_mask, past_key_values)
+        return self.lm_head(hidden), torch.cat((past_key_values, new), 2)
 
     def step_pooled(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                     kv_cache: Tensor, past_slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -241,10 +241,9 @@ class CausalLM(nn.Module):
         ``new_key_values [layers, B, T, kv_cache_dim])``: only this step's entries, which the
         caller writes into its pool; the pool is read, never returned.
         """
-        p = past_slots.shape[1]
         past = pooled_past(kv_cache, past_slots, self.lm_head.weight.dtype)
-        hidden, present = self.model(input_ids, position_ids, attention_mask, past)
-        return self.lm_head(hidden[:, -1]), present[:, :, p:].to(kv_cache.dtype)
+        hidden, new = self.model(input_ids, position_ids, attention_mask, past)
+        return self.lm_head(hidden[:, -1]), new.to(kv_cache.dtype)
 
 
 class CausalLMStep(nn.Module):

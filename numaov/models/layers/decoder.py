@@ -65,17 +65,18 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: Tensor,
                 rows_of: RankRows | None) -> tuple[Tensor, Tensor]:
         # 1. attention
-        attn, present = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, past)
+        attn, new = self.self_attn(self.input_layernorm(hidden), cos, sin, mask, past)
         hidden = hidden + attn
         # 2. MoE or dense MLP, over the rows of all ranks
         rows = self.post_attention_layernorm(hidden).reshape(-1, hidden.shape[-1])
-        return hidden + run_on_all_ranks(self.mlp, rows, self.dp, rows_of).view_as(hidden), present
+        return hidden + run_on_all_ranks(self.mlp, rows, self.dp, rows_of).view_as(hidden), new
 
 
 class DecoderStack(nn.Module):
     """Embedding, the decoder layers and the final norm: ``(input_ids, position_ids,
-    attention_mask, past [layers, B, P, W]) -> (hidden [B, T, H], present [layers, B, P+T,
-    W])``.
+    attention_mask, past [layers, B, P, W]) -> (hidden [B, T, H], new [layers, B, T, W])``:
+    ``new`` is this step's cache entries (what follows ``past``; an attention never
+    concatenates the two, see ``layers.gqa``).
 
     Layer ``i`` is ``attention()`` and, when ``config.is_moe_layer(i)``, ``moe(world_size)``
     (this rank's shard of the family's MoE block), else a dense SwiGLU MLP of this rank's
@@ -110,8 +111,8 @@ class DecoderStack(nn.Module):
         cos, sin = self.rotary(position_ids)
         mask = causal_attention_mask(attention_mask, t)
         rows_of = agree_rows(self.dp, b * t)
-        presents = []
+        news = []
         for i, layer in enumerate(self.layers):
-            hidden, present = layer(hidden, cos, sin, mask, past[i], rows_of)
-            presents.append(present)
-        return self.norm(hidden), torch.stack(presents)
+            hidden, new = layer(hidden, cos, sin, mask, past[i], rows_of)
+            news.append(new)
+        return self.norm(hidden), torch.stack(news)

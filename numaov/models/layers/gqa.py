@@ -5,7 +5,13 @@ The cache entry of one token and layer is its keys then its values, each ``kv_he
 head_dim`` wide and head-major (``CacheLayout("gqa", layers, (("key", kv_heads*head_dim),
 ("value", kv_heads*head_dim)))``): the keys are stored rotated, so a cached entry is read as
 it is. Queries are grouped by the KV head they share (``heads // kv_heads`` per KV head) and
-attend through one broadcasting matmul, so K and V are never repeated per query head.
+attend as the rows of one matrix per KV head, so K and V are never repeated per query head.
+
+Keys and values are read from the past and this step's entries by one transpose of both
+halves at once; the attention returns only this step's entries. Splitting the entries into
+keys and values first and transposing each (a VariadicSplit, which OpenVINO's CPU plugin runs
+with its reference kernel, and layout Reorders) made a Qwen3-30B-A3B-shaped layer step at
+4,096 cached tokens 1.6x as long (RESULTS.md, "Long-context GQA step").
 
 The math is plain (matmul, mask, fp32 softmax, matmul), which ``torch.export`` and the ONNX
 exporter take as it is and OpenVINO runs; rope is numaov's ``rotary_embedding`` op in the
@@ -56,9 +62,12 @@ class GroupedQueryAttention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: Tensor
     ) -> tuple[Tensor, Tensor]:
         """``x [B, T, H]``, ``cos/sin [B*T, D/2]``, ``mask [B, 1, T, P+T]`` (bool, True =
-        attend), ``past [B, P, 2*kv*D]`` -> ``(out [B, T, H], present [B, P+T, 2*kv*D])``."""
+        attend), ``past [B, P, 2*kv*D]`` -> ``(out [B, T, H], new [B, T, 2*kv*D])``: ``new``
+        is this step's cache entries, the ones that follow ``past``."""
         b, t, _ = x.shape
+        p = past.shape[1]
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        g = heads // kv
         # 1. projections, per-head norm (when the model has one), rope on q and k;
         #    rows of cos/sin are (batch, token) pairs: rope sees [B*T, heads, D]
         q = self.q_proj(x).view(b, t, heads, d)
@@ -69,22 +78,25 @@ class GroupedQueryAttention(nn.Module):
         q = rotary_embedding(q.reshape(b * t, heads, d), cos, sin, False)
         k = rotary_embedding(k.reshape(b * t, kv, d), cos, sin, False)
 
-        # 2. this step's cache entries (rotated keys, values), appended to the past
-        new = torch.cat((k.reshape(b, t, kv * d), v), dim=-1)  # [B, T, 2*kv*D]
-        present = torch.cat((past, new), dim=1)  # [B, S, 2*kv*D], S = P+T
+        # 2. this step's cache entries (rotated keys, values) after the past; every token's
+        #    keys and values head-major by one transpose of both halves at once. ``new`` is
+        #    cut from the concatenation on purpose: with an f32 output reading it, OpenVINO's
+        #    CPU plugin keeps the pool's gather and this Concat in f32 and converts after it;
+        #    returned apart, the plugin moved the conversion to bf16 in front of the gather,
+        #    onto the whole pool input (every slot of every sequence, each step).
+        present = torch.cat((past, torch.cat((k.reshape(b, t, kv * d), v), dim=-1)), dim=1)
         s = present.shape[1]
-        keys, values = present.split([kv * d, kv * d], dim=-1)
-        keys = keys.view(b, s, kv, d).transpose(1, 2).unsqueeze(2)  # [B, kv, 1, S, D]
-        values = values.view(b, s, kv, d).transpose(1, 2).unsqueeze(2)  # [B, kv, 1, S, D]
+        new = present[:, p:]  # [B, T, 2*kv*D]
+        keys, values = present.view(b, s, 2, kv, d).permute(2, 0, 3, 1, 4)  # [B, kv, S, D] each
 
-        # 3. attention, the query heads of one KV head as a group: [B, kv, heads/kv, T, D]
-        q = q.view(b, t, kv, heads // kv, d).permute(0, 2, 3, 1, 4)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, g, T, S]
-        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))  # mask [B, 1, 1, T, S]
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        context = torch.matmul(probs, values)  # [B, kv, g, T, D]
+        # 3. attention, the query heads of one KV head as the rows of one matrix
+        #    [B, kv, g*T, D]: both sides of each matmul have the same batch dims
+        q = q.view(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, g*T, S]
+        scores = scores.view(b, kv, g, t, s).masked_fill(~mask.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype).view(b, kv, g * t, s)
+        context = torch.matmul(probs, values)  # [B, kv, g*T, D]
 
         # 4. output projection (heads in kv-major order: head h = group * (heads/kv) + i)
-        out = context.permute(0, 3, 1, 2, 4).reshape(b, t, heads * d)
-        return self.o_proj(out), present
-
+        out = context.view(b, kv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, heads * d)
+        return self.o_proj(out), new

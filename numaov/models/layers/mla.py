@@ -99,7 +99,8 @@ class MultiHeadLatentAttention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, past: Tensor
     ) -> tuple[Tensor, Tensor]:
         """``x [B, T, H]``, ``cos/sin [B*T, Dr/2]``, ``mask [B, 1, T, P+T]`` (bool, True =
-        attend), ``past [B, P, R+Dr]`` -> ``(out [B, T, H], present [B, P+T, R+Dr])``."""
+        attend), ``past [B, P, R+Dr]`` -> ``(out [B, T, H], new [B, T, R+Dr])``: ``new`` is
+        this step's cache entries, the ones that follow ``past``."""
         b, t, _ = x.shape
         heads = self.num_heads
         # 1. queries: [B, T, heads, qk] split into the no-rope and rope parts
@@ -119,6 +120,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = rotary_embedding(k_pe.reshape(b * t, 1, self.rope_dim), cos, sin,
                                 self.interleaved_rope)
         present = torch.cat((past, torch.cat((latent, k_pe.view(b, t, self.rope_dim)), -1)), 1)
+        # cut from the concatenation, so OpenVINO keeps the pool's gather in f32 (layers.gqa)
+        new = present[:, past.shape[1]:]
 
         # 3. attention in the latent space ("absorbed" MLA): kv_b_proj's key half is folded
         #    into the query and its value half applied after the attention, so the cached
@@ -127,10 +130,10 @@ class MultiHeadLatentAttention(nn.Module):
         #    matmul over every cached token. The same sums as keys/values expanded first, in
         #    another order.
         w_uk, w_uv = self._absorbed_weights()  # [heads, nope, R], [heads, v, R]
-        latent_all, k_pe_all = present.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_lat = torch.matmul(q_nope.transpose(1, 2), w_uk)  # [B, heads, T, R]
         q_all = torch.cat((q_lat, q_pe.view(b, t, heads, self.rope_dim).transpose(1, 2)), -1)
-        keys = torch.cat((latent_all, k_pe_all), dim=-1).unsqueeze(1)  # [B, 1, S, R+Dr]
+        keys = present.unsqueeze(1)  # [B, 1, S, R+Dr]: an entry is its latent then its k_pe
+        latent_all = present[..., : self.kv_lora_rank]
         scores = torch.matmul(q_all, keys.transpose(-1, -2)) * self.softmax_scale
         scores = scores.masked_fill(~mask, float("-inf"))  # [B, heads, T, S]
         probs = torch.softmax(scores.float(), dim=-1).to(latent_all.dtype)
@@ -139,7 +142,7 @@ class MultiHeadLatentAttention(nn.Module):
 
         # 4. output projection
         out = out.transpose(1, 2).reshape(b, t, heads * self.v_dim)
-        return self.o_proj(out), present
+        return self.o_proj(out), new
 
     def _absorbed_weights(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj's weight ``[heads*(nope+v), R]`` split per head into its key part
