@@ -112,11 +112,12 @@ def demo(tmp_path_factory: pytest.TempPathFactory, installed_wheel: Path) -> dic
     test_builtin_models.py and, as exports already made, test_notebooks.py."""
     import subprocess
 
+    from support.deepseek_harness import two_cpu_bind_string
+
     out = tmp_path_factory.mktemp("demo")
     env = dict(os.environ)
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) >= 2:
-        env["NUMAOV_CPU_BIND"] = f"{allowed[0]}|{allowed[1]}"
+    if (bind := two_cpu_bind_string()) is not None:
+        env["NUMAOV_CPU_BIND"] = bind
     proc = subprocess.run([str(installed_wheel / "bin" / "numaov"), "demo", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env, cwd=out)
     assert proc.returncode == 0, proc.stderr
