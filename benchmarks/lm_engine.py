@@ -133,10 +133,15 @@ def use_family(family: str) -> None:
     WORK = WORK_ROOT if family == "deepseek_v2" else WORK_ROOT / family
 
 
-def cache_layout(model_dir: Path) -> tuple[int, int]:
-    """(layers, entry width) of an export's KV-cache pool, as its manifest records them."""
-    layout = json.loads((model_dir / "manifest.json").read_text())["cache_layout"]
-    return layout["layers"], layout["width"]
+def random_pool(model_dir: Path, tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """A KV-cache pool of ``tokens`` slots for an export (its manifest's layout and dtype),
+    filled with normal values."""
+    from numaov.arrays import NUMPY_DTYPES
+    from numaov.runtime.manifest_reader import read_manifest
+
+    cache = read_manifest(model_dir).record.cache
+    return rng.standard_normal((cache.layers, tokens, cache.width), dtype=np.float32
+                               ).astype(NUMPY_DTYPES[cache.dtype])
 
 
 # -- the checkpoint and the exports -----------------------------------------------------------
@@ -285,11 +290,14 @@ def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[st
     import openvino as ov
     from openvino._offline_transformations import apply_make_stateful_transformation
 
+    from numaov.arrays import from_openvino, to_openvino
     from numaov.custom_ops import compile_ir
     from numaov.exporter.openvino_convert import convert_to_ir
     from numaov.models.families import family_for_checkpoint
+    from numaov.runtime.manifest_reader import read_manifest
 
-    layers, width = cache_layout(numaov_dir)
+    cache = read_manifest(numaov_dir).record.cache
+    layers, width = cache.layers, cache.width
     props = {"INFERENCE_NUM_THREADS": 2}
     rng = np.random.default_rng(SEED)
     results: dict[str, Any] = {"pool": {}, "pool_8x_capacity": {}, "whole_cache_in_out": {},
@@ -299,10 +307,9 @@ def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[st
     # 1. numaov's pool, bound once over shared memory
     compiled = compile_ir(numaov_dir / "rank_0" / "model.xml", precision, props).model
     for key, scale in (("pool", 1), ("pool_8x_capacity", 8)):
-        pool = rng.standard_normal((layers, scale * (max(CONTEXTS) + 8), width),
-                                   dtype=np.float32)
+        pool = random_pool(numaov_dir, scale * (max(CONTEXTS) + 8), rng)
         request = compiled.create_infer_request()
-        request.set_tensor("kv_cache", ov.Tensor(pool, shared_memory=True))
+        request.set_tensor("kv_cache", to_openvino(pool))
         for context in CONTEXTS:
             feeds = {"input_ids": np.array([[5]]), "position_ids": np.array([[context]]),
                      "attention_mask": np.ones((1, context + 1), dtype=np.int64),
@@ -310,7 +317,7 @@ def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[st
 
             def step(feeds=feeds, request=request, pool=pool, context=context) -> None:
                 request.infer(feeds)
-                pool[:, context] = request.get_tensor("new_key_values").data[:, 0, 0]
+                pool[:, context] = from_openvino(request.get_tensor("new_key_values"))[:, 0, 0]
 
             results[key][str(context)] = timed(step)
             log(f"kv {key} context {context}: {results[key][str(context)]:.2f} ms")
@@ -429,19 +436,17 @@ def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[st
 def _profile_rank(context: Any, job: dict[str, Any]) -> dict[str, Any]:
     """Worker: compile this rank's IR with PERF_COUNT, run decode steps of ``job['rows']``
     sequences at ``job['context']`` cached tokens, sum OpenVINO's per-node times by type."""
-    import openvino as ov
-
+    from numaov.arrays import to_openvino
     from numaov.runtime.manifest_reader import read_manifest
 
     manifest = read_manifest(job["model_dir"])
     config = {**context.openvino_config(), "PERF_COUNT": "YES"}
     compiled = manifest.compile_rank(context.rank, config)
     request = compiled.create_infer_request()
-    layers, width = cache_layout(Path(job["model_dir"]))
     rows, past = job["rows"][context.rank], job["context"]
-    pool = np.random.default_rng(context.rank).standard_normal(
-        (layers, max(rows, 1) * past + 1, width), dtype=np.float32)
-    request.set_tensor("kv_cache", ov.Tensor(pool, shared_memory=True))
+    pool = random_pool(Path(job["model_dir"]), max(rows, 1) * past + 1,
+                       np.random.default_rng(context.rank))
+    request.set_tensor("kv_cache", to_openvino(pool))
     feeds = {"input_ids": np.full((rows, 1), 5), "position_ids": np.full((rows, 1), past),
              "attention_mask": np.ones((rows, past + 1), dtype=np.int64),
              "past_slots": np.arange(rows * past, dtype=np.int64).reshape(rows, past)}

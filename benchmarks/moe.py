@@ -161,11 +161,9 @@ def _bench_rank(context: Any, job: _Job) -> list[float]:
     else:
         backend = "openvino" if job.kind == "openvino" else "torch"
         model = open_step_model(manifest, backend, context.rank, context.openvino_config())
-    config = manifest.config
-    layers = int(config["num_hidden_layers"])
-    width = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
-    generate_on_rank(model, job.prompts, 3, layers, width)
-    timed = generate_on_rank(model, job.prompts, job.new_tokens, layers, width)
+    cache = manifest.record.cache
+    generate_on_rank(model, job.prompts, 3, cache)
+    timed = generate_on_rank(model, job.prompts, job.new_tokens, cache)
     model.close()
     return timed.step_seconds
 

@@ -11,8 +11,10 @@ Fields:
   ``"lm"`` and the pipeline components' kinds); readers say which kind they expect.
 - ``family`` and ``cache_layout``: for a language model (kind ``"lm"``), the model family's name
   (``numaov.models.families``, e.g. ``"deepseek_v2"``) and its per-layer KV-cache entry
-  (``{"kind", "layers", "width", "parts": [[name, values], ...]}``), which the runtime's cache
-  pool is shaped by. Null for other kinds.
+  (``{"kind", "layers", "width", "parts": [[name, values], ...], "dtype"}``), which the
+  runtime's cache pool is shaped by; ``dtype`` is the pool's element type, the graph's
+  ``kv_cache`` input (``"bf16"`` in bf16 exports, else ``"f32"``; absent: ``"f32"``, as every
+  export before the field). Null for other kinds.
 - ``config``: the model's configuration (diffusers / Hugging Face key names).
 - ``inputs`` / ``outputs``: name, dtype and shape of every graph tensor; a shape entry is an
   int for a static axis or a string naming a dynamic axis (the ``torch.export.Dim`` name or
@@ -78,6 +80,8 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 3
 PRECISIONS = ("f32", "bf16")
+# A language model's KV-cache pool: element type -> bytes per value (``CacheLayout.dtype``).
+CACHE_DTYPES = {"f32": 4, "bf16": 2}
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4", "fp8")
 # How the fallback ops are written into ONNX (numaov.custom_ops.fallback_onnx).
 LOWERINGS = ("decomposed", "opset23")
@@ -223,30 +227,37 @@ def row_shares(figures: Iterable[Mapping[str, Any]]) -> list[RowShare]:
 @dataclass(frozen=True)
 class CacheLayout:
     """One layer's KV-cache entry of one token: named ``parts`` (name, values) laid side by
-    side, ``width`` values in all, for ``layers`` layers. ``kind`` names the attention design
-    (``"mla"``, ``"gqa"``)."""
+    side, ``width`` values in all, for ``layers`` layers, each value a ``dtype``
+    (``CACHE_DTYPES``). ``kind`` names the attention design (``"mla"``, ``"gqa"``)."""
 
     kind: str
     layers: int
     parts: tuple[tuple[str, int], ...]
+    dtype: str = "f32"
 
     @property
     def width(self) -> int:
         return sum(size for _, size in self.parts)
 
+    def pool_bytes(self, tokens: int) -> int:
+        """The bytes of a pool of ``tokens`` slots."""
+        return self.layers * self.width * tokens * CACHE_DTYPES[self.dtype]
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "layers": self.layers, "width": self.width,
-                "parts": [[name, size] for name, size in self.parts]}
+                "parts": [[name, size] for name, size in self.parts], "dtype": self.dtype}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], where: str) -> CacheLayout:
         try:
             layout = cls(str(values["kind"]), int(values["layers"]),
-                         tuple((str(n), int(s)) for n, s in values["parts"]))
+                         tuple((str(n), int(s)) for n, s in values["parts"]),
+                         str(values.get("dtype", "f32")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelDirError(f"{where}: cache_layout {dict(values)!r} is malformed ({exc}); "
                               "expected kind, layers and parts: re-export the model") from None
         if layout.layers < 1 or not layout.parts or any(s < 1 for _, s in layout.parts) \
+                or layout.dtype not in CACHE_DTYPES \
                 or int(values.get("width", layout.width)) != layout.width:
             raise ModelDirError(f"{where}: cache_layout {dict(values)!r} is inconsistent; "
                               "re-export the model")

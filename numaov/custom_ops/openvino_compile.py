@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from numaov import NumaovError
+from numaov.arrays import BFLOAT16, from_openvino, to_openvino
 from numaov.custom_ops.expert_store import open_stores_of
 from numaov.custom_ops.flash_attention import attention_kernel, swap_attention
 from numaov.native import add_extension
@@ -183,14 +186,12 @@ class CompiledIR:
     def runner(self) -> Callable[[dict[str, Any]], list[Any]]:
         """A function running one set of named input arrays on a fresh infer request and
         returning copies of every output, in order (the request reuses its buffers)."""
-        import numpy as np
-
         request = self.create_infer_request()
         count = len(self.outputs)
 
         def run(feeds: dict[str, Any]) -> list[Any]:
             infer(request, feeds)
-            return [np.array(request.get_output_tensor(i).data) for i in range(count)]
+            return [np.array(from_openvino(request.get_output_tensor(i))) for i in range(count)]
 
         return run
 
@@ -209,9 +210,19 @@ _MAX_INFER_CAUSE_CHARS = 1200
 def infer(request: Any, feeds: dict[str, Any]) -> None:
     """``request.infer(feeds)``, its failure one line: OpenVINO raises a ``RuntimeError``
     whose text spans many lines, numaov's op's own message inside, after the source
-    locations OpenVINO adds (left out here)."""
+    locations OpenVINO adds (left out here). A bf16 input takes a bf16 array
+    (``numaov.arrays``) or a float one, rounded to bf16 (as a reference sample stores it)."""
+    import openvino as ov
+
+    tensors = {}
+    for name, array in feeds.items():
+        if isinstance(array, np.ndarray) and array.dtype.kind == "f" \
+                and request.get_tensor(name).element_type == ov.Type.bf16:
+            array = np.ascontiguousarray(array, dtype=BFLOAT16)
+        tensors[name] = to_openvino(array) if getattr(array, "dtype", None) == BFLOAT16 \
+            else array
     try:
-        request.infer(feeds)
+        request.infer(tensors)
     except RuntimeError as exc:
         cause = _cause(exc, _MAX_INFER_CAUSE_CHARS, _OPENVINO_LOCATION)
         raise InferError(f"OpenVINO inference failed: {cause}") from exc

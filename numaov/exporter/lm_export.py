@@ -29,8 +29,9 @@ no stale file.
 
 Graph inputs: ``input_ids``, ``position_ids`` ``[batch, new_tokens]`` (int64),
 ``attention_mask`` ``[batch, total_tokens]`` (int64, 1 = real token; cached and new tokens),
-``kv_cache`` ``[layers, cache_tokens, width]`` (f32: the rank's token pool, which the runtime owns
-and passes without a copy; ``width`` and what its values are: the family's ``CacheLayout``) and ``past_slots``
+``kv_cache`` ``[layers, cache_tokens, width]`` (the rank's token pool, which the runtime owns
+and passes without a copy; ``width``, what its values are and their type: the family's
+``CacheLayout``, whose ``dtype`` is the export's precision) and ``past_slots``
 ``[batch, past_tokens]`` (int64: the pool slot of each cached token of each row). Outputs:
 ``logits [batch, vocab]`` (the last new token of each row) and ``new_key_values
 [layers, batch, new_tokens, width]``: this step's entries only, which the runtime writes into
@@ -71,7 +72,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ import numpy as np
 import torch
 
 from numaov import NumaovError
+from numaov.arrays import NUMPY_DTYPES, to_torch
 from numaov.custom_ops.expert_store import STORE_NAME, open_store
 from numaov.exporter.expert_streaming import (
     fp8_block,
@@ -181,10 +183,12 @@ class _StepSpec:
     cache: CacheLayout
 
     @classmethod
-    def of(cls, family: LMFamily, config: Any) -> _StepSpec:
+    def of(cls, family: LMFamily, config: Any, precision: str) -> _StepSpec:
+        """The pool holds the export's precision: a bf16 graph computes attention in bf16,
+        so f32 entries would carry nothing more and cost twice the bytes."""
         values = family.config_dict(config)
-        return cls(int(values["vocab_size"]), int(values["max_position_embeddings"]),
-                   family.cache_layout(config))
+        cache = replace(family.cache_layout(config), dtype=precision)
+        return cls(int(values["vocab_size"]), int(values["max_position_embeddings"]), cache)
 
 
 class LMExportError(NumaovError):
@@ -211,7 +215,7 @@ def _step_inputs(
         "attention_mask": mask,
         "kv_cache": rng.standard_normal(
             (spec.cache.layers, pool, spec.cache.width), dtype=np.float32
-        ),
+        ).astype(NUMPY_DTYPES[spec.cache.dtype]),
         "past_slots": rng.permutation(pool)[: batch * past].reshape(batch, past),
     }
 
@@ -431,7 +435,7 @@ def _export_into(
     min_token_share = MIN_TOKEN_SHARE.get(rounded)
     storage = other_weights_storage(weights, precision)
 
-    spec = _StepSpec.of(family, config)
+    spec = _StepSpec.of(family, config, precision)
 
     def compress(model: Any) -> None:
         # the router's rows ([experts, hidden]) stay f32, as transformers keeps the router
@@ -470,7 +474,7 @@ def _export_into(
 
     # 3. per rank: the shard without its experts (the graph names the store), ONNX, IR
     example = {
-        name: torch.from_numpy(array)
+        name: to_torch(array)
         for name, array in _step_inputs(spec, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
     }
     graphs, xml_paths, rank_files = [], [], []

@@ -115,9 +115,14 @@ def write_reference_sample(
     """Save one input set and PyTorch's outputs on it (the manifest's ``reference_sample``)."""
     import numpy as np
 
+    from numaov.arrays import BFLOAT16
+
     path = Path(path)
     arrays = {f"input.{k}": v for k, v in inputs.items()}
     arrays.update({f"output.{k}": v for k, v in outputs.items()})
+    # np.load reads bf16 back as bytes ("V2"): stored widened to f32 (exactly), which
+    # compile_ir's runner rounds back for a bf16 input
+    arrays = {k: v.astype(np.float32) if v.dtype == BFLOAT16 else v for k, v in arrays.items()}
     try:
         with path.open("wb") as handle:
             np.savez(handle, **arrays)

@@ -278,10 +278,12 @@ def torch_reference(
     """
     import torch
 
+    from numaov.arrays import to_torch
+
     outputs = []
     with torch.no_grad():
         for feeds in input_sets:
-            result = module(**{name: torch.from_numpy(array) for name, array in feeds.items()})
+            result = module(**{name: to_torch(array) for name, array in feeds.items()})
             results = result if isinstance(result, (tuple, list)) else (result,)
             outputs.append([r.detach().float().numpy() for r in results])
     return outputs

@@ -107,7 +107,7 @@ def test_onnx_export_lets_the_module_go(tmp_path: Path) -> None:
     model = DeepseekV2.empty(TINY_DEEPSEEK_CONFIG)
     init_tiny_weights(model, torch.Generator().manual_seed(0))
     weight = weakref.ref(model.model.embed_tokens.weight)
-    spec = _StepSpec.of(FAMILY, TINY_DEEPSEEK_CONFIG)
+    spec = _StepSpec.of(FAMILY, TINY_DEEPSEEK_CONFIG, "f32")
     example = {
         name: torch.from_numpy(array)
         for name, array in _step_inputs(spec, EXAMPLE_SHAPE, np.random.default_rng(1)).items()

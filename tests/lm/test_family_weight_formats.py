@@ -48,6 +48,12 @@ def test_export_passes_its_format_rules_and_generates(
     for figure in written["parity"]:
         print(f"{family} {weights}: {figure}")
     assert written["parity"] and all(figure["passed"] for figure in written["parity"])
+    # the KV-cache pool holds the export's precision: the graph reads and returns bf16
+    # entries in a bf16 export (half the pool's bytes), f32 in an f32 one
+    assert written["cache_layout"]["dtype"] == precision
+    types = {spec["name"]: spec["dtype"] for spec in written["inputs"] + written["outputs"]}
+    entry = {"f32": "float32", "bf16": "bfloat16"}[precision]
+    assert types["kv_cache"] == types["new_key_values"] == entry
     store = open_store(out / "rank_0" / STORE_NAME)
     assert {layer.plan.weight_format for layer in store.layers.values()} == {store_format}
     result = run_lm(out, PROMPTS, NEW_TOKENS, "openvino",

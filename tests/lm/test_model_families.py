@@ -73,6 +73,14 @@ def test_the_cache_layout_round_trips_and_is_checked() -> None:
         CacheLayout.from_dict(broken, "here")
     with pytest.raises(ModelDirError, match="malformed"):
         CacheLayout.from_dict({"kind": "gqa"}, "here")
+    # the pool's element type: f32 unless the export says otherwise (exports before the field)
+    assert layout.dtype == "f32" and layout.pool_bytes(10) == 10 * layout.layers * layout.width * 4
+    older = {k: v for k, v in layout.to_dict().items() if k != "dtype"}
+    assert CacheLayout.from_dict(older, "here") == layout
+    bf16 = CacheLayout.from_dict({**layout.to_dict(), "dtype": "bf16"}, "here")
+    assert bf16.pool_bytes(10) == layout.pool_bytes(10) // 2
+    with pytest.raises(ModelDirError, match="inconsistent; re-export"):
+        CacheLayout.from_dict({**layout.to_dict(), "dtype": "f16"}, "here")
 
 
 # -- shared layers against transformers' ---------------------------------------------------------

@@ -76,7 +76,7 @@ class DecoderStack(nn.Module):
     """Embedding, the decoder layers and the final norm: ``(input_ids, position_ids,
     attention_mask, past [layers, B, P, W]) -> (hidden [B, T, H], new [layers, B, T, W])``:
     ``new`` is this step's cache entries (what follows ``past``; each attention cuts them from
-    its concatenation with the past, which keeps the pool's gather in f32: ``layers.gqa``).
+    its concatenation with the past: ``layers.gqa`` says why).
 
     Layer ``i`` is ``attention()`` and, when ``config.is_moe_layer(i)``, ``moe(world_size)``
     (this rank's shard of the family's MoE block), else a dense SwiGLU MLP of this rank's

@@ -80,10 +80,10 @@ class GroupedQueryAttention(nn.Module):
 
         # 2. this step's cache entries (rotated keys, values) after the past; every token's
         #    keys and values head-major by one transpose of both halves at once. ``new`` is
-        #    cut from the concatenation on purpose: with an f32 output reading it, OpenVINO's
-        #    CPU plugin keeps the pool's gather and this Concat in f32 and converts after it;
-        #    returned apart, the plugin moved the conversion to bf16 in front of the gather,
-        #    onto the whole pool input (every slot of every sequence, each step).
+        #    cut from the concatenation on purpose: an f32 pool read at bf16 precision (every
+        #    export's pool before bf16 exports got bf16 pools) then stays f32 up to this
+        #    Concat, where returned apart the CPU plugin moved the conversion to bf16 in
+        #    front of the gather, onto the whole pool input (every slot, each step).
         present = torch.cat((past, torch.cat((k.reshape(b, t, kv * d), v), dim=-1)), dim=1)
         s = present.shape[1]
         new = present[:, p:]  # [B, T, 2*kv*D]
@@ -92,7 +92,8 @@ class GroupedQueryAttention(nn.Module):
         # 3. attention, the query heads of one KV head as the rows of one matrix
         #    [B, kv, g*T, D]: both sides of each matmul have the same batch dims
         q = q.view(b, t, kv, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, kv, g*T, S]
+        # the scale on the query rather than the scores, as in layers.mla
+        scores = torch.matmul(q * self.scale, keys.transpose(-1, -2))  # [B, kv, g*T, S]
         scores = scores.view(b, kv, g, t, s).masked_fill(~mask.unsqueeze(1), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype).view(b, kv, g * t, s)
         context = torch.matmul(probs, values)  # [B, kv, g*T, D]

@@ -1,8 +1,9 @@
 """The KV cache of every rank: a token pool numaov owns, updated in place.
 
-Each rank holds one pool, ``[layers, capacity_tokens, width]`` f32, shaped by the export's
-cache layout (``manifest.CacheLayout``, which the model family describes: for MLA, per token the
-normalised latent and the rotated rope key; for GQA, the K and V heads), allocated once when
+Each rank holds one pool, ``[layers, capacity_tokens, width]``, shaped and typed by the
+export's cache layout (``manifest.CacheLayout``, which the model family describes: for MLA, per
+token the normalised latent and the rotated rope key; for GQA, the K and V heads; bf16 values
+in a bf16 export, f32 in an f32 one), allocated once when
 the rank starts and passed to the graph as an input that shares the pool's memory (no copy in).
 A step's graph reads the cached tokens of its rows by slot (``past_slots``) and returns only the
 new tokens' entries (``new_key_values``), which the rank writes into their slots (no copy out);
@@ -30,10 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from numaov import NumaovError
+from numaov.manifest import CacheLayout
 from numaov.runtime.lm.sequence import GenerationInputError
 
-# Cache entries are f32 (the graph's kv_cache input), whatever the weights' precision.
-ENTRY_BYTES = 4
 # The default capacity of each rank's pool, in tokens.
 DEFAULT_CACHE_TOKENS = 32768
 # A pool may take at most this share of the memory its node has available at start.
@@ -46,10 +46,6 @@ PREFIX_BLOCK = 16
 
 class CacheCapacityError(GenerationInputError):
     """A cache capacity the node cannot hold, or a request no cache of this size can hold."""
-
-
-def pool_bytes(layers: int, width: int, tokens: int) -> int:
-    return layers * width * tokens * ENTRY_BYTES
 
 
 def check_capacity(tokens: int) -> int:
@@ -87,15 +83,15 @@ def available_memory(cpus: Iterable[int] | None = None) -> int | None:
     return None
 
 
-def check_pool_fits(layers: int, width: int, tokens: int, rank: int) -> int:
+def check_pool_fits(cache: CacheLayout, tokens: int, rank: int) -> int:
     """The pool's bytes, after checking that the rank's node can hold it."""
-    need = pool_bytes(layers, width, tokens)
+    need = cache.pool_bytes(tokens)
     free = available_memory()
     if free is not None and need > MEMORY_SHARE * free:
         raise CacheCapacityError(
             f"a KV cache of {tokens} tokens needs {need / 2**20:.0f} MiB on rank {rank}, but its "
             f"NUMA node has {free / 2**20:.0f} MiB free; expected cache_tokens at most "
-            f"{int(MEMORY_SHARE * free // pool_bytes(layers, width, 1))}",
+            f"{int(MEMORY_SHARE * free // cache.pool_bytes(1))}",
             parameter="cache_tokens")
     return need
 

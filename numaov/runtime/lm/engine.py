@@ -50,7 +50,7 @@ import numpy as np
 
 from numaov import NumaovError
 from numaov.manifest import LM_KIND, CacheLayout
-from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS, CacheManager, check_capacity, pool_bytes
+from numaov.runtime.lm.cache import DEFAULT_CACHE_TOKENS, CacheManager, check_capacity
 from numaov.runtime.lm.grammar import GrammarCompiler, GrammarSpec
 from numaov.runtime.lm.ranks import (
     InProcessRanks,
@@ -348,7 +348,7 @@ class LMEngine:
         self.world_size = ranks.world_size
         self.tokenizer = tokenizer
         self._ranks = ranks
-        self.cache_bytes = pool_bytes(cache.layers, cache.width, cache_tokens)
+        self.cache_bytes = cache.pool_bytes(cache_tokens)
         self._caches = [CacheManager(cache_tokens, prefix_cache) for _ in range(self.world_size)]
         self._scheduler = Scheduler(self._caches, prefill_chunk, max_running)
         self._eos = end_of_sequence_ids(config)
@@ -400,8 +400,7 @@ class LMEngine:
         cache = manifest.record.cache
         report(f"starting {manifest.world_size} worker(s) on {backend} ({placement}); KV cache "
                f"{cache_tokens} tokens = "
-               f"{pool_bytes(cache.layers, cache.width, cache_tokens) / 2**20:.1f} "
-               "MiB per rank")
+               f"{cache.pool_bytes(cache_tokens) / 2**20:.1f} MiB of {cache.dtype} per rank")
         ranks = WorkerRanks(manifest, backend, plan, cache_tokens)
 
         def fresh_ranks(number: int) -> WorkerRanks:
@@ -419,8 +418,7 @@ class LMEngine:
     def in_process(cls, model: StepModel, config: Mapping[str, Any], cache: CacheLayout, *,
                    cache_tokens: int = DEFAULT_CACHE_TOKENS, **options: Any) -> LMEngine:
         """An engine over a single rank's step model in this process (dp=1)."""
-        ranks = InProcessRanks(RankRunner(model, cache.layers, cache.width,
-                                          check_capacity(cache_tokens)))
+        ranks = InProcessRanks(RankRunner(model, cache, check_capacity(cache_tokens)))
         return cls(ranks, config, cache, cache_tokens=cache_tokens, backend=model.name,
                    placement="in this process", **options)
 

@@ -85,7 +85,7 @@ def _serve_rank(context: Any, job: _RankJob) -> int:
     start = time.perf_counter()
     model = open_step_model(manifest, job.backend, context.rank, context.openvino_config())
     cache = manifest.record.cache
-    runner = RankRunner(model, cache.layers, cache.width, job.cache_tokens, context.rank)
+    runner = RankRunner(model, cache, job.cache_tokens, context.rank)
     parent = os.getppid()
     steps = 0
     try:

@@ -11,7 +11,8 @@ a phase are padded to its longest row on the left; padding never enters the cach
 real tokens' new entries are written into the pool, at the sequence's next slots.
 
 Backends behind one interface (:class:`StepModel`): ``openvino`` runs the rank's IR, with the
-pool bound once as the graph's ``kv_cache`` input tensor over the pool's own memory; ``torch``
+pool bound once as the graph's ``kv_cache`` input tensor over the pool's own memory (bf16
+pools too, by ``numaov.arrays``); ``torch``
 runs the export's model family (``numaov.models.families``) on the source checkpoint with the
 same shard and the same collectives (by group name), the reference the IR is checked against.
 """
@@ -25,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from numaov.arrays import NUMPY_DTYPES, from_openvino, from_torch, to_torch
+from numaov.manifest import CacheLayout
 from numaov.runtime.lm.cache import check_pool_fits
 from numaov.runtime.lm.sampler import new_generator, sample_token
 from numaov.runtime.lm.sequence import GenerationInputError, SamplingParams
@@ -94,7 +97,8 @@ class RankStepResult:
 
 class StepModel:
     """One rank's pooled step (the family's ``step_module``): numpy in, ``(logits [B, V] f32,
-    new_key_values [layers, B, T, W] f32)`` out, valid until the next call."""
+    new_key_values [layers, B, T, W])`` out, the entries of the pool's dtype, valid until the
+    next call."""
 
     name = "base"
 
@@ -117,16 +121,16 @@ class OpenVINOStep(StepModel):
         self._request = self._compiled.create_infer_request()
 
     def bind_pool(self, pool: np.ndarray) -> None:
-        import openvino as ov
+        from numaov.arrays import to_openvino
 
         # The graph reads the pool's memory itself; set once, kept across steps.
-        self._pool_tensor = ov.Tensor(pool, shared_memory=True)
+        self._pool_tensor = to_openvino(pool)
         self._request.set_tensor("kv_cache", self._pool_tensor)
 
     def step(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         self._request.infer(feeds)
         return (self._request.get_tensor("logits").data,
-                self._request.get_tensor("new_key_values").data)
+                from_openvino(self._request.get_tensor("new_key_values")))
 
     def close(self) -> None:
         self._request = None
@@ -167,10 +171,10 @@ class TorchStep(StepModel):
             logits, new = self._family.step_pooled(
                 self._model,
                 torch.from_numpy(feeds["input_ids"]), torch.from_numpy(feeds["position_ids"]),
-                torch.from_numpy(feeds["attention_mask"]), torch.from_numpy(self._pool),
+                torch.from_numpy(feeds["attention_mask"]), to_torch(self._pool),
                 torch.from_numpy(feeds["past_slots"]),
             )
-        return logits.float().numpy(), new.float().numpy()
+        return logits.float().numpy(), from_torch(new.contiguous())  # in the pool's dtype
 
     def close(self) -> None:
         self._model = None
@@ -207,12 +211,13 @@ class _RankSequence:
 class RankRunner:
     """One rank's step model, its cache pool and the state of the sequences it holds."""
 
-    def __init__(self, model: StepModel, layers: int, width: int, capacity_tokens: int,
+    def __init__(self, model: StepModel, cache: CacheLayout, capacity_tokens: int,
                  rank: int = 0) -> None:
         self.rank = rank
         self.model = model
-        self.pool_bytes = check_pool_fits(layers, width, capacity_tokens, rank)
-        self.pool = np.zeros((layers, capacity_tokens, width), dtype=np.float32)
+        self.pool_bytes = check_pool_fits(cache, capacity_tokens, rank)
+        self.pool = np.zeros((cache.layers, capacity_tokens, cache.width),
+                             dtype=NUMPY_DTYPES[cache.dtype])
         model.bind_pool(self.pool)
         self._sequences: dict[int, _RankSequence] = {}
 
@@ -294,13 +299,13 @@ class RankGeneration:
 
 
 def generate_on_rank(model: StepModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                     layers: int, cache_width: int, rank: int = 0) -> RankGeneration:
+                     cache: CacheLayout, rank: int = 0) -> RankGeneration:
     """A fixed-length greedy generation of this rank's prompts, in lockstep with the other
     ranks doing the same (``max_new_tokens`` forwards: every prompt whole, then one token per
     forward), on a pool just large enough. For benchmarks that time single forwards; serving
     goes through :class:`numaov.runtime.lm.engine.LMEngine`."""
     need = sum(len(p) + max_new_tokens for p in prompts)
-    runner = RankRunner(model, layers, cache_width, max(need, 1), rank)
+    runner = RankRunner(model, cache, max(need, 1), rank)
     params = SamplingParams(max_new_tokens, ignore_eos=True)
     joins, start = [], 0
     for i, prompt in enumerate(prompts):
