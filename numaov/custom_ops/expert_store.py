@@ -115,8 +115,14 @@ def _align(offset: int) -> int:
 class StoreWriter:
     """Writes one store: the layout is fixed up front from the layers' plans, each expert's
     rows are written into place as they come (any order, one expert at a time, so the caller
-    never holds a layer), and :meth:`close` computes every layer's digest from the file and
-    writes the header last, so an interrupted write leaves no valid store."""
+    never holds a layer), and :meth:`close` writes the header last, so an interrupted write
+    leaves no valid store.
+
+    A layer's digest is computed from the file the moment its last part is written, while
+    its pages are still in the page cache: computed at close, a store larger than the page
+    cache (a DeepSeek-V3 rank's is hundreds of GB) would be read back from disk whole. A part
+    written again after that digests its layer again; close digests a layer never completed
+    (its unwritten parts read as zeros)."""
 
     def __init__(self, path: str | Path, layers: Sequence[LayerPlan]) -> None:
         self.path = Path(path)
@@ -138,6 +144,11 @@ class StoreWriter:
             end = regions[last] + self.plans[layer].regions()[last][2]
             self.spans[layer] = (start, end - start)
         self.size = max((s + n for s, n in self.spans.values()), default=offset)
+        # per layer: the (region, expert) parts written so far, and its digest once all are
+        self._written: dict[int, set[tuple[str, int]]] = {layer: set() for layer in self.plans}
+        self._parts = {layer: sum(shape[0] for shape, _, _ in plan.regions().values())
+                       for layer, plan in self.plans.items()}
+        self._digests: dict[int, bytes] = {}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.ftruncate(self._fd, self.size)  # sparse until written; the gaps read as zeros
@@ -160,23 +171,33 @@ class StoreWriter:
         while data.nbytes:  # pwrite may write less than asked
             written = os.pwrite(self._fd, data, at)
             data, at = data[written:], at + written
+        self._written[layer].add((region, expert))
+        if len(self._written[layer]) == self._parts[layer]:
+            self._digests[layer] = self._digest(layer)
 
-    def close(self) -> str:
-        """Digest every layer, write the header and table; returns the store id (hex)."""
+    def _digest(self, layer: int) -> bytes:
+        """xxh3-128 of the layer's span as the file holds it."""
         import xxhash
 
+        start, span = self.spans[layer]
+        digest = xxhash.xxh3_128()
+        for at in range(start, start + span, _HASH_CHUNK):
+            digest.update(os.pread(self._fd, min(_HASH_CHUNK, start + span - at), at))
+        return digest.digest()
+
+    def close(self) -> str:
+        """Write the header and table (the digest of each layer not yet digested computed
+        now); returns the store id (hex)."""
         table = bytearray()
         for layer in sorted(self.plans):
             plan, regions = self.plans[layer], self.offsets[layer]
-            start, span = self.spans[layer]
-            digest = xxhash.xxh3_128()
-            for at in range(start, start + span, _HASH_CHUNK):
-                digest.update(os.pread(self._fd, min(_HASH_CHUNK, start + span - at), at))
+            _, span = self.spans[layer]
+            digest = self._digests.get(layer) or self._digest(layer)
             table += struct.pack(
                 _ENTRY, layer, FORMAT_CODES[plan.weight_format], 0, plan.experts, plan.hidden,
                 plan.inter, plan.gate_up_groups, plan.down_groups, regions["gate_up"],
                 regions["down"], regions.get("gate_up_scale", 0), regions.get("down_scale", 0),
-                span, digest.digest(),
+                span, digest,
             )
         header = struct.pack(_HEADER, STORE_MAGIC, STORE_VERSION, len(self.plans),
                              self.size, self.store_id)

@@ -101,6 +101,37 @@ def test_an_altered_store_is_refused_naming_the_file_and_the_layer(tmp_path: Pat
     assert "layer 3" in message and "digest" in message
 
 
+def test_layers_are_digested_as_they_complete_and_close_reads_only_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's digest is taken when its last part is written (its pages still cached) and
+    again when a part is written again, so close reads back only a layer never completed."""
+    stacks, other = _stacks("bf16", 2, 48, 20, seed=1), _stacks("bf16", 2, 48, 20, seed=2)
+    path = tmp_path / "experts.nxs"
+    writer = StoreWriter(path, [LayerPlan(layer, "bf16", 2, 48, 20) for layer in (0, 1, 2)])
+    for layer in (0, 1, 2):
+        for name, stack in stacks.items():
+            for expert in range(2):
+                if (layer, name, expert) != (2, "down", 1):  # layer 2 never completes
+                    writer.write(layer, name, expert, stack[expert])
+    writer.write(1, "down", 0, other["down"][0])  # layer 1 written again after its digest
+    spans = {layer: writer.spans[layer] for layer in (0, 1, 2)}
+    read: list[int] = []
+    pread = os.pread
+
+    def counted(fd: int, size: int, at: int) -> bytes:
+        read.append(next(layer for layer, (s, n) in spans.items() if s <= at < s + n))
+        return pread(fd, size, at)
+
+    monkeypatch.setattr(os, "pread", counted)
+    writer.close()
+    monkeypatch.setattr(os, "pread", pread)
+    assert set(read) == {2}  # layers 0 and 1 were digested as they completed
+    store = open_store(path)  # every digest checked against the file
+    assert torch.equal(store.layers[1].down[0], other["down"][0])
+    assert torch.equal(store.layers[0].down[1], stacks["down"][1])
+    assert not store.layers[2].down[1].any()  # never written: zeros, digested at close
+
+
 def test_a_truncated_or_foreign_file_is_refused_in_one_line(tmp_path: Path) -> None:
     stacks = _stacks("bf16", 2, 48, 20, seed=1)
     path = tmp_path / "experts.nxs"
