@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov.arrays import NUMPY_DTYPES, from_openvino, from_torch, to_torch
+from numaov.arrays import NUMPY_DTYPES, from_openvino, from_torch, to_openvino, to_torch
 from numaov.manifest import CacheLayout
 from numaov.runtime.lm.cache import check_pool_fits
 from numaov.runtime.lm.sampler import new_generator, sample_token
@@ -121,8 +121,6 @@ class OpenVINOStep(StepModel):
         self._request = self._compiled.create_infer_request()
 
     def bind_pool(self, pool: np.ndarray) -> None:
-        from numaov.arrays import to_openvino
-
         # The graph reads the pool's memory itself; set once, kept across steps.
         self._pool_tensor = to_openvino(pool)
         self._request.set_tensor("kv_cache", self._pool_tensor)
