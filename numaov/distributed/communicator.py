@@ -45,6 +45,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from numaov import NumaovError
+from numaov.arrays import to_torch
 from numaov.native import native_module
 
 logger = logging.getLogger(__name__)
@@ -380,9 +381,9 @@ class GlooCommunicator(Communicator):
         self._check_live()
         buffer = _buffer(t, what, writable)  # the shared-memory transport's checks and messages
         if isinstance(t, np.ndarray):
-            import torch
-
-            t = torch.from_numpy(t)  # shares memory: in-place results land in `t`
+            # shares memory: in-place results land in `t`; bf16 (ml_dtypes') included, which
+            # torch.from_numpy refuses
+            t = to_torch(t)
         return t, buffer
 
     def all_reduce(self, t: Any) -> None:

@@ -257,6 +257,12 @@ def _gloo_worker(rank: int, world: int, args: dict) -> dict:
                 case += 1
                 xs = _inputs(args["seed"], case, world, (2, 3, 5), dtype_name)
                 check(f"all_gather {dtype_name} dim={dim}", "all_gather", xs, dim, dtype_name)
+    # numpy arrays of ml_dtypes' bfloat16 (the transports accept them by name) on gloo too
+    ones = np.ones(9, dtype=np.float32)
+    x = (ones * (rank + 1)).astype(_numpy_dtype("bfloat16"))
+    gloo.all_reduce(x)
+    if not np.array_equal(x.astype(np.float32), ones * (world * (world + 1) // 2)):
+        problems.append(f"gloo all_reduce of a numpy bfloat16 array gave {x}")
     if args["big"]:
         # Larger than the buffer many times over: 40 MiB per tensor passed in.
         elements = BIG_BYTES // 4
