@@ -85,12 +85,14 @@ def _bf16_constant(values: np.ndarray) -> Any:
     took 8 GiB and 55 s for 2 GiB of f32 weights, this takes the bf16 bytes."""
     import openvino as ov
 
+    from numaov.arrays import BFLOAT16, from_openvino
+
     tensor = ov.Tensor(ov.Type.bf16, list(values.shape))
-    out = tensor.data.view(np.uint16).reshape(-1)
+    out = from_openvino(tensor).reshape(-1)
     flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
     for start in range(0, flat.size, _BF16_CHUNK):
-        bits = flat[start:start + _BF16_CHUNK].view(np.uint32)
-        out[start:start + _BF16_CHUNK] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # ml_dtypes' conversion rounds to nearest even: the same bits as torch's
+        out[start:start + _BF16_CHUNK] = flat[start:start + _BF16_CHUNK].astype(BFLOAT16)
     return ov.op.Constant(tensor, shared_memory=False)
 
 
