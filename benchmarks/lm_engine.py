@@ -133,13 +133,11 @@ def use_family(family: str) -> None:
     WORK = WORK_ROOT if family == "deepseek_v2" else WORK_ROOT / family
 
 
-def random_pool(model_dir: Path, tokens: int, rng: np.random.Generator) -> np.ndarray:
-    """A KV-cache pool of ``tokens`` slots for an export (its manifest's layout and dtype),
-    filled with normal values."""
+def random_pool(cache: Any, tokens: int, rng: np.random.Generator) -> np.ndarray:
+    """A KV-cache pool of ``tokens`` slots for an export's ``CacheLayout`` (its layout and
+    dtype), filled with normal values."""
     from numaov.arrays import NUMPY_DTYPES
-    from numaov.runtime.manifest_reader import read_manifest
 
-    cache = read_manifest(model_dir).record.cache
     return rng.standard_normal((cache.layers, tokens, cache.width), dtype=np.float32
                                ).astype(NUMPY_DTYPES[cache.dtype])
 
@@ -307,7 +305,7 @@ def kv_candidates(checkpoint: Path, numaov_dir: Path, precision: str) -> dict[st
     # 1. numaov's pool, bound once over shared memory
     compiled = compile_ir(numaov_dir / "rank_0" / "model.xml", precision, props).model
     for key, scale in (("pool", 1), ("pool_8x_capacity", 8)):
-        pool = random_pool(numaov_dir, scale * (max(CONTEXTS) + 8), rng)
+        pool = random_pool(cache, scale * (max(CONTEXTS) + 8), rng)
         request = compiled.create_infer_request()
         request.set_tensor("kv_cache", to_openvino(pool))
         for context in CONTEXTS:
@@ -444,7 +442,7 @@ def _profile_rank(context: Any, job: dict[str, Any]) -> dict[str, Any]:
     compiled = manifest.compile_rank(context.rank, config)
     request = compiled.create_infer_request()
     rows, past = job["rows"][context.rank], job["context"]
-    pool = random_pool(Path(job["model_dir"]), max(rows, 1) * past + 1,
+    pool = random_pool(manifest.record.cache, max(rows, 1) * past + 1,
                        np.random.default_rng(context.rank))
     request.set_tensor("kv_cache", to_openvino(pool))
     feeds = {"input_ids": np.full((rows, 1), 5), "position_ids": np.full((rows, 1), past),
