@@ -55,7 +55,10 @@ stateful), and both run the same seeded prompts:
   probe): the bytes a token reads (every IR constant but the token embedding, of which one
   row, and the top-k routed experts of each MoE layer as the store holds them) over the step
   time, and the same split into the routed experts (their ``MoeExperts`` nodes' time) and the
-  rest (the other weights over the rest of the step). numaov only.
+  rest (the other weights over the rest of the step). With ``decode`` in the same run, each
+  batch-1 decode of numaov dp=1 and of optimum-intel also gets a read sample just before it,
+  and both systems' tokens/s times the bytes a token reads are given as shares of it
+  (``batch1_read_shares``).
 
 optimum-intel runs in its own venv (``benchmarks/optimum_venv.sh``), never in numaov's; its
 exports of deepseek_v2 / deepseek_v3 need its transformers cap lifted in its process (see
@@ -902,11 +905,13 @@ class OptimumDecoder:
         self._proc.wait(timeout=120)
 
 
-def decode_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
+def decode_rounds(decoders: dict[str, Any], rounds: int, reads: Any = None) -> dict[str, Any]:
     """Every system at every batch once per round, the systems' order rotating each round
     (the machine's speed drifts within minutes); medians and ranges over the rounds. Round r
     decodes prompts of seed ``SEED + r`` on every system (a prompt cached by an earlier round
-    would move dp=2's requests to the rank holding it); tokens are compared on round 1's."""
+    would move dp=2's requests to the rank holding it); tokens are compared on round 1's.
+    ``reads`` (a ``roofline.ReadSampler``): a read sample just before each batch-1 decode, in
+    its row as ``read_gb_s``."""
     samples: dict[str, dict[str, list[dict[str, Any]]]] = {
         name: {str(b): [] for b in BATCHES} for name in decoders}
     names = list(decoders)
@@ -914,7 +919,10 @@ def decode_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
         order = names[r % len(names):] + names[:r % len(names)]
         for batch in BATCHES:
             for name in order:
+                read = reads.sample() if reads is not None and batch == 1 else None
                 row = decoders[name].decode(batch, seed=SEED + r)
+                if read is not None:
+                    row["read_gb_s"] = read
                 samples[name][str(batch)].append(row)
                 log(f"round {r + 1}/{rounds} batch {batch:>2} {name}: "
                     f"{row['decode_tokens_per_s']:.1f} tok/s")
@@ -931,7 +939,27 @@ def decode_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
                     row["decode_step_ms_median"] for row in rows),
                 "tokens": rows[0]["tokens"],
             }
+            if "read_gb_s" in rows[0]:
+                summary[name][batch]["read_gb_s_rounds"] = [row["read_gb_s"] for row in rows]
     return summary
+
+
+def batch1_read_shares(results: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    """Each system's batch-1 decode against the read bandwidth of its round: ``nbytes`` (the
+    weights one token reads, `weights_read_per_token`; the same checkpoint and format on both
+    sides) times tokens/s over the read sample taken just before, median over the rounds. Where
+    both are near 100%, neither can be much faster without reading fewer bytes."""
+    out: dict[str, Any] = {"bytes_per_token": nbytes}
+    for name in ("numaov_dp1", "optimum"):
+        row = results[name]["1"]
+        shares = [nbytes * rate / (read * 1e9) for rate, read in
+                  zip(row["decode_tokens_per_s_rounds"], row["read_gb_s_rounds"], strict=True)]
+        out[name] = {"of_read_median": statistics.median(shares),
+                     "of_read_range": [min(shares), max(shares)]}
+        log(f"batch 1 {name}: {nbytes / 1e6:.1f} MB a token, "
+            f"{100 * out[name]['of_read_median']:.0f}% of the read bandwidth "
+            f"[{100 * min(shares):.0f}-{100 * max(shares):.0f}%]")
+    return out
 
 
 def prefill_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -1053,7 +1081,15 @@ def main() -> None:
                                    for (p, w), name in optimum_formats.items()}
         try:
             if "decode" in sections:
-                results.update(decode_rounds(decoders, args.rounds))
+                reads = None
+                if "roofline" in sections and 1 in BATCHES:
+                    import roofline  # benchmarks/roofline.py, beside this file
+                    reads = roofline.ReadSampler(sorted(os.sched_getaffinity(0)),
+                                                 roofline.l3_bytes())
+                results.update(decode_rounds(decoders, args.rounds, reads))
+                if reads is not None:
+                    results["batch1_read_shares"] = batch1_read_shares(
+                        results, weights_read_per_token(dirs[1])["total_bytes"])
             if "prefill" in sections:
                 results["prefill"] = prefill_rounds(decoders, args.rounds)
         finally:

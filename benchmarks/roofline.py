@@ -6,8 +6,8 @@
    ctypes, one thread pinned per CPU, all threads starting each pass together:
 
    - read bandwidth: each thread sums its own buffer (first touched by that thread) with
-     64-byte AVX-512 loads; 4x the last-level cache in all (at least 32 MiB a thread), swept
-     until a pass takes ~0.1 s;
+     64-byte AVX-512 loads; 4x the last-level cache in all and at least 1 GiB (at least 32 MiB
+     a thread), swept until a pass takes ~0.1 s;
    - f32 FMA peak: 16 independent chains of ``vfmadd`` on registers only (256 multiply-adds an
      iteration);
    - AVX512-BF16 peak: the same with ``vdpbf16ps`` (512 multiply-adds an iteration), where the
@@ -31,7 +31,8 @@
    store), so a call's weights were last read several calls ago and come from memory, not the
    cache, as in a model with many layers. Per call: the bytes it must read (the k selected
    experts' weights and scales in the format, as the store holds them) per second, as a share
-   of the read bandwidth of all the rank's cores: each decode timing is paired with a read
+   of the read bandwidth of all the rank's cores: each decode timing (calls repeated for as long as
+   a read sample takes, so a first call's cold threads weigh little) is paired with a read
    sample taken just before it and a decode share is the median of the paired ratios (a
    shared VM's bandwidth moves by 2x between samples), prefill's against the median of those
    samples (the limits of part 1 are measured before); its multiply-adds (rows x k x 3 x
@@ -82,6 +83,11 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 OUT = OUT_DIR / "roofline.json"
 #: Seconds a probe's pass is calibrated to.
 PASS_S = 0.1
+#: The read probe's buffer in all, at least: a streaming read must come from memory, and a VM's
+#: guest sees only part of the host's caches. On the 2-vCPU "AMD EPYC" VM (32 MiB of L3 in
+#: sysfs) a 128 MiB buffer (4x that L3) read 18% faster in median than 1 GiB, and up to 74
+#: against 55 GB/s, in 30 alternating samples (benchmarks/RESULTS.md): partly from a cache.
+READ_BYTES_MIN = 1 << 30
 #: Prefill rows per selected expert (decode is one row).
 PREFILL_ROWS = (64, 256)
 DEFAULT_FORMATS = ("bf16", "int8", "int4", "fp8")
@@ -437,9 +443,10 @@ def stats(values: list[float]) -> dict[str, float]:
 
 
 def read_bytes_per_thread(threads: int, llc_bytes: int | None) -> int:
-    """The read probe's buffer per thread: 4x the last-level cache in all, split over the
-    threads (at least 32 MiB each when there are several), in whole pages."""
-    total = 4 * (llc_bytes or 64 << 20)
+    """The read probe's buffer per thread: 4x the last-level cache in all and at least
+    READ_BYTES_MIN, split over the threads (at least 32 MiB each when there are several), in
+    whole pages."""
+    total = max(4 * (llc_bytes or 64 << 20), READ_BYTES_MIN)
     size = total if threads == 1 else max(-(-total // threads), 32 << 20)
     return -(-size // 4096) * 4096
 
@@ -704,9 +711,11 @@ def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: in
     ticks = cpu_ticks()
     for round_number in range(rounds):
         for key in keys if round_number % 2 == 0 else keys[::-1]:
-            if key in paired:
+            if key in paired:  # decode: calls for as long as the read sample took
                 paired[key].append(reads.sample())
-            samples[key].append(_timed(competitors[key]))
+                samples[key].append(_timed(competitors[key], PASS_S))
+            else:
+                samples[key].append(_timed(competitors[key]))
     read_samples = [gb_s for values in paired.values() for gb_s in values]
     conditions = {"read_gb_s": stats(read_samples), "stolen": stolen_share(ticks, cpu_ticks())}
     read = conditions["read_gb_s"]["median"]
