@@ -38,8 +38,9 @@
    samples (the limits of part 1 are measured before); its multiply-adds (rows x k x 3 x
    hidden x intermediate) per second, as a share of the f32 FMA peak and of the peak of the
    instructions the kernel runs the format on (bf16: AMX tiles for experts of two rows or
-   more where usable, else AVX512-BF16; int8 / int4 / fp8 are widened to f32 FMAs); and the
-   roofline: the time the larger of the two bounds allows over the time taken. An empty call
+   more where usable, else AVX512-BF16; fp8, compiled as a bf16 model runs it, the same from
+   8 rows per expert (dequantized to bf16); int8 / int4, and fp8 below that, are widened to
+   f32 FMAs); and the roofline: the time the larger of the two bounds allows over the time taken. An empty call
    (a model with the op's inputs returning x, compiled the same way) is timed in the same
    rounds: what one ``infer`` costs by itself (~60 us here: inputs set, threads woken, the
    output returned), which the op does not pay inside a model's step; ``op%read`` is the
@@ -546,12 +547,13 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     """The measured multiply-add peak (all cores, median) of the instructions the MoeExperts
     kernel runs ``weights`` on at this many rows per expert: bf16 on AMX tiles where the kernel
     puts such an expert on them (``moe_ops.bf16_kernel``), else AVX512-BF16 dot products;
-    f32, int8, int4 and fp8 in f32 FMAs (weight-only: the weights are widened to f32). None
-    when that peak was not measured."""
-    from numaov.custom_ops.moe_ops import bf16_kernel
+    fp8 as bf16 from FP8_TILE_MIN_ROWS rows per expert (the op is compiled as a bf16 model
+    runs it, `stored_op`); f32, int8, int4 and fp8 below that in f32 FMAs (weight-only: the
+    weights are widened to f32). None when that peak was not measured."""
+    from numaov.custom_ops.moe_ops import FP8_TILE_MIN_ROWS, bf16_kernel
 
     name = "fma_f32"
-    if weights == "bf16":
+    if weights == "bf16" or (weights == "fp8" and rows_per_expert >= FP8_TILE_MIN_ROWS):
         kernel = bf16_kernel()
         on_tiles = kernel["kernel"] == "amx" and rows_per_expert >= (kernel["amx_min_rows"] or 1)
         name = "amx_bf16" if on_tiles else "dot_bf16"
@@ -607,7 +609,8 @@ def stored_op(shape: LayerShape, formats: list[str], threads: int, where: Path
         per_expert = store.layers[0].plan.expert_bytes()
         onnx_path = write_store_moe_onnx(directory / "moe.onnx", STORE_NAME, store.store_id,
                                          0, h, shape.top_k)
-        precision = "bf16" if weights == "bf16" else "f32"
+        # fp8 as a bf16 model runs it: its prefill on the bf16 tiles (decode is exact either way)
+        precision = "bf16" if weights in ("bf16", "fp8") else "f32"
         xml = convert_to_ir(onnx_path, directory / "moe.xml", precision)
         request = compile_ir(xml, precision, {"INFERENCE_NUM_THREADS": threads}
                              ).create_infer_request()

@@ -401,6 +401,10 @@ def kernel_unavailable_reason(weight_format: str) -> str:
     return native_module().moe_unavailable_reason(weight_format)
 
 
+# A bf16 model's fp8 experts run on the bf16 kernel once a call averages this many rows per
+# expert (moe_kernels.cpp's kFp8TileMinRows).
+FP8_TILE_MIN_ROWS = 8
+
 # What each format's experts run on (csrc/kernels/moe_kernels.cpp, ``dot_tile_of``); bf16's
 # choice between AMX tiles and AVX512-BF16 is made at run time (``bf16_kernel``).
 FORMAT_KERNELS = {
@@ -433,6 +437,9 @@ def format_kernels() -> dict[str, dict[str, Any]]:
                            else "AVX512-BF16 dot products"), "reason": bf16["reason"]}
         else:
             kernels[weight_format] = {"kernel": FORMAT_KERNELS[weight_format], "reason": ""}
+    if kernels["fp8"]["kernel"] and kernels["bf16"]["kernel"]:
+        kernels["fp8"]["kernel"] += (f"; in a bf16 model, from {FP8_TILE_MIN_ROWS} rows per "
+                                     "expert, dequantized to bf16 for the bf16 kernel")
     return kernels
 
 

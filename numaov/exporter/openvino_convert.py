@@ -74,6 +74,14 @@ def _reads_bf16_weights(target) -> bool:
     return node.get_type_name() == "MoeExperts" and target.get_index() in (3, 4)
 
 
+def _is_expert_scale(target) -> bool:
+    """Whether an input port takes the f32 scales of MoeExperts' int8 / int4 / fp8 stacks
+    (inputs 5 and 6): part of the stored format, kept f32 (rounded to bf16 they moved a
+    layer's output by 1%)."""
+    node = target.get_node()
+    return node.get_type_name() == "MoeExperts" and target.get_index() in (5, 6)
+
+
 # Values rounded per step of _bf16_constant: bounds its temporaries (a few copies of one chunk).
 _BF16_CHUNK = 1 << 22
 
@@ -111,6 +119,8 @@ def _store_weights_as_bf16(model) -> int:
         shape = node.get_output_partial_shape(0)
         if not shape.is_static or int(np.prod(list(node.get_output_shape(0)))) < BF16_MIN_ELEMENTS:
             continue
+        if any(_is_expert_scale(t) for t in node.output(0).get_target_inputs()):
+            continue
         compressed = _bf16_constant(node.get_data())
         compressed.set_friendly_name(node.get_friendly_name())
         expanded = None
@@ -124,6 +134,36 @@ def _store_weights_as_bf16(model) -> int:
         replaced += 1
     model.validate_nodes_and_infer_types()
     return replaced
+
+
+def _moe_activations_in_bf16(model) -> int:
+    """Give every ``MoeExperts`` node of a bf16 model (graph and bodies) bf16 activations: its
+    f32 x through a Convert to bf16, its output through a Convert back to f32. The CPU plugin
+    computes the nodes around it in bf16 anyway, but runs an extension op on the types the
+    graph gives it, so without these it converts x to f32 and the result back (a Reorder each
+    way) and the kernel cannot tell that the model computes in bf16: with bf16 x, fp8 experts
+    of many rows run on the bf16 tiles (``moe_kernels.hpp``); every other path gives the same
+    values either way (x is bf16-valued, and the output is rounded to bf16 once). Returns how
+    many nodes were given bf16 activations."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    changed = 0
+    for node in model.get_ordered_ops():
+        for body in _subgraphs(node):
+            changed += _moe_activations_in_bf16(body)
+        if node.get_type_name() != "MoeExperts" or node.get_input_element_type(0) != ov.Type.f32:
+            continue
+        targets = list(node.output(0).get_target_inputs())
+        node.input(0).replace_source_output(ops.convert(node.input_value(0), ov.Type.bf16).output(0))
+        node.validate_and_infer_types()
+        back = ops.convert(node.output(0), ov.Type.f32)
+        for target in targets:
+            target.replace_source_output(back.output(0))
+        changed += 1
+    if changed:
+        model.validate_nodes_and_infer_types()
+    return changed
 
 
 def _add_attribute(layer: Any, name: str) -> bool:
@@ -262,6 +302,7 @@ def convert_to_ir(
     if precision == "bf16":
         replaced = _store_weights_as_bf16(model)
         report(f"stored {replaced} weight tensors as bf16")
+        _moe_activations_in_bf16(model)
     if compress is not None:
         report("compressing weights")
         compress(model)

@@ -25,7 +25,11 @@ import pytest
 import torch
 from test_moe_op import BF16_TOL, _compiled, _feeds, _reference, _rel
 
-from numaov.custom_ops.moe_ops import kernel_unavailable_reason
+from numaov.custom_ops.moe_ops import (
+    dequantize_experts,
+    kernel_unavailable_reason,
+    quantize_experts,
+)
 from numaov.native import native_module
 
 AMX_MISSING = native_module().amx_unavailable_reason() or kernel_unavailable_reason("bf16")
@@ -120,6 +124,26 @@ def test_amx_with_several_experts_per_row(tmp_path: Path,
         avx = _run(run, monkeypatch, "off", x, ids, weights)
         assert _rel(amx, reference) < BF16_TOL, rows
         assert _rel(amx, avx) < AMX_VS_AVX_TOL, rows
+
+
+def test_fp8_experts_of_many_rows_run_on_the_tiles_as_their_bf16_dequantization(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a bf16 model, fp8 experts of many rows are dequantized to bf16 block by block and
+    run on the same tiles as bf16 experts: with AMX always and off, bit for bit what bf16
+    stacks holding those dequantized weights give (test_moe_op's
+    test_fp8_experts_in_a_bf16_model checks the choice of path)."""
+    gate_up, down = _stacks(seed=7)
+    (qg, sg), (qd, sd) = (quantize_experts(w, "fp8") for w in (gate_up, down))
+    for name in ("fp8", "bf16"):
+        (tmp_path / name).mkdir()
+    fp8 = _compiled(tmp_path / "fp8", qg, qd, 1, "bf16", (sg, sd)).runner()
+    bf16 = _compiled(tmp_path / "bf16", dequantize_experts(qg, sg), dequantize_experts(qd, sd),
+                     1, "bf16").runner()
+    x, ids, weights = _routed((16, 17, 64, 20, 0, 0, 0, 0, 0), seed=4)
+    x = x.bfloat16().float()
+    for setting in ("always", "off"):
+        got = _run(fp8, monkeypatch, setting, x, ids, weights)
+        assert np.array_equal(got, _run(bf16, monkeypatch, setting, x, ids, weights)), setting
 
 
 def test_a_bad_setting_is_refused_by_name(amx_model, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,6 +39,7 @@ from numaov.custom_ops import (
     moe_experts,
 )
 from numaov.custom_ops.moe_ops import (
+    FP8_TILE_MIN_ROWS,
     dequantize_experts,
     fp8_row_scales,
     kernel_unavailable_reason,
@@ -475,3 +476,41 @@ def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path,
     expected = act[(codes % 16).numpy()] * values.numpy()  # float32 products, rounded once
     assert np.array_equal(got[0, 16:], expected)
     assert values.abs().max() == 448 and values[1] == 2.0**-9 and values[0x80 + 7] == -7 * 2.0**-9
+
+
+
+@needs_bf16
+@pytest.mark.parametrize(("hidden", "inter"), [(48, 20), (256, 160)])
+def test_fp8_experts_in_a_bf16_model(tmp_path: Path, hidden: int, inter: int) -> None:
+    """A bf16 export gives the op bf16 activations (convert_to_ir). Below FP8_TILE_MIN_ROWS
+    rows per expert fp8 experts run exactly as in an f32 model, the sum rounded to bf16 once;
+    from there on the bf16 tiles on the weights dequantized to bf16 (each w * scale rounded
+    once, as PyTorch dequantizes FP8 weights for a bf16 model): bit for bit what bf16 experts
+    holding those dequantized weights give. Top-1 routing, every expert the same rows."""
+    experts = 4
+    _, _, _, _, _, qg, qd, sg, sd = _fp8_problem(1, hidden, inter, experts=experts, top_k=1)
+    for name in ("fp8_bf16", "fp8_f32", "bf16"):
+        (tmp_path / name).mkdir()
+    fp8_bf16 = _compiled(tmp_path / "fp8_bf16", qg, qd, 1, "bf16", (sg, sd))
+    (op,) = [n for n in fp8_bf16.model.get_runtime_model().get_ordered_ops()
+             if n.get_rt_info()["layerType"].astype(str) == "Reference"]
+    assert [op.get_input_element_type(i).get_type_name() for i in (0, 3, 4)] == [
+        "bf16", "f8e4m3", "f8e4m3"]
+    fp8_f32 = _compiled(tmp_path / "fp8_f32", qg, qd, 1, "f32", (sg, sd)).runner()
+    dequantized = [dequantize_experts(q, s) for q, s in ((qg, sg), (qd, sd))]
+    bf16 = _compiled(tmp_path / "bf16", *dequantized, 1, "bf16").runner()
+    run = fp8_bf16.runner()
+    for per_expert in (1, FP8_TILE_MIN_ROWS - 1, FP8_TILE_MIN_ROWS, 75):
+        rows = experts * per_expert
+        x, _, weights, *_ = _fp8_problem(rows, hidden, inter, seed=rows, experts=experts, top_k=1)
+        x = x.bfloat16().float()  # a bf16 model's activations
+        ids = (torch.arange(rows) % experts).reshape(rows, 1)
+        (got,) = run(_feeds(x, ids, weights))
+        if per_expert < FP8_TILE_MIN_ROWS:
+            (exact,) = fp8_f32(_feeds(x, ids, weights))
+            assert np.array_equal(got, torch.from_numpy(exact).bfloat16().float().numpy()), rows
+        else:
+            (tiles,) = bf16(_feeds(x, ids, weights))
+            assert np.array_equal(got, tiles), rows
+        reference = _reference(x, ids, weights, *dequantized)
+        assert _rel(got, reference) < BF16_TOL, rows

@@ -41,6 +41,12 @@ constexpr size_t kRowChunk = 64;
 // two rows the tiles win (benchmarks/moe.py --part amx-rows: 1 row 0.80x,
 // 2 rows 1.20x, 16 rows 2.04x; benchmarks/RESULTS.md).
 constexpr size_t kAmxMinRows = 2;
+// fp8 experts with bf16 activations (a bf16 model) run on the bf16 tiles (AMX where usable,
+// else AVX512-BF16 dot products) once a call averages this many rows per expert it reads:
+// each block of weight rows is dequantized to bf16 once (TileRows) and then serves all of
+// its expert's rows, where the exact path widens every weight to f32 for every 4 rows and
+// is bound by its f32 FMAs (benchmarks/RESULTS.md). Decode (one row) stays exact.
+constexpr size_t kFp8TileMinRows = 8;
 
 struct Features {
     bool avx512 = false;
@@ -368,6 +374,10 @@ struct Stack {
         return static_cast<const uint8_t*>(data) + (expert * rows + r) * row_bytes();
     }
     const float* row_scale(size_t expert, size_t r) const { return scale + (expert * rows + r) * groups; }
+    // Rows [r0, r0 + count) of `expert` as a stack of one expert (its scales with them).
+    Stack slice(size_t expert, size_t r0, size_t count) const {
+        return {row(expert, r0), scale ? row_scale(expert, r0) : nullptr, count, K, groups, format};
+    }
 };
 
 template <int M, class T>
@@ -506,6 +516,56 @@ struct UninitialisedAligned64 : amx::Aligned64<T> {
 template <class T>
 using Scratch = std::vector<T, UninitialisedAligned64<T>>;
 
+// `count` fp8 rows of `s` (from row r0 of `expert`) as bf16 rows of s.K values into `out`:
+// each weight times its group's scale in f32, rounded to bf16 (nearest even), as PyTorch
+// dequantizes FP8 weights for a bf16 model (`w.float() * scale`, then `.bfloat16()`; the
+// f32 product is the same: widen_fp8's 2^-8 is undone exactly by kFp8Unit in the scale).
+NUMAOV_TARGET_AVX512_BF16 void dequantize_fp8_rows(const Stack& s, size_t expert, size_t r0, size_t count,
+                                                   uint16_t* out) {
+    const size_t K = s.K, group = K / s.groups;
+    for (size_t r = 0; r < count; ++r) {
+        const uint8_t* w = s.row(expert, r0 + r);
+        const float* scale = s.row_scale(expert, r0 + r);
+        uint16_t* dst = out + r * K;
+        for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
+            const __m512 sv = _mm512_set1_ps(scale[g] * kFp8Unit);
+            for (size_t k = k0; k < k0 + group; k += 16) {
+                const __mmask16 mask = k0 + group - k >= 16 ? __mmask16(0xFFFF)
+                                                            : __mmask16((1u << (k0 + group - k)) - 1);
+                const __m512 v = _mm512_mul_ps(widen_fp8(_mm_maskz_loadu_epi8(mask, w + k)), sv);
+                _mm256_mask_storeu_epi16(dst + k, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            }
+        }
+    }
+}
+
+// The weight rows one thread's tiles read, as a stack of one expert's rows: the stack's own
+// rows in place, except that fp8 rows read by the bf16 tiles (run<uint16_t>) are dequantized
+// into this thread's buffer first. `slot` (0 or 1) keeps two blocks read together apart (gate
+// and up, or two blocks of down).
+template <class T>
+class TileRows {
+public:
+    Stack rows(const Stack& s, size_t expert, size_t r0, size_t count, int slot) {
+        if constexpr (std::is_same_v<T, uint16_t>) {
+            if (s.format == WeightFormat::fp8) {
+                auto& buffer = buffers_[slot];
+                if (buffer.size() < count * s.K) buffer.resize(count * s.K);
+                dequantize_fp8_rows(s, expert, r0, count, buffer.data());
+                return {buffer.data(), nullptr, count, s.K, 1, WeightFormat::bf16};
+            }
+        }
+        return s.slice(expert, r0, count);
+    }
+    // The first of those rows as bf16 (for the AMX tiles' weight blocks).
+    const uint16_t* bf16(const Stack& s, size_t expert, size_t r0, size_t count, int slot) {
+        return static_cast<const uint16_t*>(rows(s, expert, r0, count, slot).data);
+    }
+
+private:
+    Scratch<uint16_t> buffers_[2];
+};
+
 // NUMAOV_MOE_AMX: "auto" (unset), "off" or "always".
 enum class AmxSetting { automatic, off, always };
 
@@ -609,10 +669,21 @@ NUMAOV_TARGET_AVX512_BF16 void add_down_block(const float* tile, size_t cols, Pa
     }
 }
 
+// fn(n) for each of `rows` rows of `width` values: on this thread for a few rows (decode: a
+// fork and join of the threads would cost more than the rows), else across the threads.
+template <class Fn>
+void for_rows(size_t rows, size_t width, const Fn& fn) {
+    constexpr size_t kSerialValues = 1 << 15;
+    if (rows * width <= kSerialValues) {
+        for (size_t n = 0; n < rows; ++n) fn(n);
+    } else {
+        ov::parallel_for(rows, fn);
+    }
+}
+
 template <class T>
-void run(const Tensors& t, const Shape& s) {
+void run(const Tensors& t, const Shape& s, const Routing& routing) {
     const size_t H = s.hidden, I = s.inter;
-    const Routing routing = route(t, s);
     const size_t pairs = s.rows * s.top_k;
     const int threads = parallel_get_max_threads();
 
@@ -622,7 +693,7 @@ void run(const Tensors& t, const Shape& s) {
     const T* x = static_cast<const T*>(t.x);
     if (t.x_bf16 != kBf16) {
         converted.resize(s.rows * H);
-        ov::parallel_for(s.rows, [&](size_t n) {
+        for_rows(s.rows, H, [&](size_t n) {
             for (size_t h = 0; h < H; ++h) {
                 if constexpr (kBf16) {
                     converted[n * H + h] = to_bf16(static_cast<const float*>(t.x)[n * H + h]);
@@ -652,9 +723,10 @@ void run(const Tensors& t, const Shape& s) {
         size_t begin = 0, end = 0;
         ov::splitter(routing.hits.size() * i_blocks, nthr, ithr, begin, end);
         const T* a[kTileRows];
-        size_t wg[kTileCols], wu[kTileCols];
+        size_t wr[kTileCols];
         alignas(64) float g[kTileRows * kTileCols], u[kTileRows * kTileCols], h[kTileRows * kTileCols];
         std::optional<amx::TileSession> tiles;  // configured on this thread's first AMX hit
+        TileRows<T> weight_rows;
         alignas(64) float c[4 * kResult];
         for (size_t item = begin; item < end; ++item) {
             const size_t hit_index = item / i_blocks;
@@ -670,8 +742,8 @@ void run(const Tensors& t, const Shape& s) {
                     for (size_t n0 = c0; n0 < c1; n0 += kTile) {
                         const size_t cols = std::min(kTile, c1 - n0);
                         const amx_tiles::WeightBlock w[2] = {
-                            {reinterpret_cast<const uint16_t*>(gate_up.row(hit.expert, n0)), cols},
-                            {reinterpret_cast<const uint16_t*>(gate_up.row(hit.expert, I + n0)), cols}};
+                            {weight_rows.bf16(gate_up, hit.expert, n0, cols, 0), cols},
+                            {weight_rows.bf16(gate_up, hit.expert, I + n0, cols, 1), cols}};
                         for (size_t b0 = 0; b0 < blocks; b0 += 2) {
                             const size_t nb = std::min<size_t>(2, blocks - b0);
                             amx_tiles::products(w, panel + b0 * amx_tiles::block_words(H), nb, H, c);
@@ -689,16 +761,15 @@ void run(const Tensors& t, const Shape& s) {
                 const size_t r1 = std::min(hit.start + hit.count, r0 + kRowChunk);
                 for (size_t j = c0; j < c1; j += kTileCols) {
                     const size_t cols = std::min(kTileCols, c1 - j);
-                    for (size_t n = 0; n < kTileCols; ++n) {
-                        const size_t col = j + std::min(n, cols - 1);  // past the end: a repeat, dropped
-                        wg[n] = col;
-                        wu[n] = I + col;
-                    }
+                    // past the end: a repeat, dropped
+                    for (size_t n = 0; n < kTileCols; ++n) wr[n] = std::min(n, cols - 1);
+                    const Stack gate = weight_rows.rows(gate_up, hit.expert, j, cols, 0);
+                    const Stack up = weight_rows.rows(gate_up, hit.expert, I + j, cols, 1);
                     for (size_t m0 = r0; m0 < r1; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, r1 - m0);
                         for (size_t m = 0; m < rows; ++m) a[m] = x + routing.row[m0 + m] * H;
-                        dot_rows(a, rows, gate_up, hit.expert, wg, g);
-                        dot_rows(a, rows, gate_up, hit.expert, wu, u);
+                        dot_rows(a, rows, gate, 0, wr, g);
+                        dot_rows(a, rows, up, 0, wr, u);
                         silu_mul(g, u, h);
                         for (size_t m = 0; m < rows; ++m)
                             for (size_t n = 0; n < cols; ++n) store(&act[(m0 + m) * I + j + n], h[m * kTileCols + n]);
@@ -730,6 +801,7 @@ void run(const Tensors& t, const Shape& s) {
         size_t wd[kTileCols];
         alignas(64) float y[kTileRows * kTileCols];
         std::optional<amx::TileSession> tiles;
+        TileRows<T> weight_rows;
         alignas(64) float c[4 * kResult];
         for (size_t item = begin; item < end; ++item) {
             const size_t c0 = item * bh, c1 = std::min(H, c0 + bh);
@@ -746,8 +818,8 @@ void run(const Tensors& t, const Shape& s) {
                         const size_t cols[2] = {std::min(kTile, c1 - n0),
                                                 n0 + kTile < c1 ? std::min(kTile, c1 - n0 - kTile) : 0};
                         const amx_tiles::WeightBlock w[2] = {
-                            {reinterpret_cast<const uint16_t*>(down.row(hit.expert, n0)), cols[0]},
-                            {cols[1] ? reinterpret_cast<const uint16_t*>(down.row(hit.expert, n0 + kTile)) : nullptr,
+                            {weight_rows.bf16(down, hit.expert, n0, cols[0], 0), cols[0]},
+                            {cols[1] ? weight_rows.bf16(down, hit.expert, n0 + kTile, cols[1], 1) : nullptr,
                              cols[1]}};
                         for (size_t b0 = 0; b0 < blocks; b0 += 2) {
                             const size_t nb = std::min<size_t>(2, blocks - b0);
@@ -764,11 +836,12 @@ void run(const Tensors& t, const Shape& s) {
                 }
                 for (size_t j = c0; j < c1; j += kTileCols) {
                     const size_t cols = std::min(kTileCols, c1 - j);
-                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = j + std::min(n, cols - 1);
+                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = std::min(n, cols - 1);
+                    const Stack block = weight_rows.rows(down, hit.expert, j, cols, 0);
                     for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, hit.start + hit.count - m0);
                         for (size_t m = 0; m < rows; ++m) a[m] = act.data() + (m0 + m) * I;
-                        dot_rows(a, rows, down, hit.expert, wd, y);
+                        dot_rows(a, rows, block, 0, wd, y);
                         for (size_t m = 0; m < rows; ++m) {
                             float* dst = out + routing.row[m0 + m] * H + j;
                             const float weight = routing.weight[m0 + m];
@@ -781,7 +854,7 @@ void run(const Tensors& t, const Shape& s) {
     });
     if (t.x_bf16) {
         uint16_t* dst = static_cast<uint16_t*>(t.out);
-        ov::parallel_for(s.rows, [&](size_t n) {
+        for_rows(s.rows, H, [&](size_t n) {
             for (size_t h = 0; h < H; ++h) dst[n * H + h] = to_bf16(sums[n * H + h]);
         });
     }
@@ -854,10 +927,14 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
             throw std::invalid_argument("int8 / int4 / fp8 weights need their scales");
         }
     }
-    if (tensors.format == WeightFormat::bf16) {
-        run<uint16_t>(tensors, shape);
+    const Routing routing = route(tensors, shape);
+    const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 &&
+                                   features().avx512_bf16 &&
+                                   shape.rows * shape.top_k >= kFp8TileMinRows * routing.hits.size();
+    if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
+        run<uint16_t>(tensors, shape, routing);
     } else {
-        run<float>(tensors, shape);
+        run<float>(tensors, shape, routing);
     }
 }
 

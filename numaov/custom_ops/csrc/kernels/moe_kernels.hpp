@@ -34,6 +34,11 @@
 // and each one-row tile requests the next block of rows and its scales in
 // software (rows of a few KB are too short for the hardware prefetcher). The
 // sums over slots are f32; the output is rounded once to x's type.
+// With bf16 x (a bf16 model), fp8 experts run on the bf16 tiles instead once the call
+// averages 8 or more rows per expert it reads: each block of weight rows is dequantized to
+// bf16 once (w * scale rounded to nearest even, as PyTorch dequantizes FP8 weights for a bf16
+// model) and serves all of its expert's rows, bit for bit what bf16 stacks holding those
+// values give; below that (decode) they stay on the exact path above.
 //
 // Weight formats (the layout moe_ops.py's quantizer writes):
 //   f32, bf16: gate_up [E, 2I, H], down [E, H, I] as they are.
@@ -109,7 +114,7 @@ struct Tensors {
     const void* gate_up;      // [E, 2I, H]
     const void* down;         // [E, H, I]
     void* out;                // [N, H]
-    bool x_bf16;
+    bool x_bf16;              // also: the model computes in bf16 (see Numerics)
     WeightFormat format;
     // int8 / int4 / fp8 only: f32 scales [E, 2I, groups_gate_up] and [E, H, groups_down].
     const float* gate_up_scale = nullptr;
