@@ -52,6 +52,9 @@
     python benchmarks/roofline.py [--rounds 3] [--threads N] [--formats bf16,int8,int4,fp8]
         [--shapes v2-lite,v3,qwen3] [--v3-experts 16] [--part all|limits]
 
+With ``NUMAOV_MOE_ISA=avx2`` in the environment the op runs the AVX2 kernel (what CPUs without
+AVX-512 run): its decode shares are comparable, its prefill has no measured peak.
+
 Writes benchmarks/out/roofline.json. A benchmark, not a test: it asserts nothing.
 """
 
@@ -549,9 +552,12 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     puts such an expert on them (``moe_ops.bf16_kernel``), else AVX512-BF16 dot products;
     fp8 as bf16 from FP8_TILE_MIN_ROWS rows per expert (the op is compiled as a bf16 model
     runs it, `stored_op`); f32, int8, int4 and fp8 below that in f32 FMAs (weight-only: the
-    weights are widened to f32). None when that peak was not measured."""
-    from numaov.custom_ops.moe_ops import FP8_TILE_MIN_ROWS, bf16_kernel
+    weights are widened to f32). None when that peak was not measured, or the kernel runs on
+    AVX2 (``NUMAOV_MOE_ISA``: its 8-lane FMAs' peak is not one of the probes)."""
+    from numaov.custom_ops.moe_ops import FP8_TILE_MIN_ROWS, bf16_kernel, kernel_isa
 
+    if kernel_isa(weights) == "avx2":
+        return None
     name = "fma_f32"
     if weights == "bf16" or (weights == "fp8" and rows_per_expert >= FP8_TILE_MIN_ROWS):
         kernel = bf16_kernel()

@@ -58,6 +58,7 @@ __all__ = [
     "fp8_row_scales",
     "quantize_experts",
     "bf16_kernel",
+    "kernel_isa",
     "kernel_unavailable_reason",
     "moe_experts",
     "moe_translation_table",
@@ -394,8 +395,8 @@ def dequantize_experts(stored: Tensor, scales: Tensor | None) -> Tensor:
 
 def kernel_unavailable_reason(weight_format: str) -> str:
     """Why the OpenVINO op's kernel cannot run weights of ``weight_format`` on this CPU
-    (``""`` when it can): it needs AVX-512, and AVX512-BF16 for bf16 weights (``fp8``: as
-    int8)."""
+    (``""`` when it can): it needs AVX-512 (F, DQ, BW, VL) or AVX2 with FMA and F16C, for
+    every format (``kernel_isa`` says which it runs on)."""
     from numaov.native import native_module
 
     return native_module().moe_unavailable_reason(weight_format)
@@ -405,16 +406,28 @@ def kernel_unavailable_reason(weight_format: str) -> str:
 # expert (moe_kernels.cpp's kFp8TileMinRows).
 FP8_TILE_MIN_ROWS = 8
 
-# What each format's experts run on (csrc/kernels/moe_kernels.cpp, ``dot_tile_of``); bf16's
-# choice between AMX tiles and AVX512-BF16 is made at run time (``bf16_kernel``).
+# What each format's experts run on (csrc/kernels/moe_kernels.cpp, ``dot_tile_of`` and
+# ``dot_rows_avx2``), after the instructions (``kernel_isa``); bf16's choice between AMX tiles
+# and AVX512-BF16 is made at run time (``bf16_kernel``).
 FORMAT_KERNELS = {
-    "f32": "AVX-512 f32 FMA",
-    "int8": "AVX-512: int8 weights widened to f32 as read, f32 FMA, scaled per group",
-    "int4": "AVX-512: int4 weights widened to f32 by a 16-entry lookup, f32 FMA, scaled per "
-            "group",
-    "fp8": "AVX-512: E4M3 weights widened to f32 as IEEE halves (F16C), f32 FMA, scaled per "
-           "group",
+    "f32": "f32 FMA",
+    "int8": "int8 weights widened to f32 as read, f32 FMA, scaled per group",
+    "int4": "int4 weights widened to f32 as read, f32 FMA, scaled per group",
+    "fp8": "E4M3 weights widened to f32 as IEEE halves (F16C), f32 FMA, scaled per group",
 }
+ISA_NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
+
+
+def kernel_isa(weight_format: str) -> str:
+    """The instructions the OpenVINO op runs ``weight_format`` on here under
+    ``NUMAOV_MOE_ISA`` (read at every call): ``"avx512"`` or ``"avx2"``. Raises MoeOpError
+    for a bad setting, or a forced one the CPU lacks."""
+    from numaov.native import native_module
+
+    try:
+        return str(native_module().moe_kernel_isa(weight_format))
+    except (ValueError, RuntimeError) as exc:
+        raise MoeOpError(str(exc), parameter="NUMAOV_MOE_ISA") from None
 
 
 def format_kernels() -> dict[str, dict[str, Any]]:
@@ -423,21 +436,27 @@ def format_kernels() -> dict[str, dict[str, Any]]:
     kernels = {}
     for weight_format in WEIGHT_FORMATS:
         missing = kernel_unavailable_reason(weight_format)
+        try:
+            isa = None if missing else kernel_isa(weight_format)
+            bf16 = bf16_kernel() if isa and weight_format == "bf16" else None
+        except MoeOpError as exc:
+            kernels[weight_format] = {"kernel": None, "reason": str(exc)}
+            continue
         if missing:
             kernels[weight_format] = {"kernel": None, "reason": missing}
-        elif weight_format == "bf16":
-            try:
-                bf16 = bf16_kernel()
-            except MoeOpError as exc:
-                kernels[weight_format] = {"kernel": None, "reason": str(exc)}
-                continue
-            kernels[weight_format] = {
-                "kernel": (f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "
-                           "AVX512-BF16 dot products below" if bf16["kernel"] == "amx"
-                           else "AVX512-BF16 dot products"), "reason": bf16["reason"]}
+        elif bf16 is not None:
+            described = {
+                "amx": f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "
+                       "AVX512-BF16 dot products below",
+                "avx512_bf16": "AVX512-BF16 dot products",
+                "avx2": "AVX2: bf16 weights and activations widened to f32, f32 FMA"}
+            kernels[weight_format] = {"kernel": described[bf16["kernel"]],
+                                      "reason": bf16["reason"]}
         else:
-            kernels[weight_format] = {"kernel": FORMAT_KERNELS[weight_format], "reason": ""}
-    if kernels["fp8"]["kernel"] and kernels["bf16"]["kernel"]:
+            kernels[weight_format] = {
+                "kernel": f"{ISA_NAMES[isa]}: {FORMAT_KERNELS[weight_format]}", "reason": ""}
+    if kernels["fp8"]["kernel"] and kernels["fp8"]["kernel"].startswith("AVX-512") and (
+            kernels["bf16"]["kernel"] or "").startswith(("AMX", "AVX512-BF16")):
         kernels["fp8"]["kernel"] += (f"; in a bf16 model, from {FP8_TILE_MIN_ROWS} rows per "
                                      "expert, dequantized to bf16 for the bf16 kernel")
     return kernels
@@ -446,14 +465,16 @@ def format_kernels() -> dict[str, dict[str, Any]]:
 def bf16_kernel() -> dict[str, Any]:
     """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
     (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
-    ``off``; ``always``): ``{"kernel": "amx" | "avx512_bf16" | None, "amx_min_rows": int |
-    None, "reason": str}``. Raises MoeOpError for another setting."""
+    ``off``; ``always``) and ``NUMAOV_MOE_ISA``: ``{"kernel": "amx" | "avx512_bf16" | "avx2"
+    | None, "amx_min_rows": int | None, "reason": str}``. Raises MoeOpError for a bad
+    setting of either."""
     from numaov.native import native_module
 
     try:
         return dict(native_module().moe_bf16_kernel())
     except ValueError as exc:
-        raise MoeOpError(str(exc), parameter="NUMAOV_MOE_AMX") from None
+        name = "NUMAOV_MOE_ISA" if "NUMAOV_MOE_ISA" in str(exc) else "NUMAOV_MOE_AMX"
+        raise MoeOpError(str(exc), parameter=name) from None
 
 
 # ---------------------------------------------------------------------------------------------

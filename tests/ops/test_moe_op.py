@@ -40,8 +40,10 @@ from numaov.custom_ops import (
 )
 from numaov.custom_ops.moe_ops import (
     FP8_TILE_MIN_ROWS,
+    bf16_kernel,
     dequantize_experts,
     fp8_row_scales,
+    kernel_isa,
     kernel_unavailable_reason,
     quantize_experts,
     write_moe_onnx,
@@ -54,10 +56,10 @@ F32_TOL = 1e-5
 BF16_TOL = 3e-2
 OV_BF16_TOL = 2e-2
 
-BF16_MISSING = kernel_unavailable_reason("bf16")
-needs_bf16 = pytest.mark.skipif(bool(BF16_MISSING), reason=f"no AVX512-BF16: {BF16_MISSING}")
-F32_MISSING = kernel_unavailable_reason("f32")
-needs_avx512 = pytest.mark.skipif(bool(F32_MISSING), reason=f"no AVX-512: {F32_MISSING}")
+# every format runs where the kernel does (AVX-512, or AVX2 with FMA and F16C)
+KERNEL_MISSING = kernel_unavailable_reason("f32")
+needs_kernel = pytest.mark.skipif(bool(KERNEL_MISSING),
+                                  reason=f"the MoE kernel cannot run here: {KERNEL_MISSING}")
 
 
 def _problem(rows: int, experts: int, top_k: int, hidden: int = 48, inter: int = 20,
@@ -246,7 +248,7 @@ def _feeds(x, ids, weights) -> dict[str, np.ndarray]:
     return {"x": x.numpy(), "ids": ids.numpy(), "weights": weights.numpy()}
 
 
-@needs_avx512
+@needs_kernel
 def test_openvino_op_equals_eager_op_f32(tmp_path: Path) -> None:
     _, _, _, gate_up, down = _problem(1, experts=16, top_k=6, hidden=72, inter=36)
     run = _compiled(tmp_path, gate_up, down, 6, "f32").runner()
@@ -262,7 +264,7 @@ def test_openvino_op_equals_eager_op_f32(tmp_path: Path) -> None:
     assert _rel(got, moe_experts(x, one, weights, gate_up, down)) < F32_TOL
 
 
-@needs_bf16
+@needs_kernel
 def test_openvino_op_equals_eager_op_bf16_and_keeps_bf16_weights(tmp_path: Path) -> None:
     _, _, _, gate_up, down = _problem(1, experts=8, top_k=2, hidden=96, inter=40)
     compiled = _compiled(tmp_path, gate_up, down, 2, "bf16")
@@ -281,7 +283,7 @@ def test_openvino_op_equals_eager_op_bf16_and_keeps_bf16_weights(tmp_path: Path)
         assert _rel(got, _reference(x, ids, weights, gate_up, down)) < BF16_TOL, rows
 
 
-@needs_avx512
+@needs_kernel
 # A one-row tile takes a row's weights a 64-byte line at a time (int8 / fp8: 64
 # values, int4: 128) and the rest in single steps, and scales each group's sum:
 # 96 and 64 values are one line and a rest (int8) or single steps only (int4),
@@ -304,7 +306,7 @@ def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: st
         assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
 
 
-@needs_avx512
+@needs_kernel
 def test_openvino_op_refuses_bad_inputs_with_a_clear_error(tmp_path: Path) -> None:
     _, _, _, gate_up, down = _problem(1, experts=8, top_k=2)
     run = _compiled(tmp_path, gate_up, down, 2, "f32").runner()
@@ -429,7 +431,7 @@ def test_fp8_stacks_need_scales() -> None:
         moe_experts(x, ids, weights, qg, qd, sg.expand(-1, -1, 3).contiguous(), sd)
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize(("hidden", "inter"), [(48, 20), (256, 160)])
 def test_openvino_op_equals_eager_op_fp8(tmp_path: Path, hidden: int, inter: int) -> None:
     _, _, _, _, _, qg, qd, sg, sd = _fp8_problem(1, hidden, inter, experts=8, top_k=6)
@@ -446,7 +448,7 @@ def test_openvino_op_equals_eager_op_fp8(tmp_path: Path, hidden: int, inter: int
         assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
 
 
-@needs_avx512
+@needs_kernel
 @pytest.mark.parametrize("flush_denormals", [False, True])
 def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path,
                                                        flush_denormals: bool) -> None:
@@ -479,14 +481,23 @@ def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path,
 
 
 
-@needs_bf16
+def _bf16_tiles_missing() -> str:
+    if KERNEL_MISSING:
+        return KERNEL_MISSING
+    kernel = bf16_kernel()
+    return "" if kernel["kernel"] in ("amx", "avx512_bf16") else f"bf16 experts run on {kernel}"
+
+
+@pytest.mark.skipif(bool(_bf16_tiles_missing()), reason=f"no bf16 tiles: {_bf16_tiles_missing()}")
 @pytest.mark.parametrize(("hidden", "inter"), [(48, 20), (256, 160)])
-def test_fp8_experts_in_a_bf16_model(tmp_path: Path, hidden: int, inter: int) -> None:
+def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int,
+                                     inter: int) -> None:
     """A bf16 export gives the op bf16 activations (convert_to_ir). Below FP8_TILE_MIN_ROWS
     rows per expert fp8 experts run exactly as in an f32 model, the sum rounded to bf16 once;
     from there on the bf16 tiles on the weights dequantized to bf16 (each w * scale rounded
     once, as PyTorch dequantizes FP8 weights for a bf16 model): bit for bit what bf16 experts
     holding those dequantized weights give. Top-1 routing, every expert the same rows."""
+    monkeypatch.delenv("NUMAOV_MOE_ISA", raising=False)  # AVX2 has no bf16 tiles
     experts = 4
     _, _, _, _, _, qg, qd, sg, sd = _fp8_problem(1, hidden, inter, experts=experts, top_k=1)
     for name in ("fp8_bf16", "fp8_f32", "bf16"):
@@ -514,3 +525,80 @@ def test_fp8_experts_in_a_bf16_model(tmp_path: Path, hidden: int, inter: int) ->
             assert np.array_equal(got, tiles), rows
         reference = _reference(x, ids, weights, *dequantized)
         assert _rel(got, reference) < BF16_TOL, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# the AVX2 kernel (CPUs without AVX-512; NUMAOV_MOE_ISA=avx2 forces it)
+# ---------------------------------------------------------------------------------------------
+
+
+def _avx2_missing() -> str:
+    import os
+
+    before = os.environ.get("NUMAOV_MOE_ISA")
+    os.environ["NUMAOV_MOE_ISA"] = "avx2"
+    try:
+        kernel_isa("f32")
+        return ""
+    except MoeOpError as exc:
+        return str(exc)
+    finally:
+        if before is None:
+            del os.environ["NUMAOV_MOE_ISA"]
+        else:
+            os.environ["NUMAOV_MOE_ISA"] = before
+
+
+# Sizes with tails: hidden 100 (12 whole 8-value steps of gate / up and a tail of 4),
+# intermediate 37 (down: 4 steps and a lone value); int4 rows are whole 32-value blocks in
+# groups of 32; fp8 at 256 / 160 has 2 and 5 scale groups per row.
+@pytest.mark.skipif(bool(_avx2_missing()), reason=f"no AVX2 kernel: {_avx2_missing()}")
+@pytest.mark.parametrize(("weight_format", "hidden", "inter"), [
+    ("f32", 100, 37), ("bf16", 100, 37), ("int8", 100, 37), ("int4", 96, 64),
+    ("fp8", 100, 37), ("fp8", 256, 160)])
+def test_avx2_kernel_matches_float64_and_the_avx512_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_format: str, hidden: int,
+        inter: int) -> None:
+    """The AVX2 kernel against the float64 reference on the weights the stacks stand for (f32
+    and the weight-only formats: 1e-5; bf16: BF16_TOL) at decode, a few rows and prefill, and
+    against the AVX-512 kernel where the CPU has it, which sums the same products in another
+    order (1e-5; bf16: 2e-3, silu(gate) * up may round to bf16 the other way, as for AMX)."""
+    experts, top_k = 8, 2
+    _, _, _, gate_up, down = _problem(1, experts=experts, top_k=top_k, hidden=hidden,
+                                      inter=inter)
+    scales = None
+    stacks = (gate_up, down)
+    if weight_format in ("int8", "int4", "fp8"):
+        group = 32 if weight_format == "int4" else None
+        (qg, sg), (qd, sd) = (quantize_experts(w, weight_format, group) for w in (gate_up, down))
+        stacks, scales = (qg, qd), (sg, sd)
+        gate_up, down = dequantize_experts(qg, sg), dequantize_experts(qd, sd)
+    precision = "bf16" if weight_format == "bf16" else "f32"
+    run = _compiled(tmp_path, *stacks, top_k, precision, scales).runner()
+    monkeypatch.setenv("NUMAOV_MOE_ISA", "avx2")
+    assert kernel_isa(weight_format) == "avx2"
+    has_avx512 = True
+    try:
+        monkeypatch.setenv("NUMAOV_MOE_ISA", "avx512")
+        kernel_isa(weight_format)
+    except MoeOpError:
+        has_avx512 = False
+    for rows in (1, 3, 64, 300):
+        x, ids, weights, *_ = _problem(rows, experts=experts, top_k=top_k, hidden=hidden,
+                                       inter=inter, seed=rows)
+        monkeypatch.setenv("NUMAOV_MOE_ISA", "avx2")
+        (got,) = run(_feeds(x, ids, weights))
+        reference = _reference(x, ids, weights, gate_up, down)
+        assert _rel(got, reference) < (BF16_TOL if precision == "bf16" else F32_TOL), rows
+        if has_avx512:
+            monkeypatch.setenv("NUMAOV_MOE_ISA", "avx512")
+            (other,) = run(_feeds(x, ids, weights))
+            assert _rel(got, other) < (2e-3 if precision == "bf16" else F32_TOL), rows
+
+
+def test_a_bad_or_missing_isa_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NUMAOV_MOE_ISA", "sse")
+    with pytest.raises(MoeOpError, match=r"NUMAOV_MOE_ISA='sse'; expected auto, avx512 or avx2"):
+        kernel_isa("f32")
+    with pytest.raises(MoeOpError, match=r"NUMAOV_MOE_ISA='sse'"):
+        bf16_kernel()

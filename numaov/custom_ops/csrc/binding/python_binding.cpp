@@ -261,6 +261,19 @@ PYBIND11_MODULE(_native, m) {
         py::arg("format"),
         "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
     m.def(
+        "moe_kernel_isa",
+        [](const std::string& format) {
+            for (auto f : {numaov::moe::WeightFormat::f32, numaov::moe::WeightFormat::bf16,
+                           numaov::moe::WeightFormat::int8, numaov::moe::WeightFormat::int4,
+                           numaov::moe::WeightFormat::fp8}) {
+                if (format == numaov::moe::format_name(f)) return numaov::moe::kernel_isa(f);
+            }
+            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8, int4 or fp8");
+        },
+        py::arg("format"),
+        "The instructions the MoeExperts op runs this format on here under NUMAOV_MOE_ISA: 'avx512' or "
+        "'avx2' (ValueError for a bad setting, RuntimeError where the CPU lacks them).");
+    m.def(
         "moe_bf16_kernel",
         [] {
             const auto k = numaov::moe::bf16_kernel();

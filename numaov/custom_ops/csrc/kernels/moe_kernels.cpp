@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -17,9 +18,10 @@
 #include "common/amx.hpp"
 #include "kernels/moe_amx.hpp"
 
-// Only the functions marked with this attribute use AVX-512 code; the rest of
-// the file stays baseline x86-64, so loading the library on an older CPU is
-// safe (the kernel then refuses with unavailable_reason()).
+// Only the functions marked with this attribute use AVX-512 code (and those
+// marked NUMAOV_TARGET_AVX2, AVX2); the rest of the file stays baseline x86-64,
+// so loading the library on an older CPU is safe (kernel_isa() picks what the
+// CPU has; without either, the kernel refuses with unavailable_reason()).
 #define NUMAOV_TARGET_AVX512_BF16 \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
@@ -51,6 +53,7 @@ constexpr size_t kFp8TileMinRows = 8;
 struct Features {
     bool avx512 = false;
     bool avx512_bf16 = false;
+    bool avx2 = false;  // with FMA and F16C
 };
 
 const Features& features() {
@@ -61,6 +64,7 @@ const Features& features() {
         const bool f512 = (ebx >> 16) & 1, dq = (ebx >> 17) & 1, bw = (ebx >> 30) & 1, vl = (ebx >> 31) & 1;
         s.avx512 = f512 && dq && bw && vl;
         s.avx512_bf16 = s.avx512 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1);
+        s.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         return s;
     }();
     return f;
@@ -137,7 +141,7 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols
 // decode's samples sat on the first load of each line before; prefetching into
 // L2 instead, or the next expert's rows at a hit's last tile, measured no
 // better; benchmarks/RESULTS.md.)
-NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
+NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
         _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T0);
     }
@@ -423,6 +427,200 @@ void dot_rows(const T* const* a, size_t rows, const Stack& s, size_t expert, con
     }
 }
 
+// -- AVX2 tiles -------------------------------------------------------------------------------
+//
+// For CPUs without AVX-512 (or forced, NUMAOV_MOE_ISA=avx2): the same tiles' contract as
+// dot_rows, on 8-lane f32 FMAs. Every format is widened to its exact f32 value as it is read
+// (bf16 by a shift, int8 by conversion, fp8 through an IEEE half as widen_fp8, int4 by
+// subtracting 8 from the nibble), and bf16 activations likewise, so bf16 experts give the
+// products of the AVX512-BF16 path and the other formats those of the AVX-512 one, summed in
+// another order. 16 ymm registers hold at most two activation rows' accumulators, so a tile of
+// more rows is taken two rows at a time (the weights come from L1 the second time).
+#define NUMAOV_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Values of row `w` from k on, widened: 8 at a time and one at a time (a row's or group's tail).
+template <WeightFormat F>
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 widen8(const uint8_t* w, size_t k) {
+    if constexpr (F == WeightFormat::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k);
+    if constexpr (F == WeightFormat::bf16) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    }
+    if constexpr (F == WeightFormat::int8) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+    }
+    if constexpr (F == WeightFormat::fp8) {  // times 2^-8, as widen_fp8
+        const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)));
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xBF80))));
+    }
+    // int4: widen_at (whole 32-value blocks only)
+}
+
+template <WeightFormat F>
+NUMAOV_TARGET_AVX2 float widen1(const uint8_t* w, size_t k) {
+    if constexpr (F == WeightFormat::f32) return reinterpret_cast<const float*>(w)[k];
+    if constexpr (F == WeightFormat::bf16) return from_bf16(reinterpret_cast<const uint16_t*>(w)[k]);
+    if constexpr (F == WeightFormat::int8) return float(int8_t(w[k]));
+    if constexpr (F == WeightFormat::fp8) {
+        const int16_t b = int8_t(w[k]);
+        return _cvtsh_ss(uint16_t((b << 7) & 0xBF80));
+    }
+    if constexpr (F == WeightFormat::int4) {
+        const size_t o = k % 32;
+        const uint8_t byte = w[(k - o) / 2 + (o % 16)];
+        return float(int(o < 16 ? byte & 0xF : byte >> 4) - 8);
+    }
+}
+
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 load8(const float* a, size_t k) { return _mm256_loadu_ps(a + k); }
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 load8(const uint16_t* a, size_t k) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline float load1(const float* a, size_t k) { return a[k]; }
+inline float load1(const uint16_t* a, size_t k) { return from_bf16(a[k]); }
+
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE float sum8(__m256 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// Bits a weight of format F takes in a row.
+template <WeightFormat F>
+constexpr size_t kWeightBits = F == WeightFormat::f32 ? 32 : F == WeightFormat::bf16 ? 16
+                               : F == WeightFormat::int4 ? 4 : 8;
+
+// Values V .. V + 8 of the 32 from k on (k a multiple of 32 for int4, whose 16-byte blocks
+// hold values k .. k + 15 in their low nibbles and k + 16 .. k + 31 in their high ones).
+template <WeightFormat F, size_t V>
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 widen_at(const uint8_t* w, size_t k) {
+    if constexpr (F == WeightFormat::int4) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2 + V % 16));
+        __m256i q = _mm256_cvtepu8_epi32(b);
+        q = V < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(q, 4);
+        return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8)));
+    } else {
+        return widen8<F>(w, k + V);
+    }
+}
+
+// acc[m][n] += a[m][k + V ..) * w[n][k + V ..) * s[n] for 8 values (`s`: the group's scales,
+// or none: each widened vector multiplied once for all rows, as GroupSums does for tiles of
+// several rows).
+template <WeightFormat F, int M, size_t V, bool kScale, class T>
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE void fma8(__m256 (&acc)[M][kTileCols], const T* const* a,
+                                           const uint8_t* const* w, size_t k, const __m256 (&s)[kTileCols]) {
+    __m256 av[M];
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) av[m] = load8(a[m], k + V);
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+        __m256 wv = widen_at<F, V>(w[n], k);
+        if constexpr (kScale) wv = _mm256_mul_ps(wv, s[n]);
+        NUMAOV_UNROLL for (int m = 0; m < M; ++m) acc[m][n] = _mm256_fmadd_ps(av[m], wv, acc[m][n]);
+    }
+}
+
+// c[m * kTileCols + n] = a[m] . w[n] for M (1 or 2) activation rows, each scale group's
+// products times its scale (int8 / int4 / fp8; `unit` as for the AVX-512 tiles): 32 values a
+// step, then 8, then one at a time. Like GroupSums: a one-row tile sums a group's unscaled
+// products and adds them times the scale at the group's end; two rows scale each widened
+// vector once. A one-row tile requests the next block of rows as dot_tile does, once per 64
+// bytes of its rows.
+template <WeightFormat F, int M, class T>
+NUMAOV_TARGET_AVX2 void dot_tile_avx2(const T* const* a, const uint8_t* const* w, const float* const* scale,
+                                      float unit, size_t K, size_t group, float* c) {
+    constexpr bool kScaled = F == WeightFormat::int8 || F == WeightFormat::int4 || F == WeightFormat::fp8;
+    constexpr bool kScaleWeights = kScaled && M > 1;
+    constexpr size_t kStepBytes = 32 * kWeightBits<F> / 8;
+    const uint8_t* next = w[0] + kTileCols * (K * kWeightBits<F> / 8);
+    __m256 acc[M][kTileCols], s[kTileCols];
+    float tail[M][kTileCols] = {};
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) acc[m][n] = _mm256_setzero_ps();
+    }
+    for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
+        const size_t k1 = k0 + group;
+        float sg[kTileCols];
+        for (size_t n = 0; n < kTileCols; ++n) {
+            sg[n] = kScaled ? scale[n][g] * unit : 1.0f;
+            s[n] = _mm256_set1_ps(sg[n]);
+        }
+        __m256 part[M][kTileCols];  // one-row tiles: this group's unscaled sums
+        __m256 (&sums)[M][kTileCols] = kScaled && M == 1 ? part : acc;
+        if constexpr (kScaled && M == 1) {
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) part[0][n] = _mm256_setzero_ps();
+        }
+        size_t k = k0;
+        for (; k + 32 <= k1; k += 32) {
+            if constexpr (M == 1) {
+                const size_t byte = k * kWeightBits<F> / 8;
+                for (size_t b = (byte + 63) & ~size_t(63); b < byte + kStepBytes; b += 64) {
+                    prefetch_next_block(next, b);
+                }
+            }
+            fma8<F, M, 0, kScaleWeights>(sums, a, w, k, s);
+            fma8<F, M, 8, kScaleWeights>(sums, a, w, k, s);
+            fma8<F, M, 16, kScaleWeights>(sums, a, w, k, s);
+            fma8<F, M, 24, kScaleWeights>(sums, a, w, k, s);
+        }
+        if constexpr (F != WeightFormat::int4) {  // int4 groups are whole 32-value blocks
+            for (; k + 8 <= k1; k += 8) fma8<F, M, 0, kScaleWeights>(sums, a, w, k, s);
+        }
+        if constexpr (kScaled && M == 1) {
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) acc[0][n] = _mm256_fmadd_ps(part[0][n], s[n], acc[0][n]);
+        }
+        for (int m = 0; m < M; ++m) {
+            for (size_t n = 0; n < kTileCols; ++n) {
+                for (size_t t = k; t < k1; ++t) tail[m][n] += load1(a[m], t) * widen1<F>(w[n], t) * sg[n];
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m) {
+        for (size_t n = 0; n < kTileCols; ++n) c[m * kTileCols + n] += sum8(acc[m][n]) + tail[m][n];
+    }
+}
+
+template <WeightFormat F, class T>
+NUMAOV_TARGET_AVX2 void dot_rows_avx2_of(const T* const* a, size_t rows, const Stack& s, size_t expert,
+                                         const size_t* r, float* c) {
+    const uint8_t* w[kTileCols];
+    const float* scale[kTileCols] = {};
+    for (size_t n = 0; n < kTileCols; ++n) {
+        w[n] = s.row(expert, r[n]);
+        if (s.scale) scale[n] = s.row_scale(expert, r[n]);
+    }
+    const float unit = F == WeightFormat::fp8 ? kFp8Unit : 1.0f;
+    const size_t group = s.K / s.groups;
+    for (size_t m = 0; m < rows; m += 2) {
+        if (rows - m == 1) {
+            dot_tile_avx2<F, 1>(a + m, w, scale, unit, s.K, group, c + m * kTileCols);
+        } else {
+            dot_tile_avx2<F, 2>(a + m, w, scale, unit, s.K, group, c + m * kTileCols);
+        }
+    }
+}
+
+template <class T>
+void dot_rows_avx2(const T* const* a, size_t rows, const Stack& s, size_t expert, const size_t* r, float* c) {
+    std::fill(c, c + kTileRows * kTileCols, 0.0f);
+    switch (s.format) {
+        case WeightFormat::f32: return dot_rows_avx2_of<WeightFormat::f32>(a, rows, s, expert, r, c);
+        case WeightFormat::bf16: return dot_rows_avx2_of<WeightFormat::bf16>(a, rows, s, expert, r, c);
+        case WeightFormat::int8: return dot_rows_avx2_of<WeightFormat::int8>(a, rows, s, expert, r, c);
+        case WeightFormat::int4: return dot_rows_avx2_of<WeightFormat::int4>(a, rows, s, expert, r, c);
+        case WeightFormat::fp8: return dot_rows_avx2_of<WeightFormat::fp8>(a, rows, s, expert, r, c);
+    }
+}
+
+// silu(g) * u on 16 values, one at a time (the AVX2 path's; silu_mul is AVX-512), with
+// silu_mul's clamp of -g to [-87, 88], so both paths give a large negative gate the same tiny
+// product rather than 0 on one of them.
+void silu_mul_scalar(const float* g, const float* u, float* h) {
+    for (size_t i = 0; i < kTileRows * kTileCols; ++i) {
+        h[i] = g[i] / (1.0f + std::exp(std::clamp(-g[i], -87.0f, 88.0f))) * u[i];
+    }
+}
+
 // silu(g) * u on 16 lanes. e^-g with a Cody-Waite reduction and a degree-7
 // Taylor series (relative error near 1e-7, an f32 ulp), so f32 weights keep
 // f32 accuracy.
@@ -681,8 +879,9 @@ void for_rows(size_t rows, size_t width, const Fn& fn) {
     }
 }
 
+// `avx2`: the tiles run on AVX2 (dot_rows_avx2), and bf16 experts never on AMX.
 template <class T>
-void run(const Tensors& t, const Shape& s, const Routing& routing) {
+void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
     const size_t H = s.hidden, I = s.inter;
     const size_t pairs = s.rows * s.top_k;
     const int threads = parallel_get_max_threads();
@@ -710,7 +909,12 @@ void run(const Tensors& t, const Shape& s, const Routing& routing) {
     // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I].
     Scratch<T> act(pairs * I);
     constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
-    const size_t amx_rows = kBf16 ? amx_min_rows() : SIZE_MAX;
+    const size_t amx_rows = kBf16 && !avx2 ? amx_min_rows() : SIZE_MAX;
+    // One micro-tile of `rows` rows against weight rows r of a one-expert stack.
+    const auto dot = [avx2](const T* const* a, size_t rows, const Stack& w, const size_t* r, float* c) {
+        if (avx2) return dot_rows_avx2(a, rows, w, 0, r, c);
+        dot_rows(a, rows, w, 0, r, c);
+    };
     const AmxPlan up_plan(routing, amx_rows, H);
     Scratch<uint32_t> x_panels;
     if constexpr (kBf16) {
@@ -768,9 +972,13 @@ void run(const Tensors& t, const Shape& s, const Routing& routing) {
                     for (size_t m0 = r0; m0 < r1; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, r1 - m0);
                         for (size_t m = 0; m < rows; ++m) a[m] = x + routing.row[m0 + m] * H;
-                        dot_rows(a, rows, gate, 0, wr, g);
-                        dot_rows(a, rows, up, 0, wr, u);
-                        silu_mul(g, u, h);
+                        dot(a, rows, gate, wr, g);
+                        dot(a, rows, up, wr, u);
+                        if (avx2) {
+                            silu_mul_scalar(g, u, h);
+                        } else {
+                            silu_mul(g, u, h);
+                        }
                         for (size_t m = 0; m < rows; ++m)
                             for (size_t n = 0; n < cols; ++n) store(&act[(m0 + m) * I + j + n], h[m * kTileCols + n]);
                     }
@@ -841,7 +1049,7 @@ void run(const Tensors& t, const Shape& s, const Routing& routing) {
                     for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, hit.start + hit.count - m0);
                         for (size_t m = 0; m < rows; ++m) a[m] = act.data() + (m0 + m) * I;
-                        dot_rows(a, rows, block, 0, wd, y);
+                        dot(a, rows, block, wd, y);
                         for (size_t m = 0; m < rows; ++m) {
                             float* dst = out + routing.row[m0 + m] * H + j;
                             const float weight = routing.weight[m0 + m];
@@ -892,16 +1100,48 @@ const char* format_name(WeightFormat format) {
     return "?";
 }
 
-std::string unavailable_reason(WeightFormat format) {
+std::string unavailable_reason(WeightFormat) {
     const Features& f = features();
-    if (!f.avx512) return "the CPU has no AVX-512 (F, DQ, BW and VL are needed)";
-    if (format == WeightFormat::bf16 && !f.avx512_bf16) return "the CPU has no AVX512-BF16 (bf16 weights need it)";
+    if (!f.avx512 && !f.avx2) return "the CPU has neither AVX-512 (F, DQ, BW, VL) nor AVX2 with FMA and F16C";
     return "";
+}
+
+std::string kernel_isa(WeightFormat format) {
+    const Features& f = features();
+    const bool avx512 = f.avx512 && (format != WeightFormat::bf16 || f.avx512_bf16);
+    const char* value = std::getenv("NUMAOV_MOE_ISA");
+    const std::string v = value ? value : "";
+    if (v == "avx512") {
+        if (!avx512) {
+            throw std::runtime_error(std::string("NUMAOV_MOE_ISA=avx512, but the CPU has no ") +
+                                     (f.avx512 ? "AVX512-BF16 (bf16 weights need it)" : "AVX-512 (F, DQ, BW, VL)"));
+        }
+        return "avx512";
+    }
+    if (v == "avx2") {
+        if (!f.avx2) throw std::runtime_error("NUMAOV_MOE_ISA=avx2, but the CPU has no AVX2 with FMA and F16C");
+        return "avx2";
+    }
+    if (!v.empty() && v != "auto") {
+        throw std::invalid_argument("NUMAOV_MOE_ISA='" + v + "'; expected auto, avx512 or avx2");
+    }
+    if (avx512) return "avx512";
+    if (f.avx2) return "avx2";
+    throw std::runtime_error(unavailable_reason(format));
 }
 
 Bf16Kernel bf16_kernel() {
     const std::string missing = unavailable_reason(WeightFormat::bf16);
     if (!missing.empty()) return {"", missing, 0};
+    std::string isa;
+    try {
+        isa = kernel_isa(WeightFormat::bf16);
+    } catch (const std::runtime_error& e) {
+        return {"", e.what(), 0};
+    }
+    if (isa == "avx2") {
+        return {"avx2", features().avx512_bf16 ? "NUMAOV_MOE_ISA=avx2" : "the CPU has no AVX512-BF16", 0};
+    }
     switch (amx_setting()) {
         case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0};
         case AmxSetting::always:
@@ -928,13 +1168,14 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
         }
     }
     const Routing routing = route(tensors, shape);
-    const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 &&
+    const bool avx2 = kernel_isa(tensors.format) == "avx2";
+    const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 && !avx2 &&
                                    features().avx512_bf16 &&
                                    shape.rows * shape.top_k >= kFp8TileMinRows * routing.hits.size();
     if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
-        run<uint16_t>(tensors, shape, routing);
+        run<uint16_t>(tensors, shape, routing, avx2);
     } else {
-        run<float>(tensors, shape, routing);
+        run<float>(tensors, shape, routing, avx2);
     }
 }
 

@@ -39,6 +39,8 @@
 // bf16 once (w * scale rounded to nearest even, as PyTorch dequantizes FP8 weights for a bf16
 // model) and serves all of its expert's rows, bit for bit what bf16 stacks holding those
 // values give; below that (decode) they stay on the exact path above.
+// On AVX2 (kernel_isa) every format is widened to f32 as read, bf16 weights and
+// activations included, so the products are those above, summed in another order.
 //
 // Weight formats (the layout moe_ops.py's quantizer writes):
 //   f32, bf16: gate_up [E, 2I, H], down [E, H, I] as they are.
@@ -72,8 +74,16 @@ namespace numaov::moe {
 enum class WeightFormat { f32 = 0, bf16 = 1, int8 = 2, int4 = 3, fp8 = 4 };
 
 // Why the kernel cannot run `format` on this CPU, "" when it can: every format
-// needs AVX-512 F/DQ/BW/VL, bf16 also AVX512-BF16.
+// runs on AVX-512 F/DQ/BW/VL (bf16 weights: with AVX512-BF16) or on AVX2 with FMA
+// and F16C.
 std::string unavailable_reason(WeightFormat format);
+
+// The instructions the kernel runs `format` on here under NUMAOV_MOE_ISA (read at
+// every call): "avx512" or "avx2". auto (unset): AVX-512 where the CPU has it (and
+// AVX512-BF16 for bf16 weights), else AVX2; avx512 / avx2 force one. Throws
+// std::invalid_argument for another setting and std::runtime_error when the CPU
+// lacks the instructions.
+std::string kernel_isa(WeightFormat format);
 
 // "f32", "bf16", "int8", "int4", "fp8".
 const char* format_name(WeightFormat format);
@@ -86,10 +96,11 @@ bool has_scales(WeightFormat format);
 // multiples of 16, or one group; int4: K and K / groups multiples of 32.
 void check_groups(WeightFormat format, const char* name, size_t K, size_t groups);
 
-// Which kernel bf16 experts run on here under NUMAOV_MOE_AMX: "amx" (experts
-// of at least amx_min_rows rows; fewer on AVX512-BF16), "avx512_bf16", or ""
-// when bf16 weights cannot run; `reason` says why. Throws
-// std::invalid_argument for a setting other than auto, off or always.
+// Which kernel bf16 experts run on here under NUMAOV_MOE_AMX and NUMAOV_MOE_ISA:
+// "amx" (experts of at least amx_min_rows rows; fewer on AVX512-BF16),
+// "avx512_bf16", "avx2" (widened to f32), or "" when bf16 weights cannot run;
+// `reason` says why. Throws std::invalid_argument for a setting other than
+// those the two variables take.
 struct Bf16Kernel {
     std::string kernel, reason;
     size_t amx_min_rows;
