@@ -444,6 +444,8 @@ def format_kernels() -> dict[str, dict[str, Any]]:
             continue
         if missing:
             kernels[weight_format] = {"kernel": None, "reason": missing}
+        elif bf16 is not None and bf16["kernel"] is None:
+            kernels[weight_format] = {"kernel": None, "reason": bf16["reason"]}
         elif bf16 is not None:
             described = {
                 "amx": f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "

@@ -254,6 +254,39 @@ def effective_precision(precision: Any, properties: Mapping[str, Any] | None = N
     return _precision_name((properties or {}).get(PRECISION_HINT, precision))
 
 
+def _has_moe_experts(model: Any) -> bool:
+    return any(op.get_type_name() == "MoeExperts" for op in model.get_ops())
+
+
+def _moe_activations_in_bf16(model: Any) -> int:
+    """Give every ``MoeExperts`` node of a model the CPU plugin computes in bf16 bf16
+    activations: its f32 x through a Convert to bf16, its output through a Convert back to f32.
+    The plugin computes the nodes around it in bf16, but runs an extension op on the types the
+    graph gives it, so without these it converts x to f32 and the result back (a Reorder each
+    way) and the kernel cannot tell that the model computes in bf16: with bf16 x, fp8 experts
+    of many rows run on the bf16 tiles (``moe_kernels.hpp``); every other path gives the same
+    values either way (x is bf16-valued, and the output is rounded to bf16 by the next node).
+    Done when compiling, not in the IR, so an IR compiled at f32 keeps f32 activations.
+    Returns how many nodes were given bf16 activations."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    changed = 0
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "MoeExperts" or node.get_input_element_type(0) != ov.Type.f32:
+            continue
+        targets = list(node.output(0).get_target_inputs())
+        node.input(0).replace_source_output(ops.convert(node.input_value(0), ov.Type.bf16).output(0))
+        node.validate_and_infer_types()
+        back = ops.convert(node.output(0), ov.Type.f32)
+        for target in targets:
+            target.replace_source_output(back.output(0))
+        changed += 1
+    if changed:
+        model.validate_nodes_and_infer_types()
+    return changed
+
+
 def _bf16_tensors(model: Any, prefixes: tuple[str, ...]) -> Any:
     """``model`` with the inputs and outputs whose names start with one of ``prefixes`` as
     bf16 tensors (OpenVINO's pre/post-processing: the graph inside is unchanged)."""
@@ -310,13 +343,17 @@ def compile_ir(
     else:
         name = f"model {source.get_friendly_name()!r}"
         # the caller's model is left as it is: swapping and pre/post-processing edit a copy
-        model = source.clone() if kernel == "numaov" or bf16_io or part else source
+        edits = kernel == "numaov" or bf16_io or part or (
+            effective == "bf16" and _has_moe_experts(source))
+        model = source.clone() if edits else source
     if part is not None:
         try:
             model = part.of(model)
         except Exception as exc:
             raise CompileError(f"cannot take {part} of {name}: {_cause(exc)}") from exc
     swapped = swap_attention(model) if kernel == "numaov" else 0
+    if effective == "bf16" and "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        _moe_activations_in_bf16(model)
     if bf16_io and effective == "bf16":
         try:
             model = _bf16_tensors(model, bf16_io)

@@ -136,36 +136,6 @@ def _store_weights_as_bf16(model) -> int:
     return replaced
 
 
-def _moe_activations_in_bf16(model) -> int:
-    """Give every ``MoeExperts`` node of a bf16 model (graph and bodies) bf16 activations: its
-    f32 x through a Convert to bf16, its output through a Convert back to f32. The CPU plugin
-    computes the nodes around it in bf16 anyway, but runs an extension op on the types the
-    graph gives it, so without these it converts x to f32 and the result back (a Reorder each
-    way) and the kernel cannot tell that the model computes in bf16: with bf16 x, fp8 experts
-    of many rows run on the bf16 tiles (``moe_kernels.hpp``); every other path gives the same
-    values either way (x is bf16-valued, and the output is rounded to bf16 once). Returns how
-    many nodes were given bf16 activations."""
-    import openvino as ov
-    from openvino import opset13 as ops
-
-    changed = 0
-    for node in model.get_ordered_ops():
-        for body in _subgraphs(node):
-            changed += _moe_activations_in_bf16(body)
-        if node.get_type_name() != "MoeExperts" or node.get_input_element_type(0) != ov.Type.f32:
-            continue
-        targets = list(node.output(0).get_target_inputs())
-        node.input(0).replace_source_output(ops.convert(node.input_value(0), ov.Type.bf16).output(0))
-        node.validate_and_infer_types()
-        back = ops.convert(node.output(0), ov.Type.f32)
-        for target in targets:
-            target.replace_source_output(back.output(0))
-        changed += 1
-    if changed:
-        model.validate_nodes_and_infer_types()
-    return changed
-
-
 def _add_attribute(layer: Any, name: str) -> bool:
     """Give an IR layer (an XML element) the runtime attribute ``name`` (version 0) unless it
     has it; the IR reader turns it into OpenVINO's attribute of that name. Whether it was
@@ -302,7 +272,6 @@ def convert_to_ir(
     if precision == "bf16":
         replaced = _store_weights_as_bf16(model)
         report(f"stored {replaced} weight tensors as bf16")
-        _moe_activations_in_bf16(model)
     if compress is not None:
         report("compressing weights")
         compress(model)

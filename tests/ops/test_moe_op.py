@@ -492,7 +492,8 @@ def _bf16_tiles_missing() -> str:
 @pytest.mark.parametrize(("hidden", "inter"), [(48, 20), (256, 160)])
 def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int,
                                      inter: int) -> None:
-    """A bf16 export gives the op bf16 activations (convert_to_ir). Below FP8_TILE_MIN_ROWS
+    """A model compiled at bf16 gives the op bf16 activations (compile_ir; at f32 the same IR
+    keeps f32 ones). Below FP8_TILE_MIN_ROWS
     rows per expert fp8 experts run exactly as in an f32 model, the sum rounded to bf16 once;
     from there on the bf16 tiles on the weights dequantized to bf16 (each w * scale rounded
     once, as PyTorch dequantizes FP8 weights for a bf16 model): bit for bit what bf16 experts
@@ -507,6 +508,11 @@ def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
              if n.get_rt_info()["layerType"].astype(str) == "Reference"]
     assert [op.get_input_element_type(i).get_type_name() for i in (0, 3, 4)] == [
         "bf16", "f8e4m3", "f8e4m3"]
+    f32_hint = compile_ir(tmp_path / "fp8_bf16" / "moe_bf16.xml", "bf16",
+                          {"INFERENCE_PRECISION_HINT": "f32"})
+    (op,) = [n for n in f32_hint.model.get_runtime_model().get_ordered_ops()
+             if n.get_rt_info()["layerType"].astype(str) == "Reference"]
+    assert op.get_input_element_type(0).get_type_name() == "f32"
     fp8_f32 = _compiled(tmp_path / "fp8_f32", qg, qd, 1, "f32", (sg, sd)).runner()
     dequantized = [dequantize_experts(q, s) for q, s in ((qg, sg), (qd, sd))]
     bf16 = _compiled(tmp_path / "bf16", *dequantized, 1, "bf16").runner()

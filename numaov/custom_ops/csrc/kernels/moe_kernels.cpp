@@ -1,6 +1,5 @@
 #include "kernels/moe_kernels.hpp"
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -57,13 +56,13 @@ struct Features {
 };
 
 const Features& features() {
+    // libgcc's checks: the CPUID bits and that the OS saves the registers (XCR0), so a
+    // system that leaves AVX-512's state off gets the AVX2 kernel rather than a fault.
     static const Features f = [] {
         Features s;
-        unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-        if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return s;
-        const bool f512 = (ebx >> 16) & 1, dq = (ebx >> 17) & 1, bw = (ebx >> 30) & 1, vl = (ebx >> 31) & 1;
-        s.avx512 = f512 && dq && bw && vl;
-        s.avx512_bf16 = s.avx512 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1);
+        s.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+        s.avx512_bf16 = s.avx512 && __builtin_cpu_supports("avx512bf16");
         s.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         return s;
     }();
