@@ -434,6 +434,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
     """Per weight format, the kernel the OpenVINO op runs its experts on here: ``{"kernel":
     str | None, "reason": str}`` (None, and why, where this CPU cannot run it)."""
     kernels = {}
+    bf16_tiles = False  # bf16 experts run on AMX or AVX512-BF16 here
     for weight_format in WEIGHT_FORMATS:
         missing = kernel_unavailable_reason(weight_format)
         try:
@@ -447,6 +448,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         elif bf16 is not None and bf16["kernel"] is None:
             kernels[weight_format] = {"kernel": None, "reason": bf16["reason"]}
         elif bf16 is not None:
+            bf16_tiles = bf16["kernel"] in ("amx", "avx512_bf16")
             described = {
                 "amx": f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "
                        "AVX512-BF16 dot products below",
@@ -457,8 +459,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         else:
             kernels[weight_format] = {
                 "kernel": f"{ISA_NAMES[isa]}: {FORMAT_KERNELS[weight_format]}", "reason": ""}
-    if kernels["fp8"]["kernel"] and kernels["fp8"]["kernel"].startswith("AVX-512") and (
-            kernels["bf16"]["kernel"] or "").startswith(("AMX", "AVX512-BF16")):
+    if bf16_tiles and kernels["fp8"]["kernel"] and kernel_isa("fp8") == "avx512":
         kernels["fp8"]["kernel"] += (f"; in a bf16 model, from {FP8_TILE_MIN_ROWS} rows per "
                                      "expert, dequantized to bf16 for the bf16 kernel")
     return kernels

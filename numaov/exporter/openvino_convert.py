@@ -66,20 +66,12 @@ def _subgraphs(node) -> list:
     return []
 
 
-def _reads_bf16_weights(target) -> bool:
-    """Whether an input port takes bf16 weights as they are: numaov's MoeExperts reads its
-    expert stacks (inputs 3 and 4) in place in their stored format, so it gets the bf16
-    constant itself, with no Convert for the plugin to fold back to f32."""
-    node = target.get_node()
-    return node.get_type_name() == "MoeExperts" and target.get_index() in (3, 4)
-
-
-def _is_expert_scale(target) -> bool:
-    """Whether an input port takes the f32 scales of MoeExperts' int8 / int4 / fp8 stacks
-    (inputs 5 and 6): part of the stored format, kept f32 (rounded to bf16 they moved a
-    layer's output by 1%)."""
-    node = target.get_node()
-    return node.get_type_name() == "MoeExperts" and target.get_index() in (5, 6)
+def _moe_input(target, indices: tuple[int, ...]) -> bool:
+    """Whether an input port is one of ``indices`` of numaov's MoeExperts: its expert stacks
+    (3, 4), read in place in their stored format, so they get the bf16 constant itself with no
+    Convert for the plugin to fold back to f32; their f32 scales (5, 6), part of the stored
+    format, kept f32 (rounded to bf16 they moved a layer's output by 1%)."""
+    return target.get_node().get_type_name() == "MoeExperts" and target.get_index() in indices
 
 
 # Values rounded per step of _bf16_constant: bounds its temporaries (a few copies of one chunk).
@@ -119,13 +111,13 @@ def _store_weights_as_bf16(model) -> int:
         shape = node.get_output_partial_shape(0)
         if not shape.is_static or int(np.prod(list(node.get_output_shape(0)))) < BF16_MIN_ELEMENTS:
             continue
-        if any(_is_expert_scale(t) for t in node.output(0).get_target_inputs()):
+        if any(_moe_input(t, (5, 6)) for t in node.output(0).get_target_inputs()):
             continue
         compressed = _bf16_constant(node.get_data())
         compressed.set_friendly_name(node.get_friendly_name())
         expanded = None
         for target in list(node.output(0).get_target_inputs()):
-            if _reads_bf16_weights(target):
+            if _moe_input(target, (3, 4)):
                 target.replace_source_output(compressed.output(0))
                 continue
             if expanded is None:

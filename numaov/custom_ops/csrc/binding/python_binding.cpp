@@ -24,6 +24,15 @@ namespace py = pybind11;
 
 namespace {
 
+// The MoE kernel's weight format named `name` ("f32", "bf16", "int8", "int4", "fp8").
+numaov::moe::WeightFormat moe_format(const std::string& name) {
+    for (auto f : {numaov::moe::WeightFormat::f32, numaov::moe::WeightFormat::bf16, numaov::moe::WeightFormat::int8,
+                   numaov::moe::WeightFormat::int4, numaov::moe::WeightFormat::fp8}) {
+        if (name == numaov::moe::format_name(f)) return f;
+    }
+    throw std::invalid_argument("weight format '" + name + "'; expected f32, bf16, int8, int4 or fp8");
+}
+
 // The Python class CollectiveError(NumaovError) lives in
 // numaov/distributed/communicator.py, which installs it here; until then
 // errors surface as RuntimeError.
@@ -250,26 +259,12 @@ PYBIND11_MODULE(_native, m) {
 
     m.def(
         "moe_unavailable_reason",
-        [](const std::string& format) {
-            if (format == "f32") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::f32);
-            if (format == "bf16") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::bf16);
-            if (format == "int8") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int8);
-            if (format == "int4") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::int4);
-            if (format == "fp8") return numaov::moe::unavailable_reason(numaov::moe::WeightFormat::fp8);
-            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8, int4 or fp8");
-        },
+        [](const std::string& format) { return numaov::moe::unavailable_reason(moe_format(format)); },
         py::arg("format"),
         "Why the MoeExperts op's kernel cannot run weights of this format here (\"\" when it can).");
     m.def(
         "moe_kernel_isa",
-        [](const std::string& format) {
-            for (auto f : {numaov::moe::WeightFormat::f32, numaov::moe::WeightFormat::bf16,
-                           numaov::moe::WeightFormat::int8, numaov::moe::WeightFormat::int4,
-                           numaov::moe::WeightFormat::fp8}) {
-                if (format == numaov::moe::format_name(f)) return numaov::moe::kernel_isa(f);
-            }
-            throw std::invalid_argument("weight format '" + format + "'; expected f32, bf16, int8, int4 or fp8");
-        },
+        [](const std::string& format) { return numaov::moe::kernel_isa(moe_format(format)); },
         py::arg("format"),
         "The instructions the MoeExperts op runs this format on here under NUMAOV_MOE_ISA: 'avx512' or "
         "'avx2' (ValueError for a bad setting, RuntimeError where the CPU lacks them).");

@@ -384,9 +384,9 @@ struct Stack {
 };
 
 template <int M, class T>
-void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t* r, float* c) {
+void dot_tile_of(const T* const* a, const Stack& s, const size_t* r, float* c) {
     const uint8_t* w[kTileCols];
-    for (size_t n = 0; n < kTileCols; ++n) w[n] = s.row(expert, r[n]);
+    for (size_t n = 0; n < kTileCols; ++n) w[n] = s.row(0, r[n]);
     // the block of kTileCols rows after this tile's (see prefetch_next_block)
     const uint8_t* next = w[0] + kTileCols * s.row_bytes();
     if constexpr (std::is_same_v<T, uint16_t>) {
@@ -394,7 +394,7 @@ void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t*
     } else {
         if (s.format == WeightFormat::f32) return dot_tile<M>(a, reinterpret_cast<const float* const*>(w), s.K, c);
         const float* scale[kTileCols];
-        for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(expert, r[n]);
+        for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(0, r[n]);
         if constexpr (M == 1) {
             // The next block's scales too (a few lines, in another region of the
             // stack): their first read would otherwise stall the next tile's start.
@@ -414,15 +414,15 @@ void dot_tile_of(const T* const* a, const Stack& s, size_t expert, const size_t*
 }
 
 // `rows` (1 .. kTileRows) activation rows against weight rows r[0 .. kTileCols)
-// of one expert; unused entries of c stay 0.
+// of `s`, one expert's rows (Stack::slice, TileRows); unused entries of c stay 0.
 template <class T>
-void dot_rows(const T* const* a, size_t rows, const Stack& s, size_t expert, const size_t* r, float* c) {
+void dot_rows(const T* const* a, size_t rows, const Stack& s, const size_t* r, float* c) {
     std::fill(c, c + kTileRows * kTileCols, 0.0f);
     switch (rows) {
-        case 1: return dot_tile_of<1>(a, s, expert, r, c);
-        case 2: return dot_tile_of<2>(a, s, expert, r, c);
-        case 3: return dot_tile_of<3>(a, s, expert, r, c);
-        default: return dot_tile_of<4>(a, s, expert, r, c);
+        case 1: return dot_tile_of<1>(a, s, r, c);
+        case 2: return dot_tile_of<2>(a, s, r, c);
+        case 3: return dot_tile_of<3>(a, s, r, c);
+        default: return dot_tile_of<4>(a, s, r, c);
     }
 }
 
@@ -473,8 +473,7 @@ NUMAOV_TARGET_AVX2 float widen1(const uint8_t* w, size_t k) {
 
 NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 load8(const float* a, size_t k) { return _mm256_loadu_ps(a + k); }
 NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 load8(const uint16_t* a, size_t k) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + k));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    return widen8<WeightFormat::bf16>(reinterpret_cast<const uint8_t*>(a), k);
 }
 inline float load1(const float* a, size_t k) { return a[k]; }
 inline float load1(const uint16_t* a, size_t k) { return from_bf16(a[k]); }
@@ -580,13 +579,13 @@ NUMAOV_TARGET_AVX2 void dot_tile_avx2(const T* const* a, const uint8_t* const* w
 }
 
 template <WeightFormat F, class T>
-NUMAOV_TARGET_AVX2 void dot_rows_avx2_of(const T* const* a, size_t rows, const Stack& s, size_t expert,
-                                         const size_t* r, float* c) {
+NUMAOV_TARGET_AVX2 void dot_rows_avx2_of(const T* const* a, size_t rows, const Stack& s, const size_t* r,
+                                         float* c) {
     const uint8_t* w[kTileCols];
     const float* scale[kTileCols] = {};
     for (size_t n = 0; n < kTileCols; ++n) {
-        w[n] = s.row(expert, r[n]);
-        if (s.scale) scale[n] = s.row_scale(expert, r[n]);
+        w[n] = s.row(0, r[n]);
+        if (s.scale) scale[n] = s.row_scale(0, r[n]);
     }
     const float unit = F == WeightFormat::fp8 ? kFp8Unit : 1.0f;
     const size_t group = s.K / s.groups;
@@ -600,14 +599,14 @@ NUMAOV_TARGET_AVX2 void dot_rows_avx2_of(const T* const* a, size_t rows, const S
 }
 
 template <class T>
-void dot_rows_avx2(const T* const* a, size_t rows, const Stack& s, size_t expert, const size_t* r, float* c) {
+void dot_rows_avx2(const T* const* a, size_t rows, const Stack& s, const size_t* r, float* c) {
     std::fill(c, c + kTileRows * kTileCols, 0.0f);
     switch (s.format) {
-        case WeightFormat::f32: return dot_rows_avx2_of<WeightFormat::f32>(a, rows, s, expert, r, c);
-        case WeightFormat::bf16: return dot_rows_avx2_of<WeightFormat::bf16>(a, rows, s, expert, r, c);
-        case WeightFormat::int8: return dot_rows_avx2_of<WeightFormat::int8>(a, rows, s, expert, r, c);
-        case WeightFormat::int4: return dot_rows_avx2_of<WeightFormat::int4>(a, rows, s, expert, r, c);
-        case WeightFormat::fp8: return dot_rows_avx2_of<WeightFormat::fp8>(a, rows, s, expert, r, c);
+        case WeightFormat::f32: return dot_rows_avx2_of<WeightFormat::f32>(a, rows, s, r, c);
+        case WeightFormat::bf16: return dot_rows_avx2_of<WeightFormat::bf16>(a, rows, s, r, c);
+        case WeightFormat::int8: return dot_rows_avx2_of<WeightFormat::int8>(a, rows, s, r, c);
+        case WeightFormat::int4: return dot_rows_avx2_of<WeightFormat::int4>(a, rows, s, r, c);
+        case WeightFormat::fp8: return dot_rows_avx2_of<WeightFormat::fp8>(a, rows, s, r, c);
     }
 }
 
@@ -911,8 +910,8 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
     const size_t amx_rows = kBf16 && !avx2 ? amx_min_rows() : SIZE_MAX;
     // One micro-tile of `rows` rows against weight rows r of a one-expert stack.
     const auto dot = [avx2](const T* const* a, size_t rows, const Stack& w, const size_t* r, float* c) {
-        if (avx2) return dot_rows_avx2(a, rows, w, 0, r, c);
-        dot_rows(a, rows, w, 0, r, c);
+        if (avx2) return dot_rows_avx2(a, rows, w, r, c);
+        dot_rows(a, rows, w, r, c);
     };
     const AmxPlan up_plan(routing, amx_rows, H);
     Scratch<uint32_t> x_panels;
