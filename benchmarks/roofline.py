@@ -550,17 +550,18 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     """The measured multiply-add peak (all cores, median) of the instructions the MoeExperts
     kernel runs ``weights`` on at this many rows per expert: bf16 on AMX tiles where the kernel
     puts such an expert on them (``moe_ops.bf16_kernel``), else AVX512-BF16 dot products;
-    fp8 as bf16 from FP8_TILE_MIN_ROWS rows per expert (the op is compiled as a bf16 model
-    runs it, `stored_op`); f32, int8, int4 and fp8 below that in f32 FMAs (weight-only: the
-    weights are widened to f32). None when that peak was not measured, or the kernel runs on
-    AVX2 (``NUMAOV_MOE_ISA``: its 8-lane FMAs' peak is not one of the probes)."""
-    from numaov.custom_ops.moe_ops import FP8_TILE_MIN_ROWS, bf16_kernel, kernel_isa
+    fp8 as bf16 from the kernel's ``fp8_tile_min_rows`` rows per expert (the op is compiled
+    as a bf16 model runs it, `stored_op`); f32, int8, int4 and fp8 below that in f32 FMAs
+    (weight-only: the weights are widened to f32). None when that peak was not measured, or the
+    kernel runs on AVX2 (``NUMAOV_MOE_ISA``: its 8-lane FMAs' peak is not one of the probes)."""
+    from numaov.custom_ops.moe_ops import bf16_kernel, kernel_isa
 
     if kernel_isa(weights) == "avx2":
         return None
     name = "fma_f32"
-    if weights == "bf16" or (weights == "fp8" and rows_per_expert >= FP8_TILE_MIN_ROWS):
-        kernel = bf16_kernel()
+    kernel = bf16_kernel()
+    fp8_tiles = kernel["fp8_tile_min_rows"]
+    if weights == "bf16" or (weights == "fp8" and fp8_tiles and rows_per_expert >= fp8_tiles):
         on_tiles = kernel["kernel"] == "amx" and rows_per_expert >= (kernel["amx_min_rows"] or 1)
         name = "amx_bf16" if on_tiles else "dot_bf16"
     limit = measured["limits"].get(name)

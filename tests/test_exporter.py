@@ -394,3 +394,51 @@ def test_compile_ir_swaps_attention_at_bf16_only(exported: dict, monkeypatch) ->
                       ).attention == "openvino"
     monkeypatch.setenv("NUMAOV_ATTENTION", "openvino")
     assert compile_ir(exported["xml_bf16"], "bf16").attention == "openvino"
+
+
+def _cpu_computes_bf16() -> bool:
+    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+@pytest.mark.skipif(not _cpu_computes_bf16(), reason="the CPU plugin computes no bf16 here")
+def test_a_batched_bf16_weight_is_read_bf16_at_bf16() -> None:
+    """MLA's absorbed weights: a MatMul of a rank-3 weight stored bf16 (widened, reshaped and
+    sliced on its way, as the exporter writes kv_b_proj's halves). At bf16 the CPU plugin left
+    such a MatMul in f32 on an f32 copy of the weight; compile_ir makes it a bf16 MatMul
+    (results within bf16 inference's tolerance), and leaves it f32 at f32 and the caller's model
+    as it was. A batched f32 weight is not a bf16 one and stays as the plugin runs it."""
+    from openvino import opset13 as ops
+
+    heads, nope, value, rank = 4, 16, 8, 32
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((heads * (nope + value), rank)).astype(np.float32)
+    stored = torch.from_numpy(weight).bfloat16()
+
+    def model(weight_type: ov.Type) -> ov.Model:
+        x = ops.parameter([-1, heads, -1, nope], ov.Type.f32, name="x")
+        w = ops.constant(stored.float().numpy(), weight_type)
+        if weight_type == ov.Type.bf16:
+            w = ops.convert(w, ov.Type.f32)
+        w = ops.reshape(w, ops.concat([ops.constant(np.array([heads], np.int64)),
+                                       ops.constant(np.array([nope + value, rank], np.int64))],
+                                      0), False)
+        w = ops.slice(w, np.array([0]), np.array([nope]), np.array([1]), np.array([1]))
+        return ov.Model([ops.matmul(x, w, False, False)], [x])
+
+    def matmul_types(compiled) -> list[str]:
+        return [[str(n.get_input_element_type(i).get_type_name()) for i in (0, 1)]
+                for n in compiled.model.get_runtime_model().get_ordered_ops()
+                if n.get_rt_info()["layerType"].astype(str) == "MatMul"]
+
+    source = model(ov.Type.bf16)
+    x = rng.standard_normal((2, heads, 3, nope)).astype(np.float32)
+    expected = x @ stored.float().numpy().reshape(heads, nope + value, rank)[:, :nope]
+    bf16 = compile_ir(source, "bf16")
+    assert matmul_types(bf16) == [["bf16", "bf16"]]
+    (got,) = bf16.runner()({"x": x})
+    assert np.abs(got - expected).max() / np.abs(expected).max() < TOLERANCES["bf16"].max_rel_error
+    assert [n.get_type_name() for n in source.get_ordered_ops()].count("Convert") == 1
+    f32 = compile_ir(source, "f32")
+    assert matmul_types(f32) == [["f32", "f32"]]
+    np.testing.assert_allclose(f32.runner()({"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+    assert matmul_types(compile_ir(model(ov.Type.f32), "bf16")) == [["f32", "f32"]]

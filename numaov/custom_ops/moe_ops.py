@@ -402,10 +402,6 @@ def kernel_unavailable_reason(weight_format: str) -> str:
     return native_module().moe_unavailable_reason(weight_format)
 
 
-# A bf16 model's fp8 experts run on the bf16 kernel once a call averages this many rows per
-# expert (moe_kernels.cpp's kFp8TileMinRows).
-FP8_TILE_MIN_ROWS = 8
-
 # What each format's experts run on (csrc/kernels/moe_kernels.cpp, ``dot_tile_of`` and
 # ``dot_rows_avx2``), after the instructions (``kernel_isa``); bf16's choice between AMX tiles
 # and AVX512-BF16 is made at run time (``bf16_kernel``).
@@ -434,7 +430,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
     """Per weight format, the kernel the OpenVINO op runs its experts on here: ``{"kernel":
     str | None, "reason": str}`` (None, and why, where this CPU cannot run it)."""
     kernels = {}
-    bf16_tiles = False  # bf16 experts run on AMX or AVX512-BF16 here
+    fp8_tile_min_rows = None  # a bf16 model's fp8 experts of this many rows on the bf16 tiles
     for weight_format in WEIGHT_FORMATS:
         missing = kernel_unavailable_reason(weight_format)
         try:
@@ -448,7 +444,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         elif bf16 is not None and bf16["kernel"] is None:
             kernels[weight_format] = {"kernel": None, "reason": bf16["reason"]}
         elif bf16 is not None:
-            bf16_tiles = bf16["kernel"] in ("amx", "avx512_bf16")
+            fp8_tile_min_rows = bf16["fp8_tile_min_rows"]
             described = {
                 "amx": f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "
                        "AVX512-BF16 dot products below",
@@ -459,8 +455,8 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         else:
             kernels[weight_format] = {
                 "kernel": f"{ISA_NAMES[isa]}: {FORMAT_KERNELS[weight_format]}", "reason": ""}
-    if bf16_tiles and kernels["fp8"]["kernel"] and kernel_isa("fp8") == "avx512":
-        kernels["fp8"]["kernel"] += (f"; in a bf16 model, from {FP8_TILE_MIN_ROWS} rows per "
+    if fp8_tile_min_rows and kernels["fp8"]["kernel"] and kernel_isa("fp8") == "avx512":
+        kernels["fp8"]["kernel"] += (f"; in a bf16 model, from {fp8_tile_min_rows} rows per "
                                      "expert, dequantized to bf16 for the bf16 kernel")
     return kernels
 
@@ -469,7 +465,9 @@ def bf16_kernel() -> dict[str, Any]:
     """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
     (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
     ``off``; ``always``) and ``NUMAOV_MOE_ISA``: ``{"kernel": "amx" | "avx512_bf16" | "avx2"
-    | None, "amx_min_rows": int | None, "reason": str}``. Raises MoeOpError for a bad
+    | None, "amx_min_rows": int | None, "fp8_tile_min_rows": int | None, "reason": str}``;
+    ``fp8_tile_min_rows``: the rows per expert (a call's average) from which a bf16 model's fp8
+    experts run on these tiles, dequantized to bf16 (None: never). Raises MoeOpError for a bad
     setting of either."""
     from numaov.native import native_module
 

@@ -39,7 +39,6 @@ from numaov.custom_ops import (
     moe_experts,
 )
 from numaov.custom_ops.moe_ops import (
-    FP8_TILE_MIN_ROWS,
     bf16_kernel,
     dequantize_experts,
     fp8_row_scales,
@@ -493,7 +492,7 @@ def _bf16_tiles_missing() -> str:
 def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int,
                                      inter: int) -> None:
     """A model compiled at bf16 gives the op bf16 activations (compile_ir; at f32 the same IR
-    keeps f32 ones). Below FP8_TILE_MIN_ROWS
+    keeps f32 ones). Below the kernel's fp8_tile_min_rows
     rows per expert fp8 experts run exactly as in an f32 model, the sum rounded to bf16 once;
     from there on the bf16 tiles on the weights dequantized to bf16 (each w * scale rounded
     once, as PyTorch dequantizes FP8 weights for a bf16 model): bit for bit what bf16 experts
@@ -517,13 +516,14 @@ def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
     dequantized = [dequantize_experts(q, s) for q, s in ((qg, sg), (qd, sd))]
     bf16 = _compiled(tmp_path / "bf16", *dequantized, 1, "bf16").runner()
     run = fp8_bf16.runner()
-    for per_expert in (1, FP8_TILE_MIN_ROWS - 1, FP8_TILE_MIN_ROWS, 75):
+    tile_rows = bf16_kernel()["fp8_tile_min_rows"]
+    for per_expert in (1, tile_rows - 1, tile_rows, 75):
         rows = experts * per_expert
         x, _, weights, *_ = _fp8_problem(rows, hidden, inter, seed=rows, experts=experts, top_k=1)
         x = x.bfloat16().float()  # a bf16 model's activations
         ids = (torch.arange(rows) % experts).reshape(rows, 1)
         (got,) = run(_feeds(x, ids, weights))
-        if per_expert < FP8_TILE_MIN_ROWS:
+        if per_expert < tile_rows:
             (exact,) = fp8_f32(_feeds(x, ids, weights))
             assert np.array_equal(got, torch.from_numpy(exact).bfloat16().float().numpy()), rows
         else:

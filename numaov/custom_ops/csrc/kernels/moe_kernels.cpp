@@ -42,12 +42,16 @@ constexpr size_t kRowChunk = 64;
 // two rows the tiles win (benchmarks/moe.py --part amx-rows: 1 row 0.80x,
 // 2 rows 1.20x, 16 rows 2.04x; benchmarks/RESULTS.md).
 constexpr size_t kAmxMinRows = 2;
-// fp8 experts with bf16 activations (a bf16 model) run on the bf16 tiles (AMX where usable,
-// else AVX512-BF16 dot products) once a call averages this many rows per expert it reads:
-// each block of weight rows is dequantized to bf16 once (TileRows) and then serves all of
-// its expert's rows, where the exact path widens every weight to f32 for every 4 rows and
-// is bound by its f32 FMAs (benchmarks/RESULTS.md). Decode (one row) stays exact.
-constexpr size_t kFp8TileMinRows = 8;
+// fp8 experts with bf16 activations (a bf16 model) run on the bf16 tiles once a call
+// averages this many rows per expert it reads: each block of weight rows is dequantized to
+// bf16 once (TileRows) and then serves all of its expert's rows, where the exact path widens
+// every weight to f32 for every 4 rows and is bound by its f32 FMAs. On AVX512-BF16 dot
+// products the exact path is as fast up to 16 rows (hidden 2,048 x 1,408, 2 cores: 87-104
+// against 68-100 GMAC/s at 8-16 rows, 94 against 113 at 24; benchmarks/RESULTS.md); AMX
+// tiles are several times faster than those, so there the tiles take over from 8 rows (not
+// measured against 16: no AMX on the machine that measured these). Decode stays exact.
+constexpr size_t kFp8TileMinRows = 16;
+constexpr size_t kFp8AmxTileMinRows = 8;
 
 struct Features {
     bool avx512 = false;
@@ -181,7 +185,7 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile(const uint16_t* const* a_in, const uint1
     __m512 acc[M][kTileCols];
     zero_tile<M>(acc);
     for (size_t k = 0; k < K; k += 32) {
-        if constexpr (M == 1) prefetch_next_block(next, 2 * k);
+        prefetch_next_block(next, 2 * k);
         const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : __mmask32((1u << (K - k)) - 1);
         __m512i wv[kTileCols];
         NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[n] = _mm512_maskz_loadu_epi16(mask, w[n] + k);
@@ -290,15 +294,13 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile_bytes(const float* const* a_in, const ui
         sums.start(scale, g, unit);
         const size_t k1 = k0 + group;  // <= K
         size_t k = k0;
-        if constexpr (M == 1) {
-            // One row (decode): a whole 64-byte line of each weight row per
-            // iteration, four steps unrolled (more loads in flight). The steps run
-            // in the same order, so the sums do not change.
-            for (; k + 64 <= k1; k += 64) {
-                prefetch_next_block(next, k);
-                NUMAOV_UNROLL for (size_t v = 0; v < 64; v += 16) {
-                    byte_step<M, widen>(sums, a, w, k + v, __mmask16(0xFFFF));
-                }
+        // A whole 64-byte line of each weight row per iteration, four steps
+        // unrolled (more loads in flight). The steps run in the same order, so the
+        // sums do not change.
+        for (; k + 64 <= k1; k += 64) {
+            prefetch_next_block(next, k);
+            NUMAOV_UNROLL for (size_t v = 0; v < 64; v += 16) {
+                byte_step<M, widen>(sums, a, w, k + v, __mmask16(0xFFFF));
             }
         }
         for (; k < k1; k += 16) {
@@ -343,13 +345,11 @@ NUMAOV_TARGET_AVX512_BF16 void dot_tile_int4(const float* const* a_in, const uin
         sums.start(scale, g, 1.0f);
         const size_t k1 = k0 + group;  // <= K
         size_t k = k0;
-        if constexpr (M == 1) {
-            // One row (decode): a 64-byte line (128 values) of each weight row per
-            // iteration, as in dot_tile_bytes.
-            for (; k + 128 <= k1; k += 128) {
-                prefetch_next_block(next, k / 2);
-                NUMAOV_UNROLL for (size_t v = 0; v < 128; v += 32) int4_step<M>(sums, a, w, values, k + v);
-            }
+        // A 64-byte line (128 values) of each weight row per iteration, as in
+        // dot_tile_bytes.
+        for (; k + 128 <= k1; k += 128) {
+            prefetch_next_block(next, k / 2);
+            NUMAOV_UNROLL for (size_t v = 0; v < 128; v += 32) int4_step<M>(sums, a, w, values, k + v);
         }
         for (; k < k1; k += 32) int4_step<M>(sums, a, w, values, k);
         sums.finish();
@@ -395,13 +395,11 @@ void dot_tile_of(const T* const* a, const Stack& s, const size_t* r, float* c) {
         if (s.format == WeightFormat::f32) return dot_tile<M>(a, reinterpret_cast<const float* const*>(w), s.K, c);
         const float* scale[kTileCols];
         for (size_t n = 0; n < kTileCols; ++n) scale[n] = s.row_scale(0, r[n]);
-        if constexpr (M == 1) {
-            // The next block's scales too (a few lines, in another region of the
-            // stack): their first read would otherwise stall the next tile's start.
-            const char* next_scale = reinterpret_cast<const char*>(scale[0] + kTileCols * s.groups);
-            for (size_t b = 0; b < kTileCols * s.groups * sizeof(float); b += 64) {
-                _mm_prefetch(next_scale + b, _MM_HINT_T0);
-            }
+        // The next block's scales too (a few lines, in another region of the
+        // stack): their first read would otherwise stall the next tile's start.
+        const char* next_scale = reinterpret_cast<const char*>(scale[0] + kTileCols * s.groups);
+        for (size_t b = 0; b < kTileCols * s.groups * sizeof(float); b += 64) {
+            _mm_prefetch(next_scale + b, _MM_HINT_T0);
         }
         if (s.format == WeightFormat::int8) {
             return dot_tile_bytes<M, widen_int8>(a, w, scale, 1.0f, s.K, s.K / s.groups, next, c);
@@ -550,11 +548,9 @@ NUMAOV_TARGET_AVX2 void dot_tile_avx2(const T* const* a, const uint8_t* const* w
         }
         size_t k = k0;
         for (; k + 32 <= k1; k += 32) {
-            if constexpr (M == 1) {
-                const size_t byte = k * kWeightBits<F> / 8;
-                for (size_t b = (byte + 63) & ~size_t(63); b < byte + kStepBytes; b += 64) {
-                    prefetch_next_block(next, b);
-                }
+            const size_t byte = k * kWeightBits<F> / 8;
+            for (size_t b = (byte + 63) & ~size_t(63); b < byte + kStepBytes; b += 64) {
+                prefetch_next_block(next, b);
             }
             fma8<F, M, 0, kScaleWeights>(sums, a, w, k, s);
             fma8<F, M, 8, kScaleWeights>(sums, a, w, k, s);
@@ -716,16 +712,22 @@ using Scratch = std::vector<T, UninitialisedAligned64<T>>;
 // each weight times its group's scale in f32, rounded to bf16 (nearest even), as PyTorch
 // dequantizes FP8 weights for a bf16 model (`w.float() * scale`, then `.bfloat16()`; the
 // f32 product is the same: widen_fp8's 2^-8 is undone exactly by kFp8Unit in the scale).
+// The rows are read from memory once, so each line of a row requests the same line of the
+// block after them (the rows the next call takes), as the one-row tiles do: without it the
+// loads waited on memory and the bf16 tiles of 8 rows per expert ran at 44 GMAC/s, under
+// half the exact path's 98 (benchmarks/RESULTS.md).
 NUMAOV_TARGET_AVX512_BF16 void dequantize_fp8_rows(const Stack& s, size_t expert, size_t r0, size_t count,
                                                    uint16_t* out) {
     const size_t K = s.K, group = K / s.groups;
     for (size_t r = 0; r < count; ++r) {
         const uint8_t* w = s.row(expert, r0 + r);
+        const uint8_t* next = w + count * s.row_bytes();  // harmless past the stack: never faults
         const float* scale = s.row_scale(expert, r0 + r);
         uint16_t* dst = out + r * K;
         for (size_t g = 0, k0 = 0; k0 < K; ++g, k0 += group) {
             const __m512 sv = _mm512_set1_ps(scale[g] * kFp8Unit);
             for (size_t k = k0; k < k0 + group; k += 16) {
+                if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T0);
                 const __mmask16 mask = k0 + group - k >= 16 ? __mmask16(0xFFFF)
                                                             : __mmask16((1u << (k0 + group - k)) - 1);
                 const __m512 v = _mm512_mul_ps(widen_fp8(_mm_maskz_loadu_epi8(mask, w + k)), sv);
@@ -787,6 +789,10 @@ size_t amx_min_rows() {
         default: return amx::usable() ? kAmxMinRows : SIZE_MAX;
     }
 }
+
+// The rows per expert from which a bf16 model's fp8 experts run on the bf16 tiles (see
+// kFp8TileMinRows): fewer where those are AMX tiles.
+size_t fp8_tile_min_rows() { return amx_min_rows() == SIZE_MAX ? kFp8TileMinRows : kFp8AmxTileMinRows; }
 
 // The experts on AMX tiles: which hits, and where their packed activations
 // (moe_amx.hpp's pairs layout) start in one buffer.
@@ -1130,24 +1136,25 @@ std::string kernel_isa(WeightFormat format) {
 
 Bf16Kernel bf16_kernel() {
     const std::string missing = unavailable_reason(WeightFormat::bf16);
-    if (!missing.empty()) return {"", missing, 0};
+    if (!missing.empty()) return {"", missing, 0, 0};
     std::string isa;
     try {
         isa = kernel_isa(WeightFormat::bf16);
     } catch (const std::runtime_error& e) {
-        return {"", e.what(), 0};
+        return {"", e.what(), 0, 0};
     }
     if (isa == "avx2") {
-        return {"avx2", features().avx512_bf16 ? "NUMAOV_MOE_ISA=avx2" : "the CPU has no AVX512-BF16", 0};
+        return {"avx2", features().avx512_bf16 ? "NUMAOV_MOE_ISA=avx2" : "the CPU has no AVX512-BF16", 0, 0};
     }
     switch (amx_setting()) {
-        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0};
+        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0, kFp8TileMinRows};
         case AmxSetting::always:
-            if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0};
-            return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1};
+            if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0, 0};
+            return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1, kFp8AmxTileMinRows};
         default:
-            if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0};
-            return {"amx", "AMX is usable; experts with fewer rows run on AVX512-BF16", kAmxMinRows};
+            if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0, kFp8TileMinRows};
+            return {"amx", "AMX is usable; experts with fewer rows run on AVX512-BF16", kAmxMinRows,
+                    kFp8AmxTileMinRows};
     }
 }
 
@@ -1169,7 +1176,7 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
     const bool avx2 = kernel_isa(tensors.format) == "avx2";
     const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 && !avx2 &&
                                    features().avx512_bf16 &&
-                                   shape.rows * shape.top_k >= kFp8TileMinRows * routing.hits.size();
+                                   shape.rows * shape.top_k >= fp8_tile_min_rows() * routing.hits.size();
     if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
         run<uint16_t>(tensors, shape, routing, avx2);
     } else {

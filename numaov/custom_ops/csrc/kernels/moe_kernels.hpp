@@ -99,11 +99,13 @@ void check_groups(WeightFormat format, const char* name, size_t K, size_t groups
 // Which kernel bf16 experts run on here under NUMAOV_MOE_AMX and NUMAOV_MOE_ISA:
 // "amx" (experts of at least amx_min_rows rows; fewer on AVX512-BF16),
 // "avx512_bf16", "avx2" (widened to f32), or "" when bf16 weights cannot run;
-// `reason` says why. Throws std::invalid_argument for a setting other than
-// those the two variables take.
+// `reason` says why; fp8_tile_min_rows: the rows per expert from which a bf16
+// model's fp8 experts run on these tiles (0: never). Throws
+// std::invalid_argument for a setting other than those the two variables take.
 struct Bf16Kernel {
     std::string kernel, reason;
     size_t amx_min_rows;
+    size_t fp8_tile_min_rows;
 };
 Bf16Kernel bf16_kernel();
 
