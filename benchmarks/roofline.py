@@ -25,9 +25,10 @@
    ``--formats``, on three layer shapes: DeepSeek-V2-Lite (hidden 2048, expert intermediate
    1408, 64 experts, top-6), DeepSeek-V3 (7168, 2048, 256 experts top-8: the store holds only
    ``--v3-experts`` of them, since only the selected experts' bytes count) and Qwen3-30B-A3B
-   (2048, 768, 128 experts, top-8). Decode is one row (batch 1) on its top-k experts; prefill
-   is 64 and 256 rows, all routed to the same top-k experts, so each selected expert gets 64
-   or 256 rows. Successive calls take the next disjoint set of k experts (cycling over the
+   (2048, 768, 128 experts, top-8). Decode is one row (batch 1) on its top-k experts, and three
+   rows per expert for batched decode (32 requests give each expert they hit 1.6-2.3 rows on
+   these shapes); prefill is 64 and 256 rows, all routed to the same top-k experts, so each
+   selected expert gets 64 or 256 rows. Successive calls take the next disjoint set of k experts (cycling over the
    store), so a call's weights were last read several calls ago and come from memory, not the
    cache, as in a model with many layers. Per call: the bytes it must read (the k selected
    experts' weights and scales in the format, as the store holds them) per second, as a share
@@ -39,8 +40,8 @@
    hidden x intermediate) per second, as a share of the f32 FMA peak and of the peak of the
    instructions the kernel runs the format on (bf16: AMX tiles for experts of two rows or
    more where usable, else AVX512-BF16; fp8, compiled as a bf16 model runs it, the same from
-   8 rows per expert (dequantized to bf16); int8 / int4, and fp8 below that, are widened to
-   f32 FMAs); and the roofline: the time the larger of the two bounds allows over the time taken. An empty call
+   the kernel's ``fp8_tile_min_rows`` rows per expert (dequantized to bf16); int8 / int4, and
+   fp8 below that, are widened to f32 FMAs); and the roofline: the time the larger of the two bounds allows over the time taken. An empty call
    (a model with the op's inputs returning x, compiled the same way) is timed in the same
    rounds: what one ``infer`` costs by itself (~60 us here: inputs set, threads woken, the
    output returned), which the op does not pay inside a model's step; ``op%read`` is the
@@ -92,7 +93,11 @@ PASS_S = 0.1
 #: sysfs) a 128 MiB buffer (4x that L3) read 18% faster in median than 1 GiB, and up to 74
 #: against 55 GB/s, in 30 alternating samples (benchmarks/RESULTS.md): partly from a cache.
 READ_BYTES_MIN = 1 << 30
-#: Prefill rows per selected expert (decode is one row).
+#: Decode rows per selected expert, each timed against a read sample: one request, and batched
+#: decode (32 requests of top-8 give the 111 of Qwen3-30B-A3B's 128 experts they hit 2.3 rows
+#: each on average, DeepSeek-V3's 161 of 256 1.6 each).
+DECODE_ROWS = (1, 3)
+#: Prefill rows per selected expert.
 PREFILL_ROWS = (64, 256)
 DEFAULT_FORMATS = ("bf16", "int8", "int4", "fp8")
 
@@ -697,14 +702,14 @@ def shares(measured: dict[str, Any], read: float | None, weights: str, rows_per_
 def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: int,
                  measured: dict[str, Any], reads: ReadSampler, tmp: Path
                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Every format at decode and each prefill row count, timed in alternating rounds: the
+    """Every format at each decode and prefill row count, timed in alternating rounds: the
     rows, and the read samples and the share of CPU time stolen by the hypervisor while they
     ran. Each decode sample comes with a read sample taken just before it, and a decode row's
     read shares are the medians of the paired ratios (this VM's read bandwidth moves from 37
     to 82 GB/s between consecutive 0.1 s samples); a prefill row's (compute-bound) are
     against the median of the read samples."""
     built = stored_op(shape, formats, threads, tmp / shape.name)
-    cases = (1, *PREFILL_ROWS)
+    cases = (*DECODE_ROWS, *PREFILL_ROWS)
     feeds = {c: routed_feeds(shape, c) for c in cases}
     competitors = {(w, c): cycling(built[w][0], feeds[c]) for w in formats for c in cases}
     empty = empty_call(shape, threads)
@@ -717,7 +722,7 @@ def moe_roofline(shape: LayerShape, formats: list[str], rounds: int, threads: in
     samples: dict[tuple[str, int], list[float]] = {key: [] for key in competitors}
     keys = list(competitors)
     paired: dict[tuple[str, int], list[float]] = {key: [] for key in competitors
-                                                  if key[1] == 1 and key[0] != "empty"}
+                                                  if key[1] in DECODE_ROWS and key[0] != "empty"}
     ticks = cpu_ticks()
     for round_number in range(rounds):
         for key in keys if round_number % 2 == 0 else keys[::-1]:
