@@ -128,22 +128,25 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols
     }
 }
 
-// A one-row tile (decode) reads each weight once, so its loop should be bound
-// by the weight reads. The tile's kTileCols rows are adjacent in the stack (one
-// contiguous block of kTileCols rows), and so is the next tile's block: the
-// one a decode thread reads next (the next columns of its item). Row streams of
-// a few kilobytes each (int8 / fp8 rows of 2,048 values: 2 KB, int4: 1 KB) are
-// too short for the hardware prefetcher to ramp up, so the tile requests the
-// next block in software as one stream: each iteration that takes 64 bytes from
-// each of its rows requests the next kTileCols lines of the next block, which
-// is thus in cache, whole, when the tile ends (a distance of one block: 8 KB
-// for int8 rows of 2,048, within L1). Past the item's end it is the next
-// columns' block, which this thread or another reads soon; past the stack's
-// end it is harmless (a prefetch never faults). Tiles of more rows reuse the
-// weights from cache and are bound by the FMAs, so they issue none. (Issue 33:
-// decode's samples sat on the first load of each line before; prefetching into
-// L2 instead, or the next expert's rows at a hit's last tile, measured no
-// better; benchmarks/RESULTS.md.)
+// A tile of few rows (decode: one row, batched decode: an expert gets one to
+// three) reads each weight once, so its loop should be bound by the weight
+// reads. The tile's kTileCols rows are adjacent in the stack (one contiguous
+// block of kTileCols rows), and so is the next tile's block: the one the thread
+// reads next (the next columns of its item). Row streams of a few kilobytes
+// each (int8 / fp8 rows of 2,048 values: 2 KB, int4: 1 KB) are too short for
+// the hardware prefetcher to ramp up, so the tile requests the next block in
+// software as one stream: each iteration that takes 64 bytes from each of its
+// rows requests the next kTileCols lines of the next block, which is thus in
+// cache, whole, when the tile ends (a distance of one block: 8 KB for int8 rows
+// of 2,048, within L1). Past the item's end it is the next columns' block,
+// which this thread or another reads soon; past the stack's end it is harmless
+// (a prefetch never faults). Every tile does it: the first tile of an expert's
+// rows reads the weights from memory whatever its rows (int8 / fp8 experts of
+// 2-4 rows read 5-7 GB/s without, 29-36 with), and for a later tile of the same
+// rows the requests cost a few instructions beside its FMAs. (Issue 33: decode's
+// samples sat on the first load of each line before; prefetching into L2
+// instead, or the next expert's rows at a hit's last tile, measured no better;
+// benchmarks/RESULTS.md.)
 NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
         _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T0);
