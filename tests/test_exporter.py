@@ -442,3 +442,7 @@ def test_a_batched_bf16_weight_is_read_bf16_at_bf16() -> None:
     assert matmul_types(f32) == [["f32", "f32"]]
     np.testing.assert_allclose(f32.runner()({"x": x})[0], expected, rtol=1e-5, atol=1e-5)
     assert matmul_types(compile_ir(model(ov.Type.f32), "bf16")) == [["f32", "f32"]]
+    # an input of unknown rank is not a batched weight: the plugin's own refusal, one line
+    a, b = (ops.parameter(ov.PartialShape.dynamic(), ov.Type.f32, name=n) for n in "ab")
+    with pytest.raises(CompileError, match="dynamic rank"):
+        compile_ir(ov.Model([ops.matmul(a, b, False, False)], [a, b]), "bf16")

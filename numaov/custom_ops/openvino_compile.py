@@ -302,6 +302,11 @@ _WEIGHT_PATH_OPS = frozenset({"Constant", "Convert", "Reshape", "Transpose", "Sl
                               "Concat"})
 
 
+def _batched(shape: Any) -> bool:
+    """Whether a weight of this (partial) shape is batched: of a known rank of 3 or more."""
+    return shape.rank.is_static and shape.rank.get_length() >= 3
+
+
 def _bf16_weight(value: Any) -> bool:
     """Whether ``value`` is computed from constants alone through shape ops, and its floating
     constants are bf16 (a bf16 export's weight, widened to f32 where it is used)."""
@@ -336,8 +341,7 @@ def _batched_weights_in_bf16(model: Any) -> int:
 
     nodes = [node for node in model.get_ordered_ops()
              if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32
-             and node.get_input_partial_shape(1).rank.get_length() >= 3
-             and _bf16_weight(node.input_value(1))]
+             and _batched(node.get_input_partial_shape(1)) and _bf16_weight(node.input_value(1))]
     return _compute_in_bf16(model, nodes, (0, 1))
 
 
