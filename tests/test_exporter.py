@@ -406,7 +406,8 @@ def test_a_batched_bf16_weight_is_read_bf16_at_bf16() -> None:
     sliced on its way, as the exporter writes kv_b_proj's halves). At bf16 the CPU plugin left
     such a MatMul in f32 on an f32 copy of the weight; compile_ir makes it a bf16 MatMul
     (results within bf16 inference's tolerance), and leaves it f32 at f32 and the caller's model
-    as it was. A batched f32 weight is not a bf16 one and stays as the plugin runs it."""
+    as it was. A batched f32 weight, or a bf16 one converted through integers on its way, is
+    not a bf16 one and stays as the plugin runs it."""
     from openvino import opset13 as ops
 
     heads, nope, value, rank = 4, 16, 8, 32
@@ -414,10 +415,12 @@ def test_a_batched_bf16_weight_is_read_bf16_at_bf16() -> None:
     weight = rng.standard_normal((heads * (nope + value), rank)).astype(np.float32)
     stored = torch.from_numpy(weight).bfloat16()
 
-    def model(weight_type: ov.Type) -> ov.Model:
+    def model(weight_type: ov.Type, through: ov.Type | None = None) -> ov.Model:
         x = ops.parameter([-1, heads, -1, nope], ov.Type.f32, name="x")
         w = ops.constant(stored.float().numpy(), weight_type)
-        if weight_type == ov.Type.bf16:
+        if through is not None:  # values rounded to another type on the way
+            w = ops.convert(w, through)
+        if w.get_output_element_type(0) != ov.Type.f32:
             w = ops.convert(w, ov.Type.f32)
         w = ops.reshape(w, ops.concat([ops.constant(np.array([heads], np.int64)),
                                        ops.constant(np.array([nope + value, rank], np.int64))],
@@ -442,6 +445,7 @@ def test_a_batched_bf16_weight_is_read_bf16_at_bf16() -> None:
     assert matmul_types(f32) == [["f32", "f32"]]
     np.testing.assert_allclose(f32.runner()({"x": x})[0], expected, rtol=1e-5, atol=1e-5)
     assert matmul_types(compile_ir(model(ov.Type.f32), "bf16")) == [["f32", "f32"]]
+    assert matmul_types(compile_ir(model(ov.Type.bf16, ov.Type.i32), "bf16")) == [["f32", "f32"]]
     # an input of unknown rank is not a batched weight: the plugin's own refusal, one line
     a, b = (ops.parameter(ov.PartialShape.dynamic(), ov.Type.f32, name=n) for n in "ab")
     with pytest.raises(CompileError, match="dynamic rank"):

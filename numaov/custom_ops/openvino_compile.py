@@ -308,8 +308,10 @@ def _batched(shape: Any) -> bool:
 
 
 def _bf16_weight(value: Any) -> bool:
-    """Whether ``value`` is computed from constants alone through shape ops, and its floating
-    constants are bf16 (a bf16 export's weight, widened to f32 where it is used)."""
+    """Whether ``value`` is computed from constants alone through shape ops, and its values are
+    bf16 ones (a bf16 export's weight, widened to f32 where it is used): its floating constants
+    are bf16, and every Convert to a floating type on the way converts from bf16 or f32 (not
+    from integers, whose values bf16 may not hold)."""
     import openvino as ov
 
     seen, stack, floats = set(), [value.get_node()], []
@@ -318,10 +320,14 @@ def _bf16_weight(value: Any) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if node.get_type_name() not in _WEIGHT_PATH_OPS:
+        kind, out = node.get_type_name(), node.get_output_element_type(0)
+        if kind not in _WEIGHT_PATH_OPS:
             return False
-        if node.get_type_name() == "Constant" and node.get_output_element_type(0).is_real():
-            floats.append(node.get_output_element_type(0))
+        if kind == "Constant" and out.is_real():
+            floats.append(out)
+        if kind == "Convert" and out.is_real() and node.get_input_element_type(0) not in (
+                ov.Type.bf16, ov.Type.f32):
+            return False
         stack.extend(v.get_node() for v in node.input_values())
     return bool(floats) and all(t == ov.Type.bf16 for t in floats)
 
@@ -398,10 +404,15 @@ def compile_ir(
             ) from exc
         # the routed experts the graph names live in its directory's expert store
         open_stores_of(model, Path(source).parent)
-    else:
+    # the plugin computes this model in bf16: its bf16 edits apply (a CPU without bf16 runs a
+    # bf16 hint in f32)
+    computes_bf16 = (effective == "bf16"
+                     and "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+    if not isinstance(source, (str, Path)):
         name = f"model {source.get_friendly_name()!r}"
-        # the caller's model is left as it is: swapping and pre/post-processing edit a copy
-        edits = kernel == "numaov" or bf16_io or part or effective == "bf16"
+        # the caller's model is left as it is: swapping, the bf16 edits and pre/post-processing
+        # edit a copy (which shares the constants)
+        edits = kernel == "numaov" or bf16_io or part or computes_bf16
         model = source.clone() if edits else source
     if part is not None:
         try:
@@ -409,9 +420,13 @@ def compile_ir(
         except Exception as exc:
             raise CompileError(f"cannot take {part} of {name}: {_cause(exc)}") from exc
     swapped = swap_attention(model) if kernel == "numaov" else 0
-    if effective == "bf16" and "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
-        _moe_activations_in_bf16(model)
-        _batched_weights_in_bf16(model)
+    if computes_bf16:
+        try:
+            _moe_activations_in_bf16(model)
+            _batched_weights_in_bf16(model)
+        except Exception as exc:
+            raise CompileError(f"OpenVINO cannot give {name} its bf16 computations: "
+                               f"{_cause(exc)}") from exc
     if bf16_io and effective == "bf16":
         try:
             model = _bf16_tensors(model, bf16_io)

@@ -42,16 +42,15 @@ constexpr size_t kRowChunk = 64;
 // two rows the tiles win (benchmarks/moe.py --part amx-rows: 1 row 0.80x,
 // 2 rows 1.20x, 16 rows 2.04x; benchmarks/RESULTS.md).
 constexpr size_t kAmxMinRows = 2;
-// fp8 experts with bf16 activations (a bf16 model) run on the bf16 tiles once a call
-// averages this many rows per expert it reads: each block of weight rows is dequantized to
-// bf16 once (TileRows) and then serves all of its expert's rows, where the exact path widens
-// every weight to f32 for every 4 rows and is bound by its f32 FMAs. On AVX512-BF16 dot
-// products the exact path is as fast up to 16 rows (hidden 2,048 x 1,408, 2 cores: 87-104
-// against 68-100 GMAC/s at 8-16 rows, 94 against 113 at 24; benchmarks/RESULTS.md); AMX
-// tiles are several times faster than those, so there the tiles take over from 8 rows (not
-// measured against 16: no AMX on the machine that measured these). Decode stays exact.
-constexpr size_t kFp8TileMinRows = 16;
-constexpr size_t kFp8AmxTileMinRows = 8;
+// fp8 experts with bf16 activations (a bf16 model) run on the bf16 tiles (AMX where usable,
+// else AVX512-BF16 dot products) once a call averages this many rows per expert it reads:
+// each block of weight rows is dequantized to bf16 once (TileRows) and then serves all of
+// its expert's rows, where the exact path widens every weight to f32 for every 4 rows and
+// is bound by its f32 FMAs. On AVX512-BF16 dot products the two are even at 8 rows (hidden
+// 2,048 x 1,408, 2 cores: 151 against 147 GMAC/s), the tiles ahead from there (12 rows 1.28x,
+// 16 rows 1.46x; benchmarks/RESULTS.md); AMX tiles only move the crossover lower. Decode
+// stays exact.
+constexpr size_t kFp8TileMinRows = 8;
 
 struct Features {
     bool avx512 = false;
@@ -140,14 +139,18 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols
 // cache, whole, when the tile ends (a distance of one block: 8 KB for int8 rows
 // of 2,048, within L1). Past the item's end it is the next columns' block,
 // which this thread or another reads soon; past the stack's end it is harmless
-// (a prefetch never faults). Every tile does it: the first tile of an expert's
+// (a prefetch never faults). Every tile of bf16, int8, int4 or fp8 weights
+// read in place does it (not rows dequantized into a buffer): the first tile of an expert's
 // rows reads the weights from memory whatever its rows (int8 / fp8 experts of
 // 2-4 rows read 5-7 GB/s without, 29-36 with), and for a later tile of the same
 // rows the requests cost a few instructions beside its FMAs. (Issue 33: decode's
 // samples sat on the first load of each line before; prefetching into L2
 // instead, or the next expert's rows at a hit's last tile, measured no better;
 // benchmarks/RESULTS.md.)
+// `next` is null for rows a thread has copied into a buffer (TileRows): those come from
+// cache, and what follows them is not the stack's next block.
 NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
+    if (!next) return;
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
         _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T0);
     }
@@ -366,6 +369,7 @@ struct Stack {
     const float* scale;  // int8 / int4 / fp8: [E, rows, groups]
     size_t rows, K, groups;
     WeightFormat format;
+    bool streamed = true;  // read from memory (the stack itself), so tiles request ahead
 
     size_t row_bytes() const {
         switch (format) {
@@ -382,7 +386,7 @@ struct Stack {
     const float* row_scale(size_t expert, size_t r) const { return scale + (expert * rows + r) * groups; }
     // Rows [r0, r0 + count) of `expert` as a stack of one expert (its scales with them).
     Stack slice(size_t expert, size_t r0, size_t count) const {
-        return {row(expert, r0), scale ? row_scale(expert, r0) : nullptr, count, K, groups, format};
+        return {row(expert, r0), scale ? row_scale(expert, r0) : nullptr, count, K, groups, format, streamed};
     }
 };
 
@@ -391,7 +395,7 @@ void dot_tile_of(const T* const* a, const Stack& s, const size_t* r, float* c) {
     const uint8_t* w[kTileCols];
     for (size_t n = 0; n < kTileCols; ++n) w[n] = s.row(0, r[n]);
     // the block of kTileCols rows after this tile's (see prefetch_next_block)
-    const uint8_t* next = w[0] + kTileCols * s.row_bytes();
+    const uint8_t* next = s.streamed ? w[0] + kTileCols * s.row_bytes() : nullptr;
     if constexpr (std::is_same_v<T, uint16_t>) {
         dot_tile<M>(a, reinterpret_cast<const uint16_t* const*>(w), s.K, next, c);
     } else {
@@ -523,7 +527,7 @@ NUMAOV_TARGET_AVX2 NUMAOV_INLINE void fma8(__m256 (&acc)[M][kTileCols], const T*
 // products times its scale (int8 / int4 / fp8; `unit` as for the AVX-512 tiles): 32 values a
 // step, then 8, then one at a time. Like GroupSums: a one-row tile sums a group's unscaled
 // products and adds them times the scale at the group's end; two rows scale each widened
-// vector once. A one-row tile requests the next block of rows as dot_tile does, once per 64
+// vector once. Every tile requests the next block of rows as dot_tile does, once per 64
 // bytes of its rows.
 template <WeightFormat F, int M, class T>
 NUMAOV_TARGET_AVX2 void dot_tile_avx2(const T* const* a, const uint8_t* const* w, const float* const* scale,
@@ -716,7 +720,7 @@ using Scratch = std::vector<T, UninitialisedAligned64<T>>;
 // dequantizes FP8 weights for a bf16 model (`w.float() * scale`, then `.bfloat16()`; the
 // f32 product is the same: widen_fp8's 2^-8 is undone exactly by kFp8Unit in the scale).
 // The rows are read from memory once, so each line of a row requests the same line of the
-// block after them (the rows the next call takes), as the one-row tiles do: without it the
+// block after them (the rows the next call takes), as the tiles do: without it the
 // loads waited on memory and the bf16 tiles of 8 rows per expert ran at 44 GMAC/s, under
 // half the exact path's 98 (benchmarks/RESULTS.md).
 NUMAOV_TARGET_AVX512_BF16 void dequantize_fp8_rows(const Stack& s, size_t expert, size_t r0, size_t count,
@@ -753,7 +757,7 @@ public:
                 auto& buffer = buffers_[slot];
                 if (buffer.size() < count * s.K) buffer.resize(count * s.K);
                 dequantize_fp8_rows(s, expert, r0, count, buffer.data());
-                return {buffer.data(), nullptr, count, s.K, 1, WeightFormat::bf16};
+                return {buffer.data(), nullptr, count, s.K, 1, WeightFormat::bf16, false};
             }
         }
         return s.slice(expert, r0, count);
@@ -792,10 +796,6 @@ size_t amx_min_rows() {
         default: return amx::usable() ? kAmxMinRows : SIZE_MAX;
     }
 }
-
-// The rows per expert from which a bf16 model's fp8 experts run on the bf16 tiles (see
-// kFp8TileMinRows): fewer where those are AMX tiles.
-size_t fp8_tile_min_rows() { return amx_min_rows() == SIZE_MAX ? kFp8TileMinRows : kFp8AmxTileMinRows; }
 
 // The experts on AMX tiles: which hits, and where their packed activations
 // (moe_amx.hpp's pairs layout) start in one buffer.
@@ -1153,11 +1153,11 @@ Bf16Kernel bf16_kernel() {
         case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0, kFp8TileMinRows};
         case AmxSetting::always:
             if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0, 0};
-            return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1, kFp8AmxTileMinRows};
+            return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1, kFp8TileMinRows};
         default:
             if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0, kFp8TileMinRows};
             return {"amx", "AMX is usable; experts with fewer rows run on AVX512-BF16", kAmxMinRows,
-                    kFp8AmxTileMinRows};
+                    kFp8TileMinRows};
     }
 }
 
@@ -1179,7 +1179,7 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
     const bool avx2 = kernel_isa(tensors.format) == "avx2";
     const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 && !avx2 &&
                                    features().avx512_bf16 &&
-                                   shape.rows * shape.top_k >= fp8_tile_min_rows() * routing.hits.size();
+                                   shape.rows * shape.top_k >= kFp8TileMinRows * routing.hits.size();
     if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
         run<uint16_t>(tensors, shape, routing, avx2);
     } else {

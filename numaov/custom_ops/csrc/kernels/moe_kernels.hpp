@@ -36,8 +36,8 @@
 // tiles of a few rows need as much as one row's. The sums over slots are f32;
 // the output is rounded once to x's type.
 // With bf16 x (a bf16 model), fp8 experts run on the bf16 tiles instead once the call
-// averages fp8_tile_min_rows rows per expert it reads (Bf16Kernel: 16 on AVX512-BF16
-// dot products, 8 on AMX tiles): each block of weight rows is dequantized to
+// averages 8 or more rows per expert it reads (Bf16Kernel's fp8_tile_min_rows): each
+// block of weight rows is dequantized to
 // bf16 once (w * scale rounded to nearest even, as PyTorch dequantizes FP8 weights for a bf16
 // model) and serves all of its expert's rows, bit for bit what bf16 stacks holding those
 // values give; below that (decode) they stay on the exact path above.
