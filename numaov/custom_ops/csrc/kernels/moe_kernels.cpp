@@ -434,11 +434,11 @@ void dot_rows(const T* const* a, size_t rows, const Stack& s, const size_t* r, f
 // -- AVX2 tiles -------------------------------------------------------------------------------
 //
 // For CPUs without AVX-512 (or forced, NUMAOV_MOE_ISA=avx2): the same tiles' contract as
-// dot_rows, on 8-lane f32 FMAs. Every format is widened to its exact f32 value as it is read
-// (bf16 by a shift, int8 by conversion, fp8 through an IEEE half as widen_fp8, int4 by
-// subtracting 8 from the nibble), and bf16 activations likewise, so bf16 experts give the
-// products of the AVX512-BF16 path and the other formats those of the AVX-512 one, summed in
-// another order. 16 ymm registers hold at most two activation rows' accumulators, so a tile of
+// dot_rows, on 8-lane f32 FMAs. Every format is widened to an exact f32 value as it is read
+// (bf16 by a shift, int8 by conversion, fp8 through an IEEE half as widen_fp8, int4 as its
+// stored nibble q + 8, the 8 taken off a group's sums at its end: one op fewer per weight),
+// and bf16 activations likewise, so bf16 experts give the products of the AVX512-BF16 path
+// and int8 / fp8 those of the AVX-512 one, summed in another order. 16 ymm registers hold at most two activation rows' accumulators, so a tile of
 // more rows is taken two rows at a time (the weights come from L1 the second time).
 #define NUMAOV_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -457,7 +457,7 @@ NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 widen8(const uint8_t* w, size_t k) {
         const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k)));
         return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(int16_t(0xBF80))));
     }
-    // int4: widen_at (whole 32-value blocks only)
+    // int4: widen32 (whole 32-value blocks only)
 }
 
 template <WeightFormat F>
@@ -494,30 +494,61 @@ template <WeightFormat F>
 constexpr size_t kWeightBits = F == WeightFormat::f32 ? 32 : F == WeightFormat::bf16 ? 16
                                : F == WeightFormat::int4 ? 4 : 8;
 
-// Values V .. V + 8 of the 32 from k on (k a multiple of 32 for int4, whose 16-byte blocks
-// hold values k .. k + 15 in their low nibbles and k + 16 .. k + 31 in their high ones).
-template <WeightFormat F, size_t V>
-NUMAOV_TARGET_AVX2 NUMAOV_INLINE __m256 widen_at(const uint8_t* w, size_t k) {
+// The 32 values of row `w` from k on, widened into four vectors of 8 (values k + 8v on).
+// int4 (k a multiple of 32; a 16-byte block holds values k .. k + 15 in its low nibbles and
+// k + 16 .. k + 31 in its high ones) as the stored nibble q + 8: each 8 bytes zero-extended
+// once serve both of their nibbles, and the offset comes off a group's sums at its end
+// (in dot_tile_avx2), not off every weight. fp8 16 values at a time: its half's bits made once
+// for 16 lanes, then F16C's two conversions. The other formats 8 at a time (widen8).
+template <WeightFormat F>
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE void widen32(const uint8_t* w, size_t k, __m256 (&wv)[4]) {
     if constexpr (F == WeightFormat::int4) {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k / 2 + V % 16));
-        __m256i q = _mm256_cvtepu8_epi32(b);
-        q = V < 16 ? _mm256_and_si256(q, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(q, 4);
-        return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8)));
+        const uint8_t* block = w + k / 2;
+        const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block)));
+        const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8)));
+        const __m256i low = _mm256_set1_epi32(0xF);
+        wv[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low));
+        wv[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low));
+        wv[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+        wv[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+    } else if constexpr (F == WeightFormat::fp8) {  // times 2^-8, as widen_fp8
+        NUMAOV_UNROLL for (size_t h = 0; h < 2; ++h) {
+            const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * h)));
+            const __m256i half = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBF80)));
+            wv[2 * h] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+            wv[2 * h + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+        }
     } else {
-        return widen8<F>(w, k + V);
+        NUMAOV_UNROLL for (size_t v = 0; v < 4; ++v) wv[v] = widen8<F>(w, k + 8 * v);
     }
 }
 
-// acc[m][n] += a[m][k + V ..) * w[n][k + V ..) * s[n] for 8 values (`s`: the group's scales,
-// or none: each widened vector multiplied once for all rows, as GroupSums does for tiles of
+// acc[m][n] += a[m][k ..) * w[n][k ..) * s[n] for 32 values (`s`: the group's scales, or
+// none: each widened vector multiplied once for all rows, as GroupSums does for tiles of
 // several rows).
-template <WeightFormat F, int M, size_t V, bool kScale, class T>
+template <WeightFormat F, int M, bool kScale, class T>
+NUMAOV_TARGET_AVX2 NUMAOV_INLINE void fma32(__m256 (&acc)[M][kTileCols], const T* const* a,
+                                            const uint8_t* const* w, size_t k, const __m256 (&s)[kTileCols]) {
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+        __m256 wv[4];
+        widen32<F>(w[n], k, wv);
+        NUMAOV_UNROLL for (size_t v = 0; v < 4; ++v) {
+            if constexpr (kScale) wv[v] = _mm256_mul_ps(wv[v], s[n]);
+            NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+                acc[m][n] = _mm256_fmadd_ps(load8(a[m], k + 8 * v), wv[v], acc[m][n]);
+            }
+        }
+    }
+}
+
+// acc[m][n] += a[m][k + 8 ..) * w[n][k + 8 ..) * s[n] for 8 values (a group's tail; not int4).
+template <WeightFormat F, int M, bool kScale, class T>
 NUMAOV_TARGET_AVX2 NUMAOV_INLINE void fma8(__m256 (&acc)[M][kTileCols], const T* const* a,
                                            const uint8_t* const* w, size_t k, const __m256 (&s)[kTileCols]) {
     __m256 av[M];
-    NUMAOV_UNROLL for (int m = 0; m < M; ++m) av[m] = load8(a[m], k + V);
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) av[m] = load8(a[m], k);
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
-        __m256 wv = widen_at<F, V>(w[n], k);
+        __m256 wv = widen8<F>(w[n], k);
         if constexpr (kScale) wv = _mm256_mul_ps(wv, s[n]);
         NUMAOV_UNROLL for (int m = 0; m < M; ++m) acc[m][n] = _mm256_fmadd_ps(av[m], wv, acc[m][n]);
     }
@@ -527,13 +558,15 @@ NUMAOV_TARGET_AVX2 NUMAOV_INLINE void fma8(__m256 (&acc)[M][kTileCols], const T*
 // products times its scale (int8 / int4 / fp8; `unit` as for the AVX-512 tiles): 32 values a
 // step, then 8, then one at a time. Like GroupSums: a one-row tile sums a group's unscaled
 // products and adds them times the scale at the group's end; two rows scale each widened
-// vector once. Every tile requests the next block of rows as dot_tile does, once per 64
-// bytes of its rows.
+// vector once. int4's products are of the stored q + 8, so a group's sums lose 8 times the
+// sum of its activations (per lane, kept beside them) at its end. Every tile requests the
+// next block of rows as dot_tile does, once per 64 bytes of its rows.
 template <WeightFormat F, int M, class T>
 NUMAOV_TARGET_AVX2 void dot_tile_avx2(const T* const* a, const uint8_t* const* w, const float* const* scale,
                                       float unit, size_t K, size_t group, float* c) {
     constexpr bool kScaled = F == WeightFormat::int8 || F == WeightFormat::int4 || F == WeightFormat::fp8;
     constexpr bool kScaleWeights = kScaled && M > 1;
+    constexpr bool kInt4 = F == WeightFormat::int4;
     constexpr size_t kStepBytes = 32 * kWeightBits<F> / 8;
     const uint8_t* next = w[0] + kTileCols * (K * kWeightBits<F> / 8);
     __m256 acc[M][kTileCols], s[kTileCols];
@@ -550,22 +583,35 @@ NUMAOV_TARGET_AVX2 void dot_tile_avx2(const T* const* a, const uint8_t* const* w
         }
         __m256 part[M][kTileCols];  // one-row tiles: this group's unscaled sums
         __m256 (&sums)[M][kTileCols] = kScaled && M == 1 ? part : acc;
+        __m256 a_sum[M];            // int4: this group's activations, per lane
         if constexpr (kScaled && M == 1) {
             NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) part[0][n] = _mm256_setzero_ps();
         }
+        NUMAOV_UNROLL for (int m = 0; m < M; ++m) a_sum[m] = _mm256_setzero_ps();
         size_t k = k0;
         for (; k + 32 <= k1; k += 32) {
             const size_t byte = k * kWeightBits<F> / 8;
             for (size_t b = (byte + 63) & ~size_t(63); b < byte + kStepBytes; b += 64) {
                 prefetch_next_block(next, b);
             }
-            fma8<F, M, 0, kScaleWeights>(sums, a, w, k, s);
-            fma8<F, M, 8, kScaleWeights>(sums, a, w, k, s);
-            fma8<F, M, 16, kScaleWeights>(sums, a, w, k, s);
-            fma8<F, M, 24, kScaleWeights>(sums, a, w, k, s);
+            if constexpr (kInt4) {
+                NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+                    a_sum[m] = _mm256_add_ps(_mm256_add_ps(load8(a[m], k), load8(a[m], k + 8)),
+                                             _mm256_add_ps(_mm256_add_ps(load8(a[m], k + 16), load8(a[m], k + 24)), a_sum[m]));
+                }
+            }
+            fma32<F, M, kScaleWeights>(sums, a, w, k, s);
         }
-        if constexpr (F != WeightFormat::int4) {  // int4 groups are whole 32-value blocks
-            for (; k + 8 <= k1; k += 8) fma8<F, M, 0, kScaleWeights>(sums, a, w, k, s);
+        if constexpr (!kInt4) {  // int4 groups are whole 32-value blocks
+            for (; k + 8 <= k1; k += 8) fma8<F, M, kScaleWeights>(sums, a, w, k, s);
+        }
+        if constexpr (kInt4) {  // the offset: sums -= 8 * a_sum (one-row tiles before their scale)
+            NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+                NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+                    const __m256 eight = kScaleWeights ? _mm256_mul_ps(_mm256_set1_ps(8.0f), s[n]) : _mm256_set1_ps(8.0f);
+                    sums[m][n] = _mm256_fnmadd_ps(a_sum[m], eight, sums[m][n]);
+                }
+            }
         }
         if constexpr (kScaled && M == 1) {
             NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) acc[0][n] = _mm256_fmadd_ps(part[0][n], s[n], acc[0][n]);
