@@ -95,8 +95,8 @@ PASS_S = 0.1
 READ_BYTES_MIN = 1 << 30
 #: Decode rows per selected expert, each timed against a read sample: one request, and batched
 #: decode (32 requests of top-8 give the 111 of Qwen3-30B-A3B's 128 experts they hit 2.3 rows
-#: each on average, DeepSeek-V3's 161 of 256 1.6 each).
-DECODE_ROWS = (1, 3)
+#: each on average, DeepSeek-V3's 161 of 256 1.6 each: tiles of two and three rows).
+DECODE_ROWS = (1, 2, 3)
 #: Prefill rows per selected expert.
 PREFILL_ROWS = (64, 256)
 DEFAULT_FORMATS = ("bf16", "int8", "int4", "fp8")

@@ -614,3 +614,43 @@ def test_a_bad_or_missing_isa_is_refused_by_name(monkeypatch: pytest.MonkeyPatch
         kernel_isa("f32")
     with pytest.raises(MoeOpError, match=r"NUMAOV_MOE_ISA='sse'"):
         bf16_kernel()
+
+
+# Rows per expert of top-1 routing: every tile height (1 to kTileRows = 4) alone and after
+# whole tiles (5 = 4 + 1, 6 = 4 + 2, 7 = 4 + 3, 9 = 2 x 4 + 1), batched decode's counts.
+FEW_ROWS = (1, 2, 3, 4, 5, 6, 7, 9)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize(("weight_format", "group"),
+                         [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64), ("fp8", None)])
+def test_scaled_formats_at_each_tile_height(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            isa: str, weight_format: str,
+                                            group: int | None) -> None:
+    """Tiles of one to four rows sum a scale group's products in different ways (one row:
+    unscaled sums scaled at the group's end; more: int4 looks its weights up already scaled,
+    the byte formats scale each widened vector; AVX2 tiles take two rows at most): each
+    expert's rows against float64 on the weights the stacks stand for (1e-5). hidden 256 and
+    intermediate 128 give every format several scale groups per row (fp8: two 128-value
+    blocks)."""
+    monkeypatch.setenv("NUMAOV_MOE_ISA", isa)
+    try:
+        kernel_isa(weight_format)
+    except MoeOpError as exc:
+        pytest.skip(str(exc))
+    experts, hidden, inter = len(FEW_ROWS), 256, 128
+    _, _, _, gate_up, down = _problem(1, experts=experts, top_k=1, hidden=hidden, inter=inter)
+    (qg, sg), (qd, sd) = (quantize_experts(w, weight_format, group) for w in (gate_up, down))
+    run = _compiled(tmp_path, qg, qd, 1, "f32", (sg, sd)).runner()
+    g = torch.Generator().manual_seed(3)
+    rows = sum(FEW_ROWS)
+    ids = torch.repeat_interleave(torch.arange(experts), torch.tensor(FEW_ROWS))
+    ids = ids[torch.randperm(rows, generator=g)].reshape(rows, 1)
+    x = torch.randn(rows, hidden, generator=g)
+    weights = torch.rand(rows, 1, generator=g)
+    (got,) = run(_feeds(x, ids, weights))
+    reference = _reference(x, ids, weights, dequantize_experts(qg, sg), dequantize_experts(qd, sd))
+    for expert, count in enumerate(FEW_ROWS):
+        mine = (ids[:, 0] == expert).numpy()
+        assert _rel(got[mine], reference[mine]) < F32_TOL, count
