@@ -57,6 +57,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
                          {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 1}),
     "groups_of_1_top3": ({"n_group": 16, "topk_group": 3, "num_experts_per_tok": 3},
                          {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3}),
+    # transformers does not read moe_layer_freq (DeepSeek's own code made layers with
+    # i % freq != 0 dense): its checkpoint has experts in every layer from
+    # first_k_dense_replace on, and so does numaov's model.
+    "moe_layer_freq_not_read": ({"moe_layer_freq": 2}, None),
 }
 
 

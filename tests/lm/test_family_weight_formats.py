@@ -32,6 +32,7 @@ NEW_TOKENS = 4
 @pytest.mark.parametrize(("family", "precision", "weights", "store_format"), [
     ("qwen3_moe", "f32", "int8", "int8"),
     ("qwen3_moe", "bf16", "bf16", "bf16"),
+    ("deepseek_v3", "bf16", "bf16", "bf16"),
     ("deepseek_v3", "f32", "int4", "int4"),
 ])
 def test_export_passes_its_format_rules_and_generates(
@@ -56,6 +57,27 @@ def test_export_passes_its_format_rules_and_generates(
     assert types["kv_cache"] == types["new_key_values"] == entry
     store = open_store(out / "rank_0" / STORE_NAME)
     assert {layer.plan.weight_format for layer in store.layers.values()} == {store_format}
+    if precision == "bf16":
+        _assert_routers_compute_in_f32(out / "rank_0")
     result = run_lm(out, PROMPTS, NEW_TOKENS, "openvino",
                     params=SamplingParams(NEW_TOKENS, ignore_eos=True))
     assert [len(tokens) for tokens in result.tokens] == [NEW_TOKENS] * len(PROMPTS)
+
+
+def _assert_routers_compute_in_f32(rank_dir: Path) -> None:
+    """At bf16 every matmul but the MoE routers' runs in bf16; each router (its matmul, scores,
+    top-k and weights) stays f32, as transformers computes it (``_keep_routing_f32``)."""
+    from numaov.custom_ops import compile_ir
+
+    (xml,) = rank_dir.glob("*.xml")
+    runtime = compile_ir(xml, "bf16").model.get_runtime_model()
+    kinds: dict[str, list[str]] = {}
+    for op in runtime.get_ordered_ops():
+        info = op.get_rt_info()
+        kinds.setdefault(info["layerType"].astype(str), []).append(
+            info["runtimePrecision"].astype(str))
+    moe_layers = xml.read_text().count('type="MoeExperts"')
+    assert moe_layers >= 1
+    assert kinds["FullyConnected"].count("f32") == moe_layers, kinds["FullyConnected"]
+    assert "bf16" in kinds["FullyConnected"]
+    assert set(kinds["TopK"]) == {"f32"}, kinds["TopK"]

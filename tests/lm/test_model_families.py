@@ -104,7 +104,7 @@ def test_sigmoid_group_router_equals_transformers_deepseek_v3(norm_topk_prob: bo
     reference = DeepseekV3TopkRouter(config)
     ours = Router(hidden, experts, top_k, score_function="sigmoid", selection="noaux_tc",
                   n_group=groups, topk_group=2, norm_topk_prob=norm_topk_prob,
-                  routed_scaling_factor=2.5, renormalize_scaled=True, correction_bias=True)
+                  routed_scaling_factor=2.5, correction_bias=True)
     with torch.no_grad():
         reference.weight.normal_()
         reference.e_score_correction_bias.copy_(torch.randn(experts) * 0.3)
@@ -115,8 +115,7 @@ def test_sigmoid_group_router_equals_transformers_deepseek_v3(norm_topk_prob: bo
         ids, weights = ours(x)
         unbiased = Router(hidden, experts, top_k, score_function="sigmoid",
                           selection="noaux_tc", n_group=groups, topk_group=2,
-                          norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5,
-                          renormalize_scaled=True)
+                          norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5)
         unbiased.weight.copy_(reference.weight)
         unbiased_ids, _ = unbiased(x)
     order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
@@ -124,6 +123,45 @@ def test_sigmoid_group_router_equals_transformers_deepseek_v3(norm_topk_prob: bo
     torch.testing.assert_close(weights.gather(1, order.indices),
                                ref_weights.gather(1, ref_order.indices), rtol=1e-6, atol=1e-7)
     assert not torch.equal(unbiased_ids.sort(dim=-1).values, order.values)
+
+
+@pytest.mark.parametrize("topk_method,norm_topk_prob",
+                         [("greedy", True), ("group_limited_greedy", True),
+                          ("group_limited_greedy", False)])
+def test_deepseek_v2_router_and_layers_follow_transformers(topk_method: str,
+                                                          norm_topk_prob: bool) -> None:
+    """DeepSeek-V2's router against transformers' ``DeepseekV2TopkRouter`` (softmax, greedy or
+    best-expert group-limited top-k, times ``routed_scaling_factor``): the same experts and
+    weights, ``norm_topk_prob`` not read as there; and its MoE layers where transformers puts
+    them, ``moe_layer_freq`` not read either."""
+    from transformers import DeepseekV2Config as HFDeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from numaov.models.deepseek_v2 import DeepseekV2Config
+    from numaov.models.deepseek_v2.moe import deepseek_v2_router
+
+    torch.manual_seed(0)
+    values = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
+                  num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+                  q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                  moe_intermediate_size=16, n_routed_experts=16, n_shared_experts=1,
+                  num_experts_per_tok=4, topk_method=topk_method, n_group=4, topk_group=2,
+                  norm_topk_prob=norm_topk_prob, routed_scaling_factor=2.5,
+                  first_k_dense_replace=1, moe_layer_freq=2)
+    reference = DeepseekV2TopkRouter(HFDeepseekV2Config(**values))
+    config = DeepseekV2Config.from_dict({**values, "model_type": "deepseek_v2"})
+    ours = deepseek_v2_router(config)
+    with torch.no_grad():
+        reference.weight.normal_()
+        ours.weight.copy_(reference.weight)
+        x = torch.randn(64, 32)
+        _, ref_weights, ref_ids = reference(x)
+        ids, weights = ours(x)
+    order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices),
+                               ref_weights.gather(1, ref_order.indices), rtol=1e-6, atol=1e-7)
+    assert [config.is_moe_layer(i) for i in range(5)] == [False, True, True, True, True]
 
 
 def _transformers_inv_freq(rope_parameters: dict, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -40,7 +40,6 @@ TINY_DEEPSEEK_CONFIG = DeepseekV2Config(
     routed_scaling_factor=1.5,
     norm_topk_prob=False,
     first_k_dense_replace=1,
-    moe_layer_freq=1,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     # DeepSeek-V2's own yarn settings, with a short original context so positions past

@@ -56,7 +56,6 @@ TINY_MOE_CONFIG = DeepseekV2Config(
     routed_scaling_factor=1.0,
     norm_topk_prob=False,
     first_k_dense_replace=1,
-    moe_layer_freq=1,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
     max_position_embeddings=512,

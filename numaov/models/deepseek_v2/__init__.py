@@ -16,11 +16,12 @@ Semantics follow transformers' ``deepseek_v2`` (which follows DeepSeek's own cod
   softmax scale by ``mscale(factor, mscale_all_dim) ** 2``;
 - the router is fp32: softmax over all experts, then greedy top-k or group-limited top-k
   (keep the ``topk_group`` groups with the best single expert, top-k inside them);
-- the top-k weights are multiplied by ``routed_scaling_factor``. ``norm_topk_prob=True``
-  instead renormalises them to sum 1 (no scaling) as DeepSeek's own V2 code does;
-  transformers ignores that flag, and every published V2 checkpoint sets it False;
-- layer ``i`` is an MoE layer when ``i >= first_k_dense_replace`` and
-  ``i % moe_layer_freq == 0``, else a dense MLP.
+- the top-k weights are multiplied by ``routed_scaling_factor``; ``norm_topk_prob`` is not
+  read, as in transformers (DeepSeek's own V2 code renormalised instead when it was set; every
+  published V2 checkpoint sets it False);
+- layer ``i`` is an MoE layer when ``i >= first_k_dense_replace``, else a dense MLP; as in
+  transformers ``moe_layer_freq`` is not read (DeepSeek's own code also made the layers with
+  ``i % moe_layer_freq != 0`` dense; every published checkpoint sets it to 1).
 
 DP attention: each rank runs attention on its own sequences and, around every MLP and MoE
 block, the exchange of :mod:`numaov.models.layers.data_parallel` (gather every rank's rows, run

@@ -79,7 +79,6 @@ class DeepseekV2Config(MlaConfig):
     topk_group: int | None = None
     norm_topk_prob: bool = False
     first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
     scoring_func: str = "softmax"
     hidden_act: str = "silu"
     attention_bias: bool = False
@@ -136,7 +135,6 @@ class DeepseekV2Config(MlaConfig):
         return (
             self.n_routed_experts is not None
             and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
         )
 
     # -- checks ------------------------------------------------------------------------------
@@ -148,7 +146,7 @@ class DeepseekV2Config(MlaConfig):
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-            "v_head_dim", "moe_intermediate_size", "moe_layer_freq", "max_position_embeddings",
+            "v_head_dim", "moe_intermediate_size", "max_position_embeddings",
         )
         check_positive(self, positive, fail)
         check_positive(self, ("q_lora_rank", "n_routed_experts", "num_experts_per_tok",

@@ -9,13 +9,14 @@ from numaov.models.layers.router import Router
 
 def deepseek_v2_router(config: DeepseekV2Config) -> Router:
     """DeepSeek-V2's router: softmax scores, greedy or group-limited (best expert per group)
-    top-k, renormalised (``norm_topk_prob``) or scaled by ``routed_scaling_factor``."""
+    top-k, scaled by ``routed_scaling_factor``. ``norm_topk_prob`` is not read, as in
+    transformers' ``deepseek_v2`` (DeepSeek's own V2 code renormalised instead when it was set
+    and k > 1; every published V2 checkpoint sets it False)."""
     assert config.n_routed_experts is not None and config.num_experts_per_tok is not None
     return Router(
         config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
         score_function="softmax", selection=config.topk_method,
         n_group=config.n_group or 1, topk_group=config.topk_group or 1,
-        norm_topk_prob=config.norm_topk_prob,
         routed_scaling_factor=config.routed_scaling_factor,
     )
 

@@ -5,13 +5,13 @@ bias inside the best groups (``noaux_tc``), with data-parallel (DP) attention ac
 
 Built from :mod:`numaov.models.layers`: ``mla`` (the attention and its cache: per token the
 normalised latent and the rotated rope key), ``router`` (fp32; ``score_function="sigmoid"``,
-``selection="noaux_tc"``, ``renormalize_scaled``, ``correction_bias``), ``experts`` (numaov's
+``selection="noaux_tc"``, ``correction_bias``), ``experts`` (numaov's
 MoE op), ``mlp``, ``rope`` (yarn with ``mscale`` / ``mscale_all_dim``), ``data_parallel``,
 ``sharding`` (the intermediate-dim split) and ``expert_layout`` (per-expert tensors <->
 stacks). Semantics follow transformers' ``DeepseekV3ForCausalLM``:
 
-- layer ``i`` is an MoE layer when ``i >= first_k_dense_replace`` (and ``i % moe_layer_freq
-  == 0``, as DeepSeek's own code; every release sets 1), else a dense MLP;
+- layer ``i`` is an MoE layer when ``i >= first_k_dense_replace``, else a dense MLP
+  (``moe_layer_freq`` is not read, as in transformers; every release sets it to 1);
 - scores ``sigmoid(x W^T)`` in fp32; the choice uses ``scores + e_score_correction_bias``:
   the ``topk_group`` of ``n_group`` groups whose two best corrected scores sum highest, then
   top-k inside them; the weights are the uncorrected scores of the chosen experts,

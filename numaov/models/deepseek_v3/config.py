@@ -1,6 +1,6 @@
 """The Hugging Face ``deepseek_v3`` (and ``kimi_k2``) config the model reads: keys as
 transformers' ``DeepseekV3Config``, plus DeepSeek's own ``scoring_func``, ``topk_method``,
-``moe_layer_freq``, ``num_nextn_predict_layers`` and the FP8 ``quantization_config``.
+``num_nextn_predict_layers`` and the FP8 ``quantization_config``.
 
 Both spellings of rope are read: the classic ``rope_theta`` / ``rope_scaling`` keys and
 transformers 5's ``rope_parameters``; :meth:`DeepseekV3Config.to_dict` writes the classic form,
@@ -87,7 +87,6 @@ class DeepseekV3Config(MlaConfig):
     topk_group: int = 4
     norm_topk_prob: bool = True
     first_k_dense_replace: int = 3
-    moe_layer_freq: int = 1
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     num_nextn_predict_layers: int = 0
@@ -167,7 +166,9 @@ class DeepseekV3Config(MlaConfig):
         return Fp8Format((int(block[0]), int(block[1])))
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+        # As transformers: moe_layer_freq (DeepSeek's own code: dense where layer % freq != 0;
+        # 1 in every published checkpoint) is not read.
+        return layer >= self.first_k_dense_replace
 
     # -- checks ------------------------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class DeepseekV3Config(MlaConfig):
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-            "v_head_dim", "moe_intermediate_size", "moe_layer_freq", "max_position_embeddings",
+            "v_head_dim", "moe_intermediate_size", "max_position_embeddings",
             "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
         )
         check_positive(self, positive, fail)

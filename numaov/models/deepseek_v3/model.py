@@ -24,7 +24,7 @@ def deepseek_v3_router(config: DeepseekV3Config) -> Router:
         n_group=config.n_group, topk_group=config.topk_group,
         norm_topk_prob=config.norm_topk_prob,
         routed_scaling_factor=config.routed_scaling_factor,
-        renormalize_scaled=True, correction_bias=True,
+        correction_bias=True,
     )
 
 

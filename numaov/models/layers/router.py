@@ -29,16 +29,15 @@ SELECTIONS = ("greedy", "group_limited_greedy", "noaux_tc")
 class Router(nn.Module):
     """Top-k expert choice per row: ``x [N, H]`` -> ``(ids [N, k] int64, weights [N, k] fp32)``.
 
-    ``renormalize_scaled`` picks between the two ways the families combine the flags:
-    DeepSeek-V3's (renormalise when ``norm_topk_prob``, whatever k, then always scale) and
-    DeepSeek-V2's (renormalise when ``norm_topk_prob`` and k > 1, else scale).
+    The weights are renormalised when ``norm_topk_prob`` (whatever k), then always times
+    ``routed_scaling_factor``, as transformers' DeepSeek-V3 and Qwen-MoE routers (Qwen's factor
+    is 1; transformers' DeepSeek-V2 router never renormalises, its family passes False).
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *,
                  score_function: str = "softmax", selection: str = "greedy",
                  n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
-                 routed_scaling_factor: float = 1.0, renormalize_scaled: bool = False,
-                 correction_bias: bool = False) -> None:
+                 routed_scaling_factor: float = 1.0, correction_bias: bool = False) -> None:
         super().__init__()
         assert score_function in SCORE_FUNCTIONS and selection in SELECTIONS
         self.num_experts, self.top_k = num_experts, top_k
@@ -46,7 +45,6 @@ class Router(nn.Module):
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
-        self.renormalize_scaled = renormalize_scaled
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         if correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
@@ -63,12 +61,8 @@ class Router(nn.Module):
             choice = self._keep_best_groups(choice)
         ids = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
-        if self.renormalize_scaled:
-            if self.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            return ids, weights * self.routed_scaling_factor
-        if self.norm_topk_prob and self.top_k > 1:
-            return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * self.routed_scaling_factor
 
     def _keep_best_groups(self, choice: Tensor) -> Tensor:

@@ -18,8 +18,7 @@ def qwen_moe_router(config: QwenMoeConfig) -> Router:
     scaled."""
     return Router(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                   score_function="softmax", selection="greedy",
-                  norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=1.0,
-                  renormalize_scaled=True)
+                  norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=1.0)
 
 
 class QwenMoeSparseBlock(nn.Module):
