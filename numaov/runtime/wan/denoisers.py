@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov.custom_ops.openvino_compile import WeightPages, infer
+from numaov.custom_ops.openvino_compile import InferError, WeightPages, infer
 from numaov.models.wan import RANK_INPUT
 from numaov.runtime.comparison import max_rel_error
 from numaov.runtime.manifest_reader import ModelManifest
@@ -91,7 +91,18 @@ class OpenVINODenoiser(Denoiser):
         infer(request, {"hidden_states": hidden_states, "timestep": timestep,
                         "encoder_hidden_states": text, **self._rank})
         self._weight_pages.after_run(id(request))
-        return np.array(request.get_output_tensor(0).data, dtype=np.float32)
+        prediction = request.get_output_tensor(0)
+        # The prediction has the latents' batch, frames and size (its channels may be fewer:
+        # I2V's input carries the image's too). A split graph whose peer worker was killed
+        # mid-step has been seen to return its unset, empty output instead of raising
+        # (rarely, in tests that kill a worker): that is one line too, not a failure later.
+        shape = tuple(prediction.shape)
+        if len(shape) != hidden_states.ndim or shape[0] != hidden_states.shape[0] \
+                or shape[2:] != hidden_states.shape[2:] or not shape[1]:
+            raise InferError(f"OpenVINO returned a prediction of shape {list(shape)} for latents "
+                             f"of shape {list(hidden_states.shape)}; expected the latents' batch, "
+                             "frames and size (a sequence-parallel peer worker may have failed)")
+        return np.array(prediction.data, dtype=np.float32)
 
     def close(self) -> None:
         self._request = self._single_token_request = None
