@@ -129,18 +129,25 @@ def _store_weights_as_bf16(model) -> int:
     return replaced
 
 
+def _has_attribute(layer: Any, name: str) -> bool:
+    """Whether an IR layer (an XML element) has the runtime attribute ``name``."""
+    rt_info = layer.find("rt_info")
+    return rt_info is not None and any(a.get("name") == name
+                                       for a in rt_info.findall("attribute"))
+
+
 def _add_attribute(layer: Any, name: str) -> bool:
     """Give an IR layer (an XML element) the runtime attribute ``name`` (version 0) unless it
     has it; the IR reader turns it into OpenVINO's attribute of that name. Whether it was
     added."""
     import xml.etree.ElementTree as ET
 
+    if _has_attribute(layer, name):
+        return False
     rt_info = layer.find("rt_info")
     if rt_info is None:
         rt_info = ET.Element("rt_info")
         layer.insert(1, rt_info)
-    if any(a.get("name") == name for a in rt_info.findall("attribute")):
-        return False
     ET.SubElement(rt_info, "attribute", {"name": name, "version": "0"})
     return True
 
@@ -151,8 +158,9 @@ def _mark_weight_decompression(xml_path: Path) -> int:
     compression), so the CPU plugin keeps the weights bf16 when it compiles instead of folding
     each Convert into an f32 copy: measured on an [8192, 8192] weight, 135 MiB against 391 MiB
     compiled at bf16, the same outputs. OpenVINO's Python API cannot set the attribute, so it
-    is written into the IR's XML, which the reader then turns into the attribute. Returns
-    how many Converts were marked."""
+    is written into the IR's XML, which the reader then turns into the attribute. A Convert
+    kept ``precise`` (a router's weight, ``_keep_routing_f32``) is left to fold into f32.
+    Returns how many Converts were marked."""
     import xml.etree.ElementTree as ET
 
     tree = ET.parse(xml_path)
@@ -169,7 +177,8 @@ def _mark_weight_decompression(xml_path: Path) -> int:
         fed = {edge.get("to-layer") for edge in edges.findall("edge")
                if edge.get("from-layer") in constants}
         for layer in layers.findall("layer"):
-            if layer.get("type") == "Convert" and layer.get("id") in fed:
+            if layer.get("type") == "Convert" and layer.get("id") in fed \
+                    and not _has_attribute(layer, "precise"):
                 marked += _add_attribute(layer, "decompression")
     tree.write(xml_path, encoding="utf-8", xml_declaration=True)
     return marked
@@ -265,15 +274,12 @@ def _keep_routing_f32(xml_path: Path) -> int:
             todo.extend(inputs_of(node))
             continue
         # The router's weight: the CPU plugin runs a matmul of a weight marked as a bf16
-        # decompression in bf16 whatever the matmul's own mark, so that Convert is unmarked
-        # (folded into an f32 copy when compiled: E x H values) and kept f32.
+        # decompression in bf16 whatever the matmul's own mark, so its Convert is kept
+        # precise, which _mark_weight_decompression leaves unmarked (folded into an f32 copy
+        # when compiled: E x H values).
         for weight in inputs_of(node):
             if layers[weight].get("type") == "Convert" and all(
                     layers[i].get("type") == "Const" for i in inputs_of(weight)):
-                rt_info = layers[weight].find("rt_info")
-                for attribute in [] if rt_info is None else rt_info.findall("attribute"):
-                    if attribute.get("name") == "decompression":
-                        rt_info.remove(attribute)
                 marked += _add_attribute(layers[weight], "precise")
     tree.write(xml_path, encoding="utf-8", xml_declaration=True)
     return marked
@@ -341,10 +347,10 @@ def convert_to_ir(
     except Exception as exc:
         raise ConversionError(f"cannot write OpenVINO IR to {str(xml_path)!r} ({exc})") from exc
     if precision == "bf16":
-        marked = _mark_weight_decompression(xml_path)
-        logger.info("marked %d bf16 weights as decompressed where used", marked)
         routing = _keep_routing_f32(xml_path)
         logger.info("kept %d nodes of the MoE routers in f32", routing)
+        marked = _mark_weight_decompression(xml_path)
+        logger.info("marked %d bf16 weights as decompressed where used", marked)
     if f32_inputs:
         kept = _keep_f32_from(xml_path, f32_inputs)
         logger.info("kept %d nodes computed from %s alone in f32", kept, ", ".join(f32_inputs))

@@ -462,8 +462,9 @@ void dot_rows(const T* const* a, size_t rows, const Stack& s, const size_t* r, f
 // (bf16 by a shift, int8 by conversion, fp8 through an IEEE half as widen_fp8, int4 as its
 // stored nibble q + 8, the 8 taken off a group's sums at its end: one op fewer per weight),
 // and bf16 activations likewise, so bf16 experts give the products of the AVX512-BF16 path
-// and int8 / fp8 those of the AVX-512 one, summed in another order. 16 ymm registers hold at most two activation rows' accumulators, so a tile of
-// more rows is taken two rows at a time (the weights come from L1 the second time).
+// and int8 / fp8 those of the AVX-512 one, summed in another order. 16 ymm registers hold at
+// most two activation rows' accumulators, so a tile of more rows is taken two rows at a time
+// (the weights come from L1 the second time).
 #define NUMAOV_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // Values of row `w` from k on, widened: 8 at a time and one at a time (a row's or group's tail).
