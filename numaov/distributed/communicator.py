@@ -57,6 +57,7 @@ __all__ = [
     "ShmCommunicator",
     "destroy_communicator",
     "find_communicator",
+    "reclaim_stale_segment",
     "register_communicator",
     "shm_bytes_needed",
 ]
@@ -437,6 +438,14 @@ def shm_bytes_needed(world_size: int) -> int | None:
         return int(_native().segment_bytes(int(world_size)))
     except NativeLibraryError:
         return None
+
+
+def reclaim_stale_segment(group: str, job_id: str) -> bool:
+    """Unlink the /dev/shm segment of `group` under `job_id` if it is still there and its
+    creator is gone; True when one was. For a launcher once every rank it started has exited:
+    the segment is unlinked as soon as all ranks attached, so one left means a rank died or
+    was stopped before the group formed."""
+    return bool(_native().reclaim_stale_segment(group, job_id))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ process to its CPUs and memory there), joins the group with a
 ops and OpenVINO's extension ops find it), calls ``target(context, arg)``
 and sends the result back. The parent waits with a deadline: a rank that
 raises, dies or hangs ends the whole run with an error naming the rank, and
-the other ranks are stopped, so a failure never leaves a group waiting.
+the other ranks are stopped, so a failure never leaves a group waiting; a
+group segment left by ranks stopped before the group formed is unlinked then.
 
 It lives here, beside the communicator, because both the exporter (parity of
 per-rank graphs) and the runtime (inference workers) start rank groups.
@@ -15,6 +16,7 @@ per-rank graphs) and the runtime (inference workers) start rank groups.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from numaov import NumaovError
+
+logger = logging.getLogger(__name__)
 
 # Rank setup: (rank, world_size, group) -> the context object the target receives.
 RankSetup = Callable[[int, int, "str | None"], Any]
@@ -131,7 +135,20 @@ def run_rank_group(
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+        if group is not None and not any(p.is_alive() for p in procs):
+            reclaim_group_segments([(group, job_id)])
     return [out[r] for r in range(world_size)]
+
+
+def reclaim_group_segments(groups: Sequence[tuple[str, str]]) -> None:
+    """Unlink what ranks that have all exited left in /dev/shm for these (group, job id)
+    pairs: a rank stopped before its group formed leaves the group's segment behind."""
+    from numaov.distributed.communicator import reclaim_stale_segment
+
+    for group, job_id in groups:
+        if reclaim_stale_segment(group, job_id):
+            logger.debug("unlinked the segment of group %r (job id %r) its ranks left",
+                         group, job_id)
 
 
 def _wait_for_result(results, seconds: float) -> bool:

@@ -296,6 +296,38 @@ def test_a_stale_segment_is_reclaimed_and_a_live_one_refused() -> None:
     assert shm_leftovers(group) == []
 
 
+def _die_once_rank_0_created(path: str, rank: int, world_size: int, group: str | None) -> int:
+    """A rank group's setup: rank 1 dies before joining, once rank 0 holds the segment."""
+    if rank == 1:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(3)
+    return rank
+
+
+def test_a_rank_dead_before_its_group_formed_leaves_nothing_in_dev_shm(monkeypatch) -> None:
+    """The segment is unlinked once every rank attached; when one dies before that, its
+    launcher unlinks it after stopping the rest (rank 0 is stopped while waiting)."""
+    import functools
+
+    from numaov.distributed.rank_group import WorkerError, run_rank_group
+
+    group = unique_name("unformed")
+    monkeypatch.setenv("NUMAOV_JOB_ID", group)
+    monkeypatch.setenv("NUMAOV_COLL_TIMEOUT_S", "600")  # rank 0 would wait that long
+    setup = functools.partial(_die_once_rank_0_created, _segment_path(group, group))
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 exit code 3"):
+        run_rank_group(2, _rank_of, [None, None], group=group, setup=setup)
+    assert time.monotonic() - started < 120
+    assert shm_leftovers(group) == []
+
+
+def _rank_of(context: Any, arg: Any) -> int:
+    return context
+
+
 def test_a_full_dev_shm_fails_at_creation_with_a_clear_message(monkeypatch) -> None:
     from numaov.distributed.communicator import CollectiveError, ShmCommunicator
 

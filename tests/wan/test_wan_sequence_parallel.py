@@ -201,7 +201,8 @@ def test_a_killed_worker_fails_the_run_in_one_line_and_leaves_no_shared_memory(
         exported: dict, tmp_path: Path) -> None:
     """The peers of a killed worker fail inside the split graph's collectives (OpenVINO's
     error, made one line) or the parent notices the death: either way one line. (The
-    groups' segments are unlinked once every worker has joined; the check guards that.)"""
+    groups' segments are unlinked once every worker has joined, or by the parent once the
+    workers have exited when one died before that; the check guards both.)"""
     job = f"sp-kill-{uuid.uuid4().hex[:8]}"
     args = _run_args(exported, tmp_path / "x.npy", "--workers", "3", "--parallel", "sequence")
     args[args.index("--steps") + 1] = "100000"  # runs until killed

@@ -170,4 +170,20 @@ def join_token_group(split: WorkerSplit, rank: int) -> Any | None:
 
     branch, share = split.place(rank)
     return ShmCommunicator(SEQUENCE_GROUP, share, split.shares,
-                           job_id=f"{split.tag}-branch{branch}")
+                           job_id=token_group_job_id(split, branch))
+
+
+def token_group_job_id(split: WorkerSplit, branch: int) -> str:
+    """The job id of ``branch``'s token group (its segment's name is the group's and this)."""
+    return f"{split.tag}-branch{branch}"
+
+
+def reclaim_token_groups(split: WorkerSplit) -> None:
+    """Once every worker has exited: unlink the token groups' segments a worker stopped
+    before its group formed left behind (the rank group's own is reclaimed with it)."""
+    if split.branches == 1 or split.shares == 1:
+        return
+    from numaov.distributed.rank_group import reclaim_group_segments
+
+    reclaim_group_segments([(SEQUENCE_GROUP, token_group_job_id(split, branch))
+                            for branch in range(split.branches)])

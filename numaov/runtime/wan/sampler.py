@@ -55,6 +55,7 @@ from numaov.runtime.wan.parallel import (
     check_split,
     choose_split,
     join_token_group,
+    reclaim_token_groups,
     sequence_manifest,
 )
 from numaov.runtime.wan.request import (
@@ -567,8 +568,11 @@ def denoise(
         job = _RankJob(tuple(str(m.directory) for m in graphs), backend, text, negative,
                        tuple(shape), request, layout, split)
         # With one branch the workers' own group is the one the split graphs' nodes name.
-        results = run_on_ranks(plan, _split_rank, [job] * workers,
-                               group=SEQUENCE_GROUP if split.branches == 1 else None)
+        try:
+            results = run_on_ranks(plan, _split_rank, [job] * workers,
+                                   group=SEQUENCE_GROUP if split.branches == 1 else None)
+        finally:
+            reclaim_token_groups(split)
         latents, seconds, _ = results[0]
         # The step cache runs with the guidance split only: one rank per branch, and per
         # transformer cond then uncond, as one worker's batch rows give them.

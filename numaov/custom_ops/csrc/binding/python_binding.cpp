@@ -229,6 +229,14 @@ PYBIND11_MODULE(_native, m) {
         },
         py::arg("group"), py::arg("job_id") = "",
         "The /dev/shm name (with a leading '/') a group's segment gets.");
+    m.def(
+        "reclaim_stale_segment",
+        [](const std::string& group, const std::string& job_id) {
+            return numaov::shm::reclaim_if_stale(group, numaov::shm::resolve_job_id(job_id));
+        },
+        py::arg("group"), py::arg("job_id") = "",
+        "Unlink a group's segment left by ranks that all exited before the group formed; "
+        "True when one was there.");
     m.def("segment_bytes", &numaov::shm_segment_bytes, py::arg("world_size"),
           "Bytes of /dev/shm a group of world_size ranks takes (NUMAOV_COLL_BUFFER_BYTES).");
     m.def("resolve_job_id", &numaov::shm::resolve_job_id, py::arg("job_id") = "");

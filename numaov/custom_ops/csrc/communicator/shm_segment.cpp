@@ -139,6 +139,18 @@ bool process_alive(uint64_t pid, uint64_t pidns) {
     return state != 'Z' && state != 'X';
 }
 
+bool reclaim_if_stale(const std::string& group, const std::string& resolved_job_id) {
+    const std::string name = segment_name(group, resolved_job_id);
+    const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+    if (fd < 0) return false;
+    uint64_t ids[2] = {0, 0};
+    const ssize_t got = pread(fd, ids, sizeof(ids), 0);
+    ::close(fd);
+    const bool has_pid = got == ssize_t(sizeof(ids)) && ids[0] != 0;
+    if (has_pid && process_alive(ids[0], ids[1])) return false;
+    return shm_unlink(name.c_str()) == 0;
+}
+
 Segment::Segment(const SegmentConfig& config) : rank_(config.rank) {
     name_ = segment_name(config.group, config.job_id);
     try {

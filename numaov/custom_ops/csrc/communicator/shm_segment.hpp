@@ -32,7 +32,8 @@
 //           attached == world_size.
 //   After the unlink the name is gone: a crash at any later point leaves nothing in
 //   /dev/shm, and a crash before it leaves a segment whose owner is dead, which the
-//   next run reclaims. Only the creator (rank 0) ever unlinks.
+//   launcher reclaims once its ranks have exited (reclaim_if_stale), or else the
+//   next run. Only the creator (rank 0) unlinks a live group.
 //
 // The flag protocol that moves data through the halves is drawn in
 // communicator.cpp, next to the code that runs it.
@@ -112,6 +113,12 @@ uint64_t own_pid_namespace();
 // False only when the process is known to be gone (or a zombie). A process in
 // another PID namespace cannot be checked and counts as alive.
 bool process_alive(uint64_t pid, uint64_t pidns);
+// Unlinks the group's segment if it is still there and its creator is gone;
+// true when it did. For a launcher whose ranks have all exited: a segment
+// is unlinked once every rank attached, so one still there means a rank died
+// (or was stopped) before the group formed. One without its creator's pid is
+// unlinked too: only a process of this launcher's could have created it.
+bool reclaim_if_stale(const std::string& group, const std::string& resolved_job_id);
 
 class Segment {
 public:
