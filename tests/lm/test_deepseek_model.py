@@ -37,12 +37,13 @@ RTOL = 1e-4
 
 # Two transformers configs that together cover the architecture's switches.
 HF_CONFIGS: dict[str, dict[str, Any]] = {
-    # plain rope, query without low rank, greedy routing, tied embeddings, all layers MoE
+    # plain rope, query without low rank, greedy routing, tied embeddings, all layers MoE, no
+    # shared experts (n_shared_experts 0: transformers saves them as empty tensors)
     "lite": dict(
         vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=12, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
+        v_head_dim=12, n_routed_experts=6, n_shared_experts=0, num_experts_per_tok=2,
         topk_method="greedy", routed_scaling_factor=1.0, first_k_dense_replace=0,
         tie_word_embeddings=True, max_position_embeddings=128,
     ),

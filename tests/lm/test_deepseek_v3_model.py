@@ -61,6 +61,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     # i % freq != 0 dense): its checkpoint has experts in every layer from
     # first_k_dense_replace on, and so does numaov's model.
     "moe_layer_freq_not_read": ({"moe_layer_freq": 2}, None),
+    # transformers keeps a shared-experts MLP of width 0 and saves its empty tensors
+    "no_shared_experts": ({"n_shared_experts": 0}, None),
 }
 
 

@@ -10,6 +10,7 @@ which layers are MoE layers and its sizes, and gets the model-layout state dict,
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Protocol
@@ -87,8 +88,12 @@ def checkpoint_to_stacked(
     per_expert = not any(STACK.match(name) for name in shapes)
     if tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # tied: the embedding is the head
-    check_state_dict(checkpoint_shapes(model_shapes, per_expert, tie_word_embeddings), shapes,
-                     what)
+    expected = checkpoint_shapes(model_shapes, per_expert, tie_word_embeddings)
+    # A module of width zero (transformers' shared experts at n_shared_experts 0) is saved as
+    # empty tensors; the model leaves it out, and an empty tensor holds no weights to lose.
+    shapes = {name: shape for name, shape in shapes.items()
+              if name in expected or math.prod(shape) != 0}
+    check_state_dict(expected, shapes, what)
     rank, world = shard if shard is not None else (0, 1)
     state: dict[str, Tensor] = {}
     if per_expert and read_experts:
