@@ -334,6 +334,23 @@ def test_a_word_level_vocabulary_is_taken_as_raw_tokens(tmp_path: Path) -> None:
     assert matcher.accept(words.token_to_id("sat")) and matcher.done
 
 
+def test_a_structure_the_vocabulary_cannot_write_is_the_requests_error(
+        model, tmp_path: Path) -> None:
+    """A word-level vocabulary has no "{": a JSON object cannot start. The request ends with
+    "error" and says why in ``structure_error`` (the service answers 400 then, not a worker
+    failure), and the engine serves the next request."""
+    words = tiny_tokenizer(tmp_path)
+    prompt = [words.token_to_id(w) for w in ("the", "cat")]
+    with _engine(model, words) as engine:
+        done = engine.result(engine.submit(prompt, SamplingParams(
+            10, structured=GrammarSpec.json_object())))
+        assert done.tokens == [] and done.finish_reason == "error"
+        assert done.structure_error.startswith("json_object cannot start: "), \
+            done.structure_error
+        free = engine.result(engine.submit(prompt, SamplingParams(3)))  # the engine goes on
+        assert free.finish_reason == "length" and free.structure_error is None
+
+
 def test_compiled_specs_are_kept_least_recently_used(tokenizer) -> None:
     grammars = GrammarCompiler(tokenizer, 512, [EOS_ID], cache_size=2)
     specs = [GrammarSpec.choice([f"x{i}", "y"]) for i in range(3)]

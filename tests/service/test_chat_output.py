@@ -31,10 +31,10 @@ DEEPSEEK_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weath
                  '{"city": "Paris"}\n```<｜tool▁call▁end｜>')
 
 
-def whole(output: ChatOutputFormat, text: str) -> dict:
+def whole(output: ChatOutputFormat, text: str, engine_reason: str = "stop") -> dict:
     answer = ChatAnswer(output)
     answer.add(1, text, last=True)
-    return {**answer.message(), "finish_reason": answer.finish_reason("stop")}
+    return {**answer.message(), "finish_reason": answer.finish_reason(engine_reason)}
 
 
 def streamed(output: ChatOutputFormat, pieces: list[str]) -> dict:
@@ -184,12 +184,14 @@ def test_forced_calls_are_read_from_the_json_the_grammar_forced() -> None:
         stream = streamed(named, pieces)
         assert [(c["function"]["name"], c["function"]["arguments"])
                 for c in stream["tool_calls"]] == [("get_weather", args)]
-        assert stream["content"] == "" and stream["finish_reason"] == "tool_calls"
+        assert stream["content"] == "" and stream["finish_reason"] == "stop"  # as OpenAI's
     message = whole(named, args)
-    assert message["content"] is None and message["finish_reason"] == "tool_calls"
-    # a named call cut off by max_tokens keeps the arguments written so far, as vLLM's
-    assert whole(named, '{"city":"Pa')["tool_calls"][0]["function"]["arguments"] == (
-        '{"city":"Pa')
+    assert message["content"] is None and message["finish_reason"] == "stop"
+    # a named call cut off by max_tokens keeps the arguments written so far, as vLLM's, and
+    # says "length": they do not parse
+    cut = whole(named, '{"city":"Pa', "length")
+    assert cut["tool_calls"][0]["function"]["arguments"] == '{"city":"Pa'
+    assert cut["finish_reason"] == "length"
     required = ChatOutputFormat(forced=ForcedCalls(None))
     calls = ('[{"name":"get_weather","parameters":{"city":"Paris"}},'
              '{"name":"get_time","parameters":{}}]')

@@ -116,6 +116,14 @@ def test_concurrent_clients_each_get_their_own_answer(served) -> None:
 def test_models_and_health(served, deepseek_bind: str) -> None:
     client = served["client"]
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL_NAME
+    assert client.get(f"/v1/models/{MODEL_NAME}").json() == client.get("/v1/models").json(
+        )["data"][0]
+    missing = client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    # a prompt past the model's positions: OpenAI's code for it
+    long = client.post("/v1/completions", json={"prompt": [3] * 100000, "max_tokens": 1})
+    assert long.status_code == 400
+    assert long.json()["error"]["code"] == "context_length_exceeded", long.text
     health = client.get("/health")
     assert health.status_code == 200
     body = health.json()
@@ -156,10 +164,17 @@ def test_models_and_health(served, deepseek_bind: str) -> None:
     ({"prompt": [1.5, 2]}, 400, "prompt", "not token ids"),
     ({"prompt": [1, 600]}, 400, "prompt", r"token id\(s\) \[600\] outside the vocabulary"),
     ({"prompt": [1], "max_tokens": 0}, 400, "max_tokens", "expected a positive integer"),
+    ({"prompt": [1], "stop_token_ids": [-1]}, 400, "stop_token_ids", r"is \[-1\];"),
+    ({"prompt": [1], "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options", "include_usage is \"yes\""),
+    ({"model": 123, "prompt": [1]}, 400, "model", "model is 123; expected the model's name"),
     ({"prompt": [1, 2], "max_tokens": 100000}, 400, "max_tokens",
      r"expected max_tokens at most \d+"),
     ({"model": "gpt-4", "prompt": [1]}, 404, "model", "not served here"),
     ([1, 2], 400, None, "not a JSON object"),
+    # the word-level vocabulary has no "{": the request's own failure, no worker's
+    ({"prompt": "the cat", "max_tokens": 4, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "json_object cannot start: .* model's vocabulary"),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     served, body: Any, status: int, param: str | None, message: str
@@ -170,6 +185,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and re.search(message, error["message"]), error
+    assert "retry-after" not in response.headers
     assert client.post("/v1/completions", json={"prompt": [3], "max_tokens": 1}).status_code == 200
 
 
@@ -194,7 +210,9 @@ def test_other_routes_get_openai_errors_naming_the_routes(served, method: str, p
     response = served["client"].request(method, path, json={"prompt": [1]})
     assert response.status_code == status
     error = response.json()["error"]
-    assert ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+    assert error["type"] == "invalid_request_error"  # OpenAI's, for unknown paths too
+    assert ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+            "GET /v1/models/{model}, GET /health, "
             "GET /metrics and GET /stats" in error["message"])
 
 
@@ -219,6 +237,10 @@ def test_text_prompt_without_a_tokenizer_says_to_start_with_one() -> None:
                                        "top_k": 4, "logprobs": 1, "stop_token_ids": [7]}, config)
     assert parsed.params == [[SamplingParams(16, temperature=0.5, seed=3, top_k=4, logprobs=True,
                                            stop_token_ids=(7,))]]
+    # logprobs 0 is the chosen tokens' too (as vLLM's); false or absent is none
+    for value, wanted in ((0, True), (False, False), (None, False)):
+        parsed = parse_completion_request({"prompt": [4], "logprobs": value}, config)
+        assert parsed.params[0][0].logprobs is wanted, value
 
 
 def _stream(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -241,6 +263,14 @@ def test_streaming_yields_exactly_the_final_text(served) -> None:
     assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
     assert [v for c in chunks for v in (c["logprobs"] or {}).get("token_logprobs", [])] == (
         whole["logprobs"]["token_logprobs"])
+    # OpenAI's whole logprobs object: the chosen tokens as their own top 1, text offsets
+    logprobs = whole["logprobs"]
+    assert logprobs["top_logprobs"] == [{t: v} for t, v in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], strict=True)]
+    assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i])
+                                       for i in range(len(logprobs["tokens"]))]
+    assert [v for c in chunks for v in (c["logprobs"] or {}).get("text_offset", [])] == (
+        logprobs["text_offset"])
     assert chunks[-1]["finish_reason"] == whole["finish_reason"] is not None
 
 

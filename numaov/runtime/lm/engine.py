@@ -264,6 +264,8 @@ class StreamEvent:
     text: str
     logprobs: list[float]
     finish_reason: str | None = None
+    # with finish reason "error" because the request's structure could not go on: why
+    structure_error: str | None = None
 
 
 @dataclass
@@ -280,6 +282,9 @@ class Completion:
     logits: np.ndarray | None = field(default=None, repr=False)
     # Prompt tokens whose entries were read from the prefix cache instead of computed.
     cached_tokens: int = 0
+    # With finish reason "error" because the request's structure could not go on: why (the
+    # request's own failure; without it, "error" means the rank workers failed).
+    structure_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -760,15 +765,17 @@ class LMEngine:
                     self._finish(seq, "length")
 
     def _finish_broken(self, seq: SequenceState) -> None:
-        """The structure's matcher failed (a library limit, or a token it refused): the
-        sequence cannot go on within its structure."""
+        """The structure's matcher failed (a library limit, a dead end the model's vocabulary
+        cannot get out of, or a token it refused): the sequence cannot go on within its
+        structure."""
         assert seq.grammar is not None
-        logger.error("request %d: its structure (%s) cannot go on: %s; it ends with "
-                     "finish_reason 'error'", seq.request_id, seq.grammar.spec.describe(),
-                     seq.grammar.error)
-        self._finish(seq, "error")
+        error = structure_error(seq.grammar, len(seq.tokens))
+        logger.warning("request %d: %s; it ends with finish_reason 'error'", seq.request_id,
+                       error)
+        self._finish(seq, "error", error)
 
-    def _finish(self, seq: SequenceState, reason: str) -> None:
+    def _finish(self, seq: SequenceState, reason: str,
+                structure_error: str | None = None) -> None:
         seq.finish_reason = reason
         self._scheduler.remove(seq)
         text = self._texts.pop(seq.request_id)
@@ -777,8 +784,10 @@ class LMEngine:
         logits = np.stack(seq.logits) if seq.logits else None
         self._completions[seq.request_id] = Completion(
             seq.request_id, seq.prompt, seq.tokens, text.text,
-            seq.logprobs if seq.params.logprobs else None, reason, logits, seq.cached_prompt)
-        self._events[seq.request_id].put(StreamEvent(seq.request_id, [], delta, [], reason))
+            seq.logprobs if seq.params.logprobs else None, reason, logits, seq.cached_prompt,
+            structure_error)
+        self._events[seq.request_id].put(StreamEvent(seq.request_id, [], delta, [], reason,
+                                                     structure_error))
         self._wake(seq.request_id)
         self._cond.notify_all()
 
@@ -790,6 +799,13 @@ class LMEngine:
                 loop.call_soon_threadsafe(event.set)
             except RuntimeError:  # that event loop was closed: nobody is waiting any more
                 pass
+
+
+def structure_error(grammar: Any, generated: int) -> str:
+    """One line: where ``grammar``'s structure could not go on, and why."""
+    where = "cannot start" if generated == 0 else f"cannot go on after {generated} tokens"
+    return (f"{grammar.spec.describe()} {where}: {grammar.error}; expected a structure the "
+            "model's vocabulary can write")
 
 
 # -- one run: run lm, bench -------------------------------------------------------------------

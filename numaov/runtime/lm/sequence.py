@@ -100,12 +100,13 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise GenerationInputError(
-                f"stop_token_ids is {self.stop_token_ids!r}; expected a list of token ids",
+                f"stop_token_ids is {_as_list(self.stop_token_ids)!r}; expected a list of "
+                "token ids",
                 parameter="stop_token_ids")
         if isinstance(self.stop, (str, bytes)) or not all(
                 isinstance(s, str) and s for s in self.stop):
             raise GenerationInputError(
-                f"stop is {self.stop!r}; expected a list of non-empty strings",
+                f"stop is {_as_list(self.stop)!r}; expected a list of non-empty strings",
                 parameter="stop")
         if self.structured is not None:
             from numaov.runtime.lm.grammar import GrammarSpec
@@ -211,3 +212,8 @@ class Sequence:
         if self.in_prefill:
             return self.prompt[self.cached:self.cached + chunk]
         return [self.tokens[-1]]
+
+
+def _as_list(value: Any) -> Any:
+    """A tuple as the list a request wrote (messages quote what the caller gave)."""
+    return list(value) if isinstance(value, tuple) else value

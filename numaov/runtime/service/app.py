@@ -35,6 +35,7 @@ class CommonRoutes:
     """What every server answers: the served models, health, the metrics."""
 
     ROUTES = (Route("GET", "/v1/models", "models", kind="info"),
+              Route("GET", "/v1/models/{model}", "model", kind="info"),
               Route("GET", "/health", "health", kind="info"),
               Route("GET", "/metrics", "metrics", kind="info"))
 
@@ -55,6 +56,15 @@ class CommonRoutes:
 
     def models(self) -> Any:
         return {"object": "list", "data": self.served()}
+
+    def model(self, model: str) -> Any:
+        """One served model, as OpenAI's ``GET /v1/models/{model}`` answers."""
+        for entry in self.served():
+            if entry["id"] == model:
+                return entry
+        names = ", ".join(repr(m["id"]) for m in self.served())
+        return error_response(RequestError(f"model {model!r} is not served here; expected "
+                                           f"{names}", "model", 404, code="model_not_found"))
 
     def health(self) -> Any:
         from fastapi.responses import JSONResponse
@@ -118,8 +128,7 @@ def build_app(service: Any = None, model_name: str = "", tokenizer: Any = None, 
         # Unknown paths and methods, in the same error shape as everything else.
         return error_response(RequestError(
             f"{request.method} {request.url.path}: {exc.detail}; this server answers "
-            f"{listing}", None, exc.status_code,
-            kind="not_found" if exc.status_code == 404 else "invalid_request_error"))
+            f"{listing}", None, exc.status_code))  # OpenAI's type for these too
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> Any:

@@ -383,6 +383,15 @@ class ChatAnswer:
         return message
 
     def finish_reason(self, engine_reason: str) -> str:
-        """``"tool_calls"`` when the model called a tool (as OpenAI and vLLM answer), else
-        why the engine stopped."""
-        return "tool_calls" if self.tool_calls else engine_reason
+        """As OpenAI answers: ``"tool_calls"`` when the model called a tool, but ``"stop"``
+        for the function a named ``tool_choice`` forced, and ``"length"`` whenever
+        ``max_tokens`` cut a forced call (its arguments do not parse then); else why the
+        engine stopped."""
+        if not self.tool_calls:
+            return engine_reason
+        forced = self.output.forced
+        if forced is None:
+            return "tool_calls"
+        if engine_reason != "stop":
+            return engine_reason
+        return "stop" if forced.name is not None else "tool_calls"

@@ -159,6 +159,10 @@ async def read_model_request(request: Any, max_bytes: int, model_name: str,
     """:func:`read_json`, then a 404 when the body names a model other than ``model_name``
     (the one the route serves); a body without ``model`` is for it."""
     body = await read_json(request, max_bytes, form)
+    if isinstance(body, dict) and body.get("model") is not None \
+            and not isinstance(body["model"], str):
+        raise RequestError(f"model is {json.dumps(body['model'])}; expected the model's name, "
+                           f"{model_name!r}", "model")
     if isinstance(body, dict) and body.get("model") not in (None, model_name):
         raise RequestError(f"model {body.get('model')!r} is not served here; expected "
                            f"{model_name!r}", "model", 404, code="model_not_found")

@@ -157,8 +157,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _refuse(message: str, param: str | None = None) -> RequestError:
-    return RequestError(message, param)
+def _refuse(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    return RequestError(message, param, code=code)
+
+
+# OpenAI's error.code for a prompt (and max_tokens) that does not fit the context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 def _check_fields(body: Any, known: tuple[str, ...], shape: str) -> dict[str, Any]:
@@ -194,10 +198,12 @@ def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _bool(body: Mapping[str, Any], name: str) -> bool:
+def _bool(body: Mapping[str, Any], name: str, param: str | None = None) -> bool:
+    """``body[name]`` as true or false (absent: false); ``param``: the field errors name
+    (default ``name``; a nested field's top-level one)."""
     value = body.get(name)
-    if value not in (None, False, True):
-        raise _refuse(f"{name} is {json.dumps(value)}; expected true or false", name)
+    if value not in (None, False, True):  # (0 and 1 are taken as false and true)
+        raise _refuse(f"{name} is {json.dumps(value)}; expected true or false", param or name)
     return bool(value)
 
 
@@ -205,13 +211,15 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
     options = body.get("stream_options")
     if options in (None, {}):
         return False
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+    # include_obfuscation (recent OpenAI clients): there are no obfuscation fields to leave out
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
         raise _refuse(f"stream_options is {json.dumps(options)}; expected "
                       '{"include_usage": true|false}', "stream_options")
     if not stream:
         raise _refuse("stream_options is set but stream is not; expected stream: true",
                       "stream_options")
-    return _bool(options, "include_usage")
+    _bool(options, "include_obfuscation", "stream_options")
+    return _bool(options, "include_usage", "stream_options")
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: bool, n: int,
@@ -277,14 +285,16 @@ def _max_tokens(requested: int | None, default: int, longest: int, config: Mappi
     if requested is None:
         if cap < 1:
             raise _refuse(f"the {longest}-token prompt leaves no room in the model's "
-                          f"{positions} positions; expected a shorter prompt", "prompt")
+                          f"{positions} positions; expected a shorter prompt", "prompt",
+                          CONTEXT_LENGTH_EXCEEDED)
         return min(default, cap)
     if requested > cap:
         why = (f"with a {longest}-token prompt exceeds the model's {positions} positions"
                if limits.max_tokens is None or room < limits.max_tokens
                else f"exceeds this server's limit of {limits.max_tokens}")
         raise _refuse(f"{param} {requested} {why}; expected {param} at most {max(cap, 0)}",
-                      param if longest < positions else "prompt")
+                      param if longest < positions else "prompt",
+                      CONTEXT_LENGTH_EXCEEDED if room < requested else None)
     return requested
 
 
@@ -309,7 +319,8 @@ def encode_bounded(encode: Callable[[str], list[int]], text: str, limit: int,
         head = encode(text[:cut])
         if len(head) > limit:
             raise _refuse(f"the prompt has more than {limit} tokens ({len(head)} in its first "
-                          f"{cut} of {len(text)} characters); expected at most {limit}", param)
+                          f"{cut} of {len(text)} characters); expected at most {limit}", param,
+                          CONTEXT_LENGTH_EXCEEDED)
         cut *= 2
     return encode(text)
 
@@ -319,7 +330,8 @@ def _check_prompt_lengths(prompts: list[list[int]], config: Mapping[str, Any], l
     longest = max(len(p) for p in prompts)
     limit = prompt_limit(config, limits)
     if longest > limit:
-        raise _refuse(f"the prompt has {longest} tokens; expected at most {limit}", param)
+        raise _refuse(f"the prompt has {longest} tokens; expected at most {limit}", param,
+                      CONTEXT_LENGTH_EXCEEDED)
 
 
 def _structure(body: Mapping[str, Any], forced: GrammarSpec | None) -> GrammarSpec | None:
@@ -397,7 +409,7 @@ def parse_completion_request(body: Any, config: Mapping[str, Any], tokenizer: An
     prompts = _prompt_ids(body.get("prompt"), tokenizer, prompt_limit(config, limits))
     return _finish(prompts, body, config, tokenizer, limits,
                    _positive_int(body, "max_tokens"), "max_tokens", DEFAULT_MAX_TOKENS,
-                   bool(logprobs), "prompt", chat=False)
+                   logprobs is not None and logprobs is not False, "prompt", chat=False)
 
 
 def parse_chat_request(body: Any, config: Mapping[str, Any], tokenizer: Any,

@@ -12,9 +12,9 @@ ways of answering (reasoning, content and tool calls split as the request's
 ``chat_output`` says), so a whole answer is exactly what its stream adds up to. A client that
 goes away cancels its sequences: their cache slots are free at once.
 
-Statuses: 400 for a bad body (naming the field), 404 for another model, 413 for a body
-above the limit, 429 with ``Retry-After`` when the queue is full, 503 (with ``Retry-After``
-while they restart) when the rank workers fail.
+Statuses: 400 for a bad body (naming the field) or a structure the model's vocabulary
+cannot write (found when a choice reaches the dead end: streamed, an error event), 404 for another model, 413 for a body above the limit, 429 with ``Retry-After`` when the
+queue is full, 503 (with ``Retry-After`` while they restart) when the rank workers fail.
 """
 
 from __future__ import annotations
@@ -110,7 +110,12 @@ class LMRoutes:
             except GenerationInputError:  # taken already
                 pass
 
-    def failed(self) -> RequestError:
+    def failed(self, parsed: LMRequest, structure_error: str | None = None) -> RequestError:
+        """A choice ended with finish reason "error": its structure could not go on (the
+        request's own failure, 400: trying again gives the same) or the workers failed."""
+        structured = parsed.params[0][0].structured
+        if structure_error is not None and structured is not None:
+            return RequestError(structure_error, structured.parameter)
         return RequestError(f"the rank workers failed while generating: {self.failure()}; "
                             "expected a retry once /health is ok", None, 503,
                             kind="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -134,10 +139,25 @@ class LMRoutes:
                             for piece, value in zip(self.pieces(tokens), logprobs,
                                                     strict=True)]}
 
+    def completion_logprobs(self, tokens: list[int], logprobs: list[float],
+                            offset: int = 0) -> dict[str, Any]:
+        """The completions ``logprobs`` object, every field OpenAI's has: the chosen tokens
+        are their own top 1; ``text_offset`` counts characters from ``offset`` (where these
+        tokens' text starts in the choice's text)."""
+        pieces = self.pieces(tokens)
+        offsets = []
+        for piece in pieces:
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": logprobs,
+                "top_logprobs": [{piece: value} for piece, value in zip(pieces, logprobs,
+                                                                         strict=True)],
+                "text_offset": offsets}
+
     def completion_choice(self, index: int, done: Completion) -> dict[str, Any]:
         logprobs = None
         if done.logprobs is not None:
-            logprobs = {"tokens": self.pieces(done.tokens), "token_logprobs": done.logprobs}
+            logprobs = self.completion_logprobs(done.tokens, done.logprobs)
         return {"index": index, "text": done.text, "token_ids": list(done.tokens),
                 "logprobs": logprobs, "finish_reason": done.finish_reason}
 
@@ -189,8 +209,10 @@ class LMRoutes:
             return None
         gone.cancel()
         done = everything.result()
-        if any(c.finish_reason == "error" for c in done):
-            return error_response(self.failed())
+        broken = [c for c in done if c.finish_reason == "error"]
+        if broken:
+            return error_response(self.failed(parsed, next(
+                (c.structure_error for c in broken if c.structure_error), None)))
         choices = [self.chat_choice(i, c, answers[i], parsed.logprobs) if chat
                    else self.completion_choice(i, c) for i, c in enumerate(done)]
         return {**self.header(chat), "choices": choices,
@@ -223,6 +245,7 @@ class LMRoutes:
                  if len(ids) > 1 else [])
         events = several() if tasks else single()
         generated, open_choices, first = 0, len(ids), False
+        offsets = [0] * len(ids)  # each choice's text so far, in characters
         answers = [ChatAnswer(parsed.chat_output) for _ in ids] if chat else []
         try:
             if chat:
@@ -231,7 +254,7 @@ class LMRoutes:
                              for i in range(len(ids))])
             async for index, event in events:
                 if event.finish_reason == "error":
-                    failed = self.failed()
+                    failed = self.failed(parsed, event.structure_error)
                     yield f"data: {json.dumps(failed.body())}\n\n"
                     return
                 if event.tokens and not first:
@@ -254,8 +277,10 @@ class LMRoutes:
                                       "finish_reason": answer.finish_reason(
                                           event.finish_reason)}])
                 else:
-                    logprobs = ({"tokens": self.pieces(event.tokens),
-                                 "token_logprobs": event.logprobs} if event.logprobs else None)
+                    logprobs = (self.completion_logprobs(event.tokens, event.logprobs,
+                                                         offsets[index])
+                                if event.logprobs else None)
+                    offsets[index] += sum(len(p) for p in self.pieces(event.tokens))
                     yield chunk([{"index": index, "text": event.text,
                                   "token_ids": event.tokens, "logprobs": logprobs,
                                   "finish_reason": event.finish_reason}])

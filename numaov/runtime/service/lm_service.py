@@ -77,8 +77,10 @@ class LMService:
             completions = self.engine.generate(prompts, params)
         except RankWorkersError as exc:
             raise ServiceError(str(exc)) from None
-        if any(c.finish_reason == "error" for c in completions):
-            raise ServiceError(f"the rank workers failed while generating: {self.failure()}")
+        broken = [c for c in completions if c.finish_reason == "error"]
+        if broken:
+            raise ServiceError(broken[0].structure_error or
+                               f"the rank workers failed while generating: {self.failure()}")
         return GenerationResult.from_engine(self.engine, completions, before)
 
     def close(self) -> None:
