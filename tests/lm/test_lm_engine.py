@@ -10,6 +10,7 @@ among others must give exactly the same tokens. Greedy outputs are also checked 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -148,6 +149,26 @@ def test_the_same_seed_gives_the_same_tokens_and_another_seed_others(model) -> N
             for s in (7, 7, 8)]
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].tokens != runs[2].tokens
+
+
+def test_generation_config_end_ids_stop_as_in_transformers(model, tmp_path: Path) -> None:
+    """transformers' generate stops at the eos_token_id of generation_config.json as well as
+    the config's (a chat model's end of turn may be listed there only); so does the engine,
+    reading the file an export keeps."""
+    from numaov.runtime.lm.sequence import GenerationInputError, read_generation_config
+
+    prompt = [200, 201, 202]
+    free = _alone(model, prompt, SamplingParams(6, ignore_eos=True))
+    assert free.tokens[2] not in free.tokens[:2]
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [model.config.eos_token_id, free.tokens[2]], "temperature": 0.6}))
+    with _engine(model, generation_config=read_generation_config(tmp_path)) as engine:
+        stopped = engine.result(engine.submit(prompt, SamplingParams(6)))
+    assert stopped.tokens == free.tokens[:2] and stopped.finish_reason == "stop"
+    assert read_generation_config(tmp_path / "absent") == {}
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(GenerationInputError, match="eos_token_id 'x'; expected a token id"):
+        read_generation_config(tmp_path)
 
 
 def test_stop_strings_cut_the_text_before_them(model, tokenizer) -> None:

@@ -76,6 +76,7 @@ from numaov.runtime.lm.sequence import (
     SamplingParams,
     check_prompt,
     end_of_sequence_ids,
+    read_generation_config,
 )
 from numaov.runtime.lm.sequence import (
     Sequence as SequenceState,
@@ -347,7 +348,8 @@ class LMEngine:
                  max_running: int = DEFAULT_MAX_RUNNING, backend: str = "openvino",
                  placement: str = "", load_seconds: float = 0.0,
                  restart: Callable[[int], Any] | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True,
+                 generation_config: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.backend, self.placement, self.load_seconds = backend, placement, load_seconds
         self.world_size = ranks.world_size
@@ -356,7 +358,7 @@ class LMEngine:
         self.cache_bytes = cache.pool_bytes(cache_tokens)
         self._caches = [CacheManager(cache_tokens, prefix_cache) for _ in range(self.world_size)]
         self._scheduler = Scheduler(self._caches, prefill_chunk, max_running)
-        self._eos = end_of_sequence_ids(config)
+        self._eos = end_of_sequence_ids(config, generation_config)
         self._cond = threading.Condition()
         # Structured outputs: built at the first request with a structure (the vocabulary
         # takes about a second for 128k tokens).
@@ -415,7 +417,8 @@ class LMEngine:
         engine = cls(ranks, manifest.config, cache, cache_tokens=cache_tokens, tokenizer=tokenizer,
                      prefill_chunk=prefill_chunk, max_running=max_running, backend=backend,
                      placement=placement, load_seconds=ranks.load_seconds,
-                     restart=fresh_ranks if restart else None, prefix_cache=prefix_cache)
+                     restart=fresh_ranks if restart else None, prefix_cache=prefix_cache,
+                     generation_config=read_generation_config(manifest.directory))
         report(f"workers ready (model loaded and compiled in {ranks.load_seconds:.1f} s)")
         return engine
 

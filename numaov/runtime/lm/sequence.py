@@ -14,10 +14,12 @@ cache can never hold.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -161,12 +163,38 @@ def check_prompt(prompt: Seq[int], config: Mapping[str, Any], params: SamplingPa
     return [int(t) for t in ids]
 
 
-def end_of_sequence_ids(config: Mapping[str, Any]) -> frozenset[int]:
-    """The model's end-of-sequence token ids (``eos_token_id``, one id or a list)."""
-    eos = config.get("eos_token_id")
-    if eos is None:
-        return frozenset()
-    return frozenset(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+def end_of_sequence_ids(config: Mapping[str, Any],
+                        generation_config: Mapping[str, Any] | None = None) -> frozenset[int]:
+    """The model's end-of-sequence token ids: ``eos_token_id`` (one id or a list) of its
+    config and of its ``generation_config.json``, which transformers' ``generate`` stops at
+    (a chat model's end of turn is often there only)."""
+    ids: set[int] = set()
+    for source in (config, generation_config or {}):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            ids.update(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+    return frozenset(ids)
+
+
+def read_generation_config(directory: Path) -> dict[str, Any]:
+    """``directory``'s ``generation_config.json`` (the export keeps the checkpoint's), or {}
+    without one; a file that is not a JSON object is a one-line GenerationInputError."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise GenerationInputError(f"{path} cannot be read as JSON: {exc}; expected the "
+                                   "checkpoint's generation_config.json") from None
+    if not isinstance(value, dict):
+        raise GenerationInputError(f"{path} holds {type(value).__name__}; expected a JSON "
+                                   "object")
+    eos = value.get("eos_token_id")
+    if not all(t is None or _is_int(t) for t in (eos if isinstance(eos, list) else [eos])):
+        raise GenerationInputError(f"{path} has eos_token_id {eos!r}; expected a token id or "
+                                   "a list of them")
+    return value
 
 
 @dataclass(eq=False)
