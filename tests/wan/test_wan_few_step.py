@@ -75,6 +75,19 @@ def test_two_experts_guidance_per_step() -> None:
     assert (low.pairs, low.singles) == (0, steps.count(1)) and steps.count(1) > 0
 
 
+def test_guidance_1_turns_guidance_off_for_both_experts_as_diffusers() -> None:
+    """diffusers' Wan pipelines guide only when guidance_scale > 1, whatever
+    guidance_scale_2: single branches on both experts, and a line says guidance_2 is unused."""
+    high, low = CountingPredictor(0.3), CountingPredictor(0.2)
+    request = _request(guidance=1.0, guidance_2=5.0, boundary_timestep=875.0)
+    steps = [request.expert(t) for t in make_schedule(request).timesteps]
+    sample([high, low], SHAPE, request)
+    assert (high.pairs, high.singles) == (0, steps.count(0))
+    assert (low.pairs, low.singles) == (0, steps.count(1)) and steps.count(1) > 0
+    assert request.unguided and "guidance_2 5 is not used" in request.unused_guidance_2
+    assert _request(guidance=1.0, guidance_2=1.0).unused_guidance_2 is None
+
+
 @pytest.mark.parametrize(("sampler", "shift"), [("euler", 5.0), ("unipc", 5.0), ("euler", None),
                                                 (None, 7.0), ("unipc", None)])
 def test_sampler_and_shift_step_like_diffusers(sampler: str | None, shift: float | None) -> None:
@@ -124,8 +137,14 @@ def test_bad_settings_are_refused() -> None:
         validate_request(_request(sampler="ddim"), "openvino", 1)
     with pytest.raises(SamplerInputError, match="shift=-1.0; expected a positive number"):
         validate_request(_request(shift=-1.0), "openvino", 1)
-    with pytest.raises(SamplerInputError, match="has no flow shift"):
+    with pytest.raises(SamplerInputError, match="whose shift numaov does not set"):
         scheduler_config(None, 5.0, {"_class_name": "DDIMScheduler"})
+    # a config diffusers' Wan pipeline cannot step either (it never passes mu): one line
+    dynamic = {"_class_name": "FlowMatchEulerDiscreteScheduler", "use_dynamic_shifting": True}
+    with pytest.raises(SamplerInputError, match="scheduler FlowMatchEulerDiscreteScheduler "
+                       "cannot set 4 steps: .*mu.*; expected a scheduler config") as caught:
+        make_schedule(_request(scheduler=dynamic))
+    assert "\n" not in str(caught.value)
 
 
 def test_cli_refusals_are_one_line(tmp_path: Path) -> None:

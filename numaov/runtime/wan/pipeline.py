@@ -69,7 +69,7 @@ from numaov.runtime.wan.sampler import (
     validate_request,
     worker_plan,
 )
-from numaov.runtime.wan.schedules import scheduler_config
+from numaov.runtime.wan.schedules import make_schedule, scheduler_config
 from numaov.runtime.wan.vae import (
     VaeDecoder,
     VaeGeometry,
@@ -351,6 +351,7 @@ def run_wan_pipeline(
             parameter="guidance_2",
         )
     request = dataclasses.replace(request, scheduler=scheduler, boundary_timestep=boundary)
+    make_schedule(request)  # a scheduler config that cannot step is refused before any loading
     if request.cache is not None:
         from numaov.runtime.wan.sampler import expert_steps
         from numaov.runtime.wan.step_cache import check_cache_export

@@ -65,13 +65,25 @@ class WanSampleRequest:
         return int(self.boundary_timestep is not None and timestep < self.boundary_timestep)
 
     def guidance_at(self, expert: int) -> float:
-        return self.guidance if expert == 0 or self.guidance_2 is None else self.guidance_2
+        """Expert ``expert``'s guidance scale; 1 for both at ``guidance`` 1, which turns
+        classifier-free guidance off in diffusers' Wan pipelines whatever ``guidance_2`` is."""
+        if self.unguided or expert == 0 or self.guidance_2 is None:
+            return self.guidance
+        return self.guidance_2
 
     @property
     def unguided(self) -> bool:
         """Every step at guidance 1: one branch per step, no unconditional prediction (the
         guidance-free sampling distilled LoRAs are made for)."""
-        return self.guidance == 1 and self.guidance_2 in (None, 1)
+        return self.guidance == 1
+
+    @property
+    def unused_guidance_2(self) -> str | None:
+        """A line saying ``guidance_2`` goes unused (at ``guidance`` 1), else None."""
+        if not self.unguided or self.guidance_2 in (None, 1):
+            return None
+        return (f"guidance_2 {self.guidance_2:g} is not used: guidance 1 turns classifier-free "
+                "guidance off for both transformers, as in diffusers' Wan pipelines")
 
     @property
     def branches(self) -> int:

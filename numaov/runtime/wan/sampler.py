@@ -9,9 +9,9 @@ request is lives in ``request``, the schedules in ``schedules``, the backends in
 - Step: ``v = v_uncond + g * (v_cond - v_uncond)`` in f32, then the schedule's update. At
   guidance 1 (``g == 1``, the guidance-free sampling of distilled LoRAs) a step runs the
   conditional branch alone and ``v = v_cond``, as diffusers' ``WanPipeline`` does when
-  ``guidance_scale`` is 1 (its ``do_classifier_free_guidance`` is off); with two experts the
-  rule holds per step, so ``guidance_2`` 1 makes the second expert's steps single-branch
-  (diffusers instead turns guidance off for both experts whenever ``guidance_scale`` is 1).
+  ``guidance_scale`` is 1 (its ``do_classifier_free_guidance`` is off); with two experts
+  ``guidance_2`` 1 makes the second expert's steps single-branch, and ``guidance`` 1 turns
+  guidance off for both whatever ``guidance_2`` is, as in diffusers.
 - Guidance: the conditional and unconditional predictions come from one batch of two
   (``[cond, uncond]``) on one worker (or on each worker of a token split, ``parallel``), or
   from workers of one branch each whose predictions are joined every step by the
@@ -528,6 +528,8 @@ def denoise(
     are the transformers (one, or Wan 2.2's two). ``negative`` is None for an unguided
     request (every step at guidance 1)."""
     report = progress or (lambda _msg: None)
+    if request.unused_guidance_2 is not None:
+        report(request.unused_guidance_2)
     workers = split.workers
     schedule = (f", {request.scheduler.get('_class_name')}" if request.scheduler else
                 f", Euler with shift {request.shift or DEFAULT_SHIFT:g}")

@@ -101,8 +101,15 @@ class DiffusersSchedule(Schedule):
                 "UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler"
             )
         self._torch = torch
-        self._scheduler = cls.from_config(config)
-        self._scheduler.set_timesteps(steps)
+        try:
+            self._scheduler = cls.from_config(config)
+            self._scheduler.set_timesteps(steps)
+        except (ValueError, TypeError, KeyError) as exc:  # e.g. use_dynamic_shifting, which
+            # wants a resolution-dependent mu that diffusers' Wan pipelines never pass either
+            message = " ".join(str(exc).split())
+            raise SamplerInputError(
+                f"the pipeline's scheduler {name} cannot set {steps} steps: {message}; "
+                "expected a scheduler config diffusers' Wan pipeline runs") from None
         self._scheduler.set_begin_index(0)
         self._steps = [t for t in self._scheduler.timesteps]
         self.timesteps = [float(t) for t in self._steps]
@@ -164,8 +171,9 @@ def scheduler_config(sampler: str | None, shift: float | None,
         key = _SHIFT_KEYS.get(wanted)
         if key is None:
             raise SamplerInputError(
-                f"shift={shift} for the pipeline's scheduler {wanted!r}, which has no flow "
-                f"shift; expected a sampler of {', '.join(SAMPLERS)} with it", parameter="shift")
+                f"shift={shift} for the pipeline's scheduler {wanted!r}, whose shift numaov "
+                f"does not set; expected a sampler of {', '.join(SAMPLERS)} with it",
+                parameter="shift")
         config[key] = float(shift)
     return config
 
