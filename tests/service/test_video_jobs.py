@@ -232,6 +232,8 @@ def test_a_queued_job_can_be_deleted_and_the_list_pages(served) -> None:
     first = client.post("/v1/videos", json={**SMALL, "steps": 20}).json()
     queued = client.post("/v1/videos", json=SMALL).json()
     assert client.get(f"/v1/videos/{queued['id']}").json()["status"] == "queued"
+    early = client.get(f"/v1/videos/{queued['id']}/content")  # not ready: OpenAI's 404
+    assert early.status_code == 404 and early.json()["error"]["code"] == "not_completed"
     assert client.delete(f"/v1/videos/{queued['id']}").json()["deleted"] is True
     last = client.post("/v1/videos", json=SMALL).json()
     for video in (first, last):
@@ -240,8 +242,14 @@ def test_a_queued_job_can_be_deleted_and_the_list_pages(served) -> None:
     assert [v["id"] for v in page["data"]] == [last["id"]] and page["has_more"]
     following = client.get("/v1/videos", params={"limit": 1, "after": last["id"]}).json()
     assert following["data"][0]["id"] == first["id"]
+    # a cursor deleted since its page still places the next one (the client pages on)
+    assert client.delete(f"/v1/videos/{last['id']}").json()["deleted"] is True
+    following = client.get("/v1/videos", params={"limit": 1, "after": last["id"]}).json()
+    assert following["data"][0]["id"] == first["id"]
+    unknown = client.get("/v1/videos", params={"after": "video_nope"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "after"
     ascending = [v.id for v in openai.videos.list(order="asc")]
-    assert ascending.index(first["id"]) < ascending.index(last["id"])
+    assert first["id"] in ascending and last["id"] not in ascending
     assert queued["id"] not in ascending
     bad = client.get("/v1/videos", params={"limit": 0, "colour": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "colour"
@@ -417,6 +425,34 @@ def test_a_form_is_read_into_fields() -> None:
     assert form_values(fields)["seed"] == "x"  # left as text: its check names it
     with pytest.raises(RequestError, match="not readable multipart"):
         parse_form(body[:-10], request.headers["content-type"])
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"size": "²x32"}, "size", 'size is "²x32"'),  # str.isdigit() takes "²", int() does not
+    ({"seconds": "²"}, "seconds", 'seconds is "²"'),
+    ({"seconds": float("inf")}, "seconds", "seconds is Infinity"),
+    ({"seconds": float("nan")}, "seconds", "seconds is NaN"),
+    ({"guidance": float("nan")}, "guidance", "guidance is NaN; expected a number >= 1"),
+    ({"guidance": "nan"}, "guidance", "guidance is NaN"),  # a form field's text
+    ({"steps": "٣"}, "steps", 'steps is "٣"'),
+    ({"format": ["mp4"]}, "format", 'format is \\["mp4"\\]'),
+    ({"size": b"48x32"}, "size", "size is a file of 5 bytes"),  # a text field sent as a file
+])
+def test_odd_values_are_400s_naming_the_field(body: dict, param: str, message: str) -> None:
+    """Values that once got past the checks into a 500 (or, NaN guidance, into a job that
+    failed later naming another field)."""
+    from numaov.runtime.service.errors import RequestError
+    from numaov.runtime.service.video_requests import (
+        VIDEO_FIELDS,
+        VideoLimits,
+        form_values,
+        parse_video_job,
+    )
+
+    with pytest.raises(RequestError, match=message) as caught:
+        parse_video_job(form_values({"prompt": "a cat", **body}), True, VideoLimits(),
+                        VIDEO_FIELDS)
+    assert caught.value.status == 400 and caught.value.param == param
 
 
 def test_every_served_model_gets_its_own_id(monkeypatch, tmp_path) -> None:

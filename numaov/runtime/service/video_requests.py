@@ -16,6 +16,8 @@ import binascii
 import dataclasses
 import io
 import json
+import math
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -78,12 +80,33 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    """A finite int or float (NaN and the infinities JSON allows are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def _shown(value: Any) -> str:
+    """``value`` as the request wrote it, for messages (a form's file part by its size)."""
+    if isinstance(value, bytes):
+        return f"a file of {len(value)} bytes"
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+# ASCII digits only: str.isdigit() takes "²" and other digits int() and float() refuse.
+ASCII_DIGITS = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
+
+
 def _get_int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
     value = body.get(name, default)
     if value is None:
         value = default
     if not _is_int(value) or not low <= value <= high:
-        raise RequestError(f"{name} is {json.dumps(value)}; expected an integer from {low} to "
+        raise RequestError(f"{name} is {_shown(value)}; expected an integer from {low} to "
                            f"{high}", name)
     return value
 
@@ -91,8 +114,8 @@ def _get_int(body: dict[str, Any], name: str, default: int, low: int, high: int)
 def _size(body: dict[str, Any], limits: VideoLimits) -> tuple[int, int]:
     size = body.get("size") or "64x64"
     parts = size.lower().split("x") if isinstance(size, str) else []
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise RequestError(f"size is {json.dumps(size)}; expected \"WIDTHxHEIGHT\" such as "
+    if len(parts) != 2 or not all(ASCII_DIGITS.fullmatch(p) and int(p) > 0 for p in parts):
+        raise RequestError(f"size is {_shown(size)}; expected \"WIDTHxHEIGHT\" such as "
                            "\"832x480\"", "size")
     width, height = int(parts[0]), int(parts[1])
     if width * height > limits.max_pixels:
@@ -123,7 +146,7 @@ def _input_reference(value: Any) -> bytes:
     except (binascii.Error, ValueError):
         data = b""
     if not data:
-        shown = json.dumps(value if not isinstance(value, bytes) else "<empty file>")[:40]
+        shown = _shown(value)[:40]
         raise RequestError(f"input_reference is {shown}; expected a PNG, JPEG or WebP image as "
                            "base64 or a data:image/...;base64, URL", "input_reference")
     return data
@@ -142,17 +165,17 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
                            f"{', '.join(fields)}", unknown[0])
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise RequestError(f"prompt is {json.dumps(prompt)}; expected non-empty text", "prompt")
+        raise RequestError(f"prompt is {_shown(prompt)}; expected non-empty text", "prompt")
     negative = body.get("negative_prompt") or ""
     if not isinstance(negative, str):
-        raise RequestError(f"negative_prompt is {json.dumps(negative)}; expected text",
+        raise RequestError(f"negative_prompt is {_shown(negative)}; expected text",
                            "negative_prompt")
     width, height = _size(body, limits)
     n = _get_int(body, "n", 1, 1, limits.max_n)
     steps = _get_int(body, "steps", 20, 1, limits.max_steps)
     guidance = body.get("guidance", 5.0)
-    if not isinstance(guidance, (int, float)) or isinstance(guidance, bool) or guidance < 1:
-        raise RequestError(f"guidance is {json.dumps(guidance)}; expected a number >= 1 (1: no "
+    if not _is_number(guidance) or guidance < 1:
+        raise RequestError(f"guidance is {_shown(guidance)}; expected a number >= 1 (1: no "
                            "guidance; Wan uses 5)", "guidance")
     if guidance == 1 and negative:
         raise RequestError("negative_prompt is set at guidance 1, which runs the conditional "
@@ -160,7 +183,7 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
                            "negative_prompt")
     scheduler, shift = body.get("scheduler"), body.get("shift")
     if isinstance(shift, bool):
-        raise RequestError(f"shift is {json.dumps(shift)}; expected a positive number", "shift")
+        raise RequestError(f"shift is {_shown(shift)}; expected a positive number", "shift")
     try:
         check_sampler(scheduler)
         check_shift(shift)
@@ -170,7 +193,7 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
     cache = body.get("cache")
     if cache is not None:
         if not isinstance(cache, str):
-            raise RequestError(f"cache is {json.dumps(cache)}; expected a string such as "
+            raise RequestError(f"cache is {_shown(cache)}; expected a string such as "
                                "\"first-block:0.05\"", "cache")
         try:
             setting = StepCacheSetting.parse(cache)
@@ -186,11 +209,11 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
     if seed is None:
         seed = secrets.randbits(62)
     elif not _is_int(seed) or not 0 <= seed < 2**62:
-        raise RequestError(f"seed is {json.dumps(seed)}; expected an integer in 0 .. 2**62-1",
+        raise RequestError(f"seed is {_shown(seed)}; expected an integer in 0 .. 2**62-1",
                            "seed")
     response_format = body.get("response_format") or "b64_json"
     if response_format not in ("b64_json", "url"):
-        raise RequestError(f"response_format is {json.dumps(response_format)}; expected "
+        raise RequestError(f"response_format is {_shown(response_format)}; expected "
                            "\"b64_json\" or \"url\"", "response_format")
     frames, kind = 1, "png"
     if video:
@@ -199,10 +222,10 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
                                "seconds")
         if body.get("seconds") is not None:
             seconds = body["seconds"]
-            if isinstance(seconds, str) and seconds.replace(".", "", 1).isdigit():
+            if isinstance(seconds, str) and _DECIMAL.fullmatch(seconds):
                 seconds = float(seconds)  # OpenAI's video API sends seconds as a string
-            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
-                raise RequestError(f"seconds is {json.dumps(body['seconds'])}; expected a "
+            if not _is_number(seconds) or seconds <= 0:
+                raise RequestError(f"seconds is {_shown(body['seconds'])}; expected a "
                                    "positive number", "seconds")
             frames = 4 * max(round(seconds * DEFAULT_FPS / 4), 1) + 1
             if frames > limits.max_frames:
@@ -212,15 +235,15 @@ def parse_video_job(body: Any, video: bool, limits: VideoLimits,
             frames = body.get("frames", 17)
             if not _is_int(frames) or not 1 <= frames <= limits.max_frames:
                 top = (limits.max_frames - 1) // 4 * 4 + 1
-                raise RequestError(f"frames is {json.dumps(frames)}; expected 4k+1 frames up to "
+                raise RequestError(f"frames is {_shown(frames)}; expected 4k+1 frames up to "
                                    f"{limits.max_frames}: 1, 5, 9, ..., {top}", "frames")
             if (frames - 1) % 4:
                 raise RequestError(f"frames is {frames}; expected 4k+1 frames (Wan's VAE), "
                                    f"such as {(frames - 1) // 4 * 4 + 1} or "
                                    f"{(frames - 1) // 4 * 4 + 5}", "frames")
         kind = body.get("format") or "mp4"
-        if kind not in FORMATS:
-            raise RequestError(f"format is {json.dumps(kind)}; expected one of "
+        if not isinstance(kind, str) or kind not in FORMATS:
+            raise RequestError(f"format is {_shown(kind)}; expected one of "
                                f"{', '.join(FORMATS)}", "format")
     image = (None if body.get("input_reference") is None
              else _input_reference(body["input_reference"]))
@@ -250,7 +273,7 @@ def form_values(body: Any) -> Any:
     out = dict(body)
     for name in (*_FORM_INTEGERS, *_FORM_NUMBERS):
         value = out.get(name)
-        if not isinstance(value, str):
+        if not isinstance(value, str) or not value.isascii():  # int() reads "٣" as 3 too
             continue
         try:
             out[name] = int(value) if name in _FORM_INTEGERS else float(value)

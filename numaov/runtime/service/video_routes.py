@@ -50,6 +50,7 @@ from numaov.runtime.service.http_common import (
 )
 from numaov.runtime.service.metrics import ServiceMetrics
 from numaov.runtime.service.video_requests import (
+    ASCII_DIGITS,
     IMAGE_FIELDS,
     SYNC_VIDEO_FIELDS,
     VIDEO_FIELDS,
@@ -70,7 +71,8 @@ VIDEOS = "/v1/videos"
 VIDEO = "/v1/videos/{video_id}"
 # The pipeline's own checks (NumaovError.parameter) as the request's fields.
 _PARAMS = {"image": "input_reference", "prompt": "prompt", "negative_prompt": "negative_prompt",
-           "frames": "frames", "steps": "steps"}
+           "frames": "frames", "steps": "steps", "guidance": "guidance", "sampler": "scheduler",
+           "scheduler": "scheduler", "shift": "shift", "cache": "cache"}
 LIST_LIMIT, MAX_LIST_LIMIT = 20, 100  # OpenAI's list endpoints: 20 by default, 100 at most
 VARIANTS = ("video", "thumbnail")
 
@@ -248,7 +250,7 @@ class VideoRoutes:
         try:
             query = _query(request, ("limit", "after", "order"))
             limit = query.get("limit", str(LIST_LIMIT))
-            if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST_LIMIT:
+            if not ASCII_DIGITS.fullmatch(limit) or not 1 <= int(limit) <= MAX_LIST_LIMIT:
                 raise RequestError(f"limit is {limit!r}; expected an integer from 1 to "
                                    f"{MAX_LIST_LIMIT}", "limit")
             order = query.get("order", "desc")
@@ -259,12 +261,15 @@ class VideoRoutes:
                 videos.reverse()
             after = query.get("after")
             if after is not None:
-                ids = [v.id for v in videos]
-                if after not in ids:
+                # by creation order: a cursor deleted or expired since its page still places
+                cursor = self.service.created_order(after)
+                if cursor is None:
                     raise RequestError(f"after is {after!r}, which is not a video this server "
-                                       "holds; expected the id of the last video of the "
+                                       "made; expected the id of the last video of the "
                                        "previous page", "after")
-                videos = videos[ids.index(after) + 1:]
+                order_of = self.service.created_order
+                videos = [v for v in videos if ((order_of(v.id) or 0) > cursor if order == "asc"
+                                                else (order_of(v.id) or 0) < cursor)]
         except RequestError as exc:
             return error_response(exc)
         page = videos[:int(limit)]
@@ -288,10 +293,11 @@ class VideoRoutes:
                 what = (f"failed: {(generation.error or {}).get('message')}"
                         if generation.status == FAILED
                         else f"{generation.status} ({generation.progress}%)")
+                # 404, as OpenAI answers a video that is not ready yet
                 raise RequestError(f"{kind} {key!r} is {what}; expected its content once its "
-                                   "status is completed", None, 409, code="not_completed")
+                                   "status is completed", None, 404, code="not_completed")
             index = query.get("index", "0")
-            if not index.isdigit() or int(index) >= len(generation.outputs):
+            if not ASCII_DIGITS.fullmatch(index) or int(index) >= len(generation.outputs):
                 raise RequestError(f"index is {index!r}; expected 0 to "
                                    f"{len(generation.outputs) - 1}", "index")
             output = generation.outputs[int(index)]

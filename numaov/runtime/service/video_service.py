@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 KEPT_RESULTS = 64
 KEPT_RESULT_BYTES = 1 << 30  # 1 GiB of files
 RESULT_TTL_S = 3600  # an hour, as OpenAI keeps a video's assets
+CREATED_ORDER_KEPT = 100_000  # ids whose place in the listing a cursor finds (about 10 MB)
 WORKER_START_S = 300.0  # importing the runtime and OpenVINO takes seconds; a loaded machine more
 POLL_S = 0.1  # how often the dispatcher looks at a cancel flag while the worker computes
 QUEUED, IN_PROGRESS, COMPLETED, FAILED = "queued", "in_progress", "completed", "failed"
@@ -323,6 +324,9 @@ class VideoService:
         self._budget_flag = memory_budget is not None
         self._cond = threading.Condition()
         self._generations: dict[str, Generation] = {}  # every known one, in creation order
+        # id -> creation number of the last CREATED_ORDER_KEPT made, gone ones included: a
+        # listing's cursor places itself after its video was deleted or expired
+        self._created_order: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._queue: collections.deque[Generation] = collections.deque()
         self._finished: collections.OrderedDict[str, Generation] = collections.OrderedDict()
         self._running: Generation | None = None
@@ -426,6 +430,10 @@ class VideoService:
             generation = Generation(f"{prefix}_{uuid.uuid4().hex}", kind, job, estimate,
                                     int(time.time()), keep=keep)
             self._generations[generation.id] = generation
+            self._created_order[generation.id] = (
+                next(reversed(self._created_order.values())) + 1 if self._created_order else 0)
+            if len(self._created_order) > CREATED_ORDER_KEPT:
+                self._created_order.popitem(last=False)
             self._queue.append(generation)
             self._cond.notify_all()
         return generation
@@ -434,6 +442,12 @@ class VideoService:
         with self._cond:
             self._expire()
             return self._generations.get(generation_id)
+
+    def created_order(self, generation_id: str) -> int | None:
+        """Where ``generation_id`` was made among the others (larger: later), also after it
+        was deleted or expired; None for an id this server did not make (or long ago)."""
+        with self._cond:
+            return self._created_order.get(generation_id)
 
     def listing(self, kind: str = "video") -> list[Generation]:
         """Every known generation of ``kind``, in creation order."""
