@@ -238,9 +238,12 @@ class RankRunner:
             logits, new = self.model.step(feeds)
             forward += time.perf_counter() - begin
             if len(logits) != len(rows):
-                # Seen when a peer rank is killed inside the step's collectives: name it
-                # rather than fail below with an index error.
-                raise RuntimeError(
+                # Seen when a peer rank is killed inside the step's collectives (OpenVINO
+                # returned the unset outputs instead of the collective's error): name it in
+                # one line rather than fail below with an index error.
+                from numaov.distributed.communicator import CollectiveError
+
+                raise CollectiveError(
                     f"rank {self.rank}'s step returned logits for {len(logits)} rows; expected "
                     f"{len(rows)} (one per row of the step; did a peer rank fail mid-step?)")
             slots, batch_rows, columns = writes
