@@ -61,6 +61,8 @@ def machine_lines() -> list[str]:
 def cached_export(out: Path, read: Callable[[Path], object], export: Callable[[bool], object],
                   phase: Phase) -> bool:
     """Reuse the export in ``out`` when it reads back; else export (again). True if reused."""
+    from numaov.exporter.output_dir import holds_export
+
     again = ""
     if (out / "manifest.json").is_file():
         try:
@@ -69,7 +71,8 @@ def cached_export(out: Path, read: Callable[[Path], object], export: Callable[[b
             return True
         except NumaovError as exc:
             again = f" again ({exc})"
-    export(out.exists())
+    # replace only an export (an older numaov's, or a broken one): anything else is refused
+    export(holds_export(out))
     phase.finish(f"exported{again} to {out}")
     return False
 

@@ -525,16 +525,24 @@ def test_the_wheel_without_extras_runs_doctor_and_the_demo(demo: dict, installed
 
 
 @pytest.mark.slow
-def test_a_second_demo_run_reuses_both_exports(demo: dict) -> None:
+def test_a_second_demo_run_reuses_both_exports(demo: dict, tmp_path: Path) -> None:
     """The demo's export steps, run again on its output directory, take both exports as they
-    are (they read back) instead of exporting again."""
+    are (they read back) instead of exporting again; a directory there that is not an export
+    (the user's own files) is refused, never replaced."""
     import io
 
     from numaov.console import ProgressLine
     from numaov.demo import lm_export, wan_export
+    from numaov.exporter.output_dir import OutputDirError
 
     stream = io.StringIO()
     line = ProgressLine(stream)
     assert wan_export(demo["out"], line) == demo["out"] / "wan" / "model"
     assert lm_export(demo["out"], line) == demo["out"] / "deepseek" / "model"
     assert stream.getvalue().count("reusing the export") == 2, stream.getvalue()
+    mine = tmp_path / "wan" / "model"
+    mine.mkdir(parents=True)
+    (mine / "precious.txt").write_text("the user's")
+    with pytest.raises(OutputDirError, match="holds no numaov export"):
+        wan_export(tmp_path, line)
+    assert [p.name for p in mine.iterdir()] == ["precious.txt"]

@@ -34,6 +34,7 @@ from numaov.models.checkpoint import (
     FLOAT8_DTYPES,
     SCALE_SUFFIX,
     BlockFp8Checkpoint,
+    CheckpointError,
     SafetensorsCheckpoint,
     open_safetensors_checkpoint,
 )
@@ -202,9 +203,14 @@ def write_rank_stores(paths: list[Path], checkpoint_dir: Path, config: Any, shap
     read_bytes = 0
     for count, layer in enumerate(layers, 1):
         for expert in range(shape.num_experts):
-            for writer, regions in zip(writers, converter.expert(layer, expert), strict=True):
-                for name, values in regions.items():
-                    writer.write(layer, name, expert, values)
+            try:
+                for writer, regions in zip(writers, converter.expert(layer, expert),
+                                           strict=True):
+                    for name, values in regions.items():
+                        writer.write(layer, name, expert, values)
+            except ValueError as exc:  # a tensor of another shape than the config's
+                raise CheckpointError(f"{what}: routed expert {expert} of layer {layer} does "
+                                      f"not match the model config: {exc}") from None
             read_bytes += _checkpoint_bytes(checkpoint, layer, expert)
         report(f"experts of layer {layer} stored as {weights} for {world} rank(s) "
                f"({count}/{len(layers)} MoE layers)")

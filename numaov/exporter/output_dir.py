@@ -17,6 +17,7 @@ briefly does not exist, which a reader reports as "does not exist" rather than r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -32,6 +33,18 @@ class OutputDirError(NumaovError):
     """The export's output directory cannot be used or written."""
 
 
+def holds_export(directory: Path) -> bool:
+    """Whether ``directory`` holds a numaov export: a ``manifest.json`` that is numaov's (a
+    JSON object with its ``kind`` and ``format_version``), not merely a file of that name (web
+    apps and browser extensions have one too)."""
+    try:
+        data = json.loads((directory / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get("kind"), str) \
+        and "format_version" in data
+
+
 def check_out_dir(out_dir: Path, force: bool) -> None:
     """Refuse an output directory an export must not replace; called before any slow work."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -41,7 +54,7 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
     if (
         out_dir.is_dir()
         and not force
-        and not (out_dir / MANIFEST_NAME).is_file()
+        and not holds_export(out_dir)
         and any(out_dir.iterdir())
     ):
         raise OutputDirError(

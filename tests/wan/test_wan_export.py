@@ -119,6 +119,11 @@ def test_export_is_all_or_nothing(wan: dict, tmp_path: Path, monkeypatch) -> Non
     code, _, err = cli_in_process("export", "wan", "--checkpoint", str(wan["checkpoint"]),
                                    "--out", str(out), "--quiet")
     assert code == 1 and "holds no numaov export" in err and "Traceback" not in err
+    # a manifest.json that is not numaov's (a web app's) does not make it an export
+    (out / "manifest.json").write_text('{"name": "my app"}')
+    with pytest.raises(OutputDirError, match="holds no numaov export"):
+        export_wan(wan["checkpoint"], out)
+    (out / "manifest.json").unlink()
 
     # Parity that cannot pass (tolerance 0) fails the export late, after every file is written.
     strict = {**parity.TOLERANCES, "f32": parity.Tolerance(0.0, "nothing passes")}

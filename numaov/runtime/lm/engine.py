@@ -930,7 +930,21 @@ def run_lm(
                         tokenizer=tokenizer, prefill_chunk=prefill_chunk,
                         progress=progress, prefix_cache=prefix_cache) as engine:
         completions = engine.generate(checked, params, keep_logits=keep_logits)
+        broken = [c for c in completions if c.finish_reason == "error"]
+        if broken:  # cut short: never printed as if they had ended
+            raise RankWorkersError(broken[0].structure_error or (
+                "the rank workers failed while generating: "
+                f"{_last_words(engine.failure() or 'no reason recorded')}"))
         return GenerationResult.from_engine(engine, completions)
+
+
+def _last_words(failure: str) -> str:
+    """A worker's failure in one line: a traceback's text is cut to its final line (the
+    exception itself); the logs above carry the rest."""
+    lines = [line.strip() for line in failure.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return failure.strip()
+    return lines[0].split("Traceback")[0] + lines[-1]
 
 
 def format_generation(
