@@ -169,6 +169,14 @@ def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:
     one_line_error(cli_refusal("export", "wan", "--checkpoint", str(broken), "--out",
                         str(tmp_path / "export")), "--checkpoint:", "'text_encoder'")
     assert not (tmp_path / "export").exists()
+    # A text encoder without its weights: transformers' error, made one line.
+    shutil.copytree(pipeline["root"] / "pipeline", broken, dirs_exist_ok=True)
+    for weights in (broken / "text_encoder").glob("*.safetensors"):
+        weights.unlink()
+    one_line_error(cli_refusal("export", "wan", "--checkpoint", str(broken), "--out",
+                        str(tmp_path / "export"), "--quiet"),  # (no progress lines before it)
+                   "UMT5 text encoder in", "cannot be loaded")
+    assert not (tmp_path / "export").exists()
     # An export with a component's manifest gone.
     export = tmp_path / "export_copy"
     shutil.copytree(pipeline["export"], export)

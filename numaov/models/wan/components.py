@@ -46,6 +46,8 @@ diffusers' ``WanPipeline`` does.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +86,10 @@ def load_text_encoder(directory: str | Path,
 
     from numaov.models.checkpoint import compute_in_f32
 
-    model = UMT5EncoderModel.from_pretrained(
-        str(directory), torch_dtype=weights_dtype, attn_implementation="eager"
-    )
+    with _loading(directory, "UMT5 text encoder"):
+        model = UMT5EncoderModel.from_pretrained(
+            str(directory), torch_dtype=weights_dtype, attn_implementation="eager"
+        )
     compute_in_f32(model)
     return TextEncoderGraph(model.eval()).eval()
 
@@ -260,7 +263,25 @@ def load_vae(directory: str | Path) -> torch.nn.Module:
     """``vae/`` of a pipeline directory (diffusers ``AutoencoderKLWan``), in f32."""
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan.from_pretrained(str(directory), torch_dtype=torch.float32).eval()
+    with _loading(directory, "Wan VAE"):
+        return AutoencoderKLWan.from_pretrained(str(directory), torch_dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def _loading(directory: str | Path, what: str) -> Iterator[None]:
+    """transformers' and diffusers' loaders fail on a broken component (missing or truncated
+    weights, a config its weights do not fit) with their own exceptions and multi-line text:
+    one line of CheckpointError naming the directory instead."""
+    from numaov.models.checkpoint import CheckpointError
+
+    try:
+        yield
+    except (OSError, RuntimeError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())
+        if len(reason) > 300:
+            reason = reason[:300] + " ..."
+        raise CheckpointError(f"{what} in {str(directory)!r} cannot be loaded: {reason}; "
+                              "expected the component as diffusers saves it") from None
 
 
 def load_component(kind: str, directory: str | Path) -> torch.nn.Module:
