@@ -184,6 +184,14 @@ def test_bad_inputs_are_one_line_errors(pipeline: dict, tmp_path: Path) -> None:
     one_line_error(cli_refusal(*run[:3], str(export), *run[4:], "--prompt", "a", "--out",
                         str(tmp_path / "v.mp4")), "vae_decoder/next_frame/manifest.json",
                    "missing")
+    # A tokenizer.json damaged in place (same size: the manifest's size check passes).
+    damaged = tmp_path / "tokenizer_damaged"
+    shutil.copytree(pipeline["export"], damaged)
+    tokenizer_json = damaged / "tokenizer" / "tokenizer.json"
+    text = tokenizer_json.read_bytes()
+    tokenizer_json.write_bytes(b"x" + text[1:])
+    one_line_error(cli_refusal(*run[:3], str(damaged), *run[4:], "--prompt", "a", "--out",
+                        str(tmp_path / "v.mp4")), "the tokenizer in", "cannot be read")
     # A Wan 2.2 two-expert index is named as such, not half exported.
     index = json.loads((pipeline["root"] / "pipeline" / "model_index.json").read_text())
     two = tmp_path / "two_experts"

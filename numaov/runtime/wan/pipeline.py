@@ -202,7 +202,12 @@ def tokenize(tokenizer_dir: Path, prompts: dict[str, str]) -> tuple[dict[str, li
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+        reason = " ".join(str(exc).split())[:300]
+        raise ModelDirError(f"the tokenizer in {str(tokenizer_dir)!r} cannot be read: {reason}; "
+                            "expected the pipeline's tokenizer as exported") from None
     ids = {}
     for parameter, prompt in prompts.items():
         if not isinstance(prompt, str):
