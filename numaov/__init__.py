@@ -4,6 +4,10 @@ PyTorch models are exported to ONNX, converted to OpenVINO IR and run one
 worker per NUMA node with shared-memory collectives between the workers.
 """
 
+from __future__ import annotations
+
+import re
+
 __version__ = "0.1.0"
 
 
@@ -27,4 +31,14 @@ class NumaovError(Exception):
         self.parameter = parameter
 
 
-__all__ = ["NumaovError", "__version__"]
+def exception_text(exc: BaseException, limit: int = 400,  # the reason, not a C++ call chain
+                   drop: re.Pattern[str] | None = None) -> str:
+    """``exc``'s text on one line (a library's multi-line message in a one-line error),
+    ``drop``'s matches left out, cut at ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    if drop is not None:
+        text = drop.sub("", text)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+__all__ = ["NumaovError", "__version__", "exception_text"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov import NumaovError
+from numaov import NumaovError, exception_text
 from numaov.arrays import BFLOAT16, from_openvino, to_openvino
 from numaov.custom_ops.expert_store import open_stores_of
 from numaov.custom_ops.flash_attention import attention_kernel, swap_attention
@@ -37,8 +37,6 @@ from numaov.native import add_extension
 
 INFERENCE_PRECISIONS = ("f32", "bf16")
 PRECISION_HINT = "INFERENCE_PRECISION_HINT"
-# How much of OpenVINO's message goes into ours: the reason, not the C++ call chain.
-_MAX_CAUSE_CHARS = 400
 
 
 class CompileError(NumaovError):
@@ -227,17 +225,8 @@ def infer(request: Any, feeds: dict[str, Any]) -> None:
     try:
         request.infer(tensors)
     except RuntimeError as exc:
-        cause = _cause(exc, _MAX_INFER_CAUSE_CHARS, _OPENVINO_LOCATION)
+        cause = exception_text(exc, _MAX_INFER_CAUSE_CHARS, _OPENVINO_LOCATION)
         raise InferError(f"OpenVINO inference failed: {cause}") from exc
-
-
-def _cause(exc: BaseException, limit: int = _MAX_CAUSE_CHARS,
-           drop: re.Pattern[str] | None = None) -> str:
-    """``exc``'s text on one line, ``drop``'s matches left out, cut at ``limit`` characters."""
-    text = " ".join(str(exc).split())
-    if drop is not None:
-        text = drop.sub("", text)
-    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _precision_name(precision: Any) -> str:
@@ -400,7 +389,7 @@ def compile_ir(
             model = core.read_model(str(source))
         except Exception as exc:  # OpenVINO raises RuntimeError subclasses with long text
             raise CompileError(
-                f"OpenVINO cannot read {name} (corrupt or truncated IR?): {_cause(exc)}"
+                f"OpenVINO cannot read {name} (corrupt or truncated IR?): {exception_text(exc)}"
             ) from exc
         # the routed experts the graph names live in its directory's expert store
         open_stores_of(model, Path(source).parent)
@@ -418,7 +407,7 @@ def compile_ir(
         try:
             model = part.of(model)
         except Exception as exc:
-            raise CompileError(f"cannot take {part} of {name}: {_cause(exc)}") from exc
+            raise CompileError(f"cannot take {part} of {name}: {exception_text(exc)}") from exc
     swapped = swap_attention(model) if kernel == "numaov" else 0
     if computes_bf16:
         try:
@@ -426,15 +415,15 @@ def compile_ir(
             _batched_weights_in_bf16(model)
         except Exception as exc:
             raise CompileError(f"OpenVINO cannot give {name} its bf16 computations: "
-                               f"{_cause(exc)}") from exc
+                               f"{exception_text(exc)}") from exc
     if bf16_io and effective == "bf16":
         try:
             model = _bf16_tensors(model, bf16_io)
         except Exception as exc:
             raise CompileError(f"OpenVINO cannot set bf16 inputs and outputs of {name}: "
-                               f"{_cause(exc)}") from exc
+                               f"{exception_text(exc)}") from exc
     try:
         compiled = core.compile_model(model, "CPU", config)
     except Exception as exc:
-        raise CompileError(f"OpenVINO cannot compile {name}: {_cause(exc)}") from exc
+        raise CompileError(f"OpenVINO cannot compile {name}: {exception_text(exc)}") from exc
     return CompiledIR(compiled, "numaov" if swapped else "openvino", swapped)

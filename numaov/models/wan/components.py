@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from numaov import exception_text
 from numaov.manifest import (
     TEXT_ENCODER_KIND,
     VAE_ENCODER_KIND,
@@ -277,10 +278,8 @@ def _loading(directory: str | Path, what: str) -> Iterator[None]:
     try:
         yield
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
-        reason = " ".join(str(exc).split())
-        if len(reason) > 300:
-            reason = reason[:300] + " ..."
-        raise CheckpointError(f"{what} in {str(directory)!r} cannot be loaded: {reason}; "
+        raise CheckpointError(f"{what} in {str(directory)!r} cannot be loaded: "
+                              f"{exception_text(exc, 300)}; "
                               "expected the component as diffusers saves it") from None
 
 

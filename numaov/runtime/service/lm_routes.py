@@ -277,10 +277,11 @@ class LMRoutes:
                                       "finish_reason": answer.finish_reason(
                                           event.finish_reason)}])
                 else:
-                    logprobs = (self.completion_logprobs(event.tokens, event.logprobs,
-                                                         offsets[index])
-                                if event.logprobs else None)
-                    offsets[index] += sum(len(p) for p in self.pieces(event.tokens))
+                    logprobs = None
+                    if event.logprobs:  # (only then are the offsets asked for)
+                        logprobs = self.completion_logprobs(event.tokens, event.logprobs,
+                                                            offsets[index])
+                        offsets[index] += sum(len(p) for p in logprobs["tokens"])
                     yield chunk([{"index": index, "text": event.text,
                                   "token_ids": event.tokens, "logprobs": logprobs,
                                   "finish_reason": event.finish_reason}])

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from numaov import NumaovError
+from numaov import NumaovError, exception_text
 from numaov.manifest import (
     IMAGE_TO_VIDEO_CLASS,
     OPTIONAL_COMPONENTS,
@@ -205,8 +205,8 @@ def tokenize(tokenizer_dir: Path, prompts: dict[str, str]) -> tuple[dict[str, li
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
-        reason = " ".join(str(exc).split())[:300]
-        raise ModelDirError(f"the tokenizer in {str(tokenizer_dir)!r} cannot be read: {reason}; "
+        raise ModelDirError(f"the tokenizer in {str(tokenizer_dir)!r} cannot be read: "
+                            f"{exception_text(exc, 300)}; "
                             "expected the pipeline's tokenizer as exported") from None
     ids = {}
     for parameter, prompt in prompts.items():

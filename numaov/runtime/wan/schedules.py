@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from numaov import exception_text
 from numaov.runtime.wan.request import DEFAULT_SHIFT, SamplerInputError, WanSampleRequest
 
 NUM_TRAIN_TIMESTEPS = 1000
@@ -106,9 +107,9 @@ class DiffusersSchedule(Schedule):
             self._scheduler.set_timesteps(steps)
         except (ValueError, TypeError, KeyError) as exc:  # e.g. use_dynamic_shifting, which
             # wants a resolution-dependent mu that diffusers' Wan pipelines never pass either
-            message = " ".join(str(exc).split())
             raise SamplerInputError(
-                f"the pipeline's scheduler {name} cannot set {steps} steps: {message}; "
+                f"the pipeline's scheduler {name} cannot set {steps} steps: "
+                f"{exception_text(exc)}; "
                 "expected a scheduler config diffusers' Wan pipeline runs") from None
         self._scheduler.set_begin_index(0)
         self._steps = [t for t in self._scheduler.timesteps]
