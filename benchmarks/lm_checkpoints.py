@@ -23,7 +23,8 @@ as ``tests/support/qwen_moe_harness.py`` does; transformers' std-0.02 init leave
 near zero), the routed experts' output scaled down (``ROUTED_DOWN_SCALE``: a rounding-flipped
 router choice then moves a row within bf16's tolerance), are cast to bf16 and written by
 ``save_pretrained``. Each checkpoint is cached under
-``benchmarks/out/lm_engine/checkpoints/<family>-<hash of its config, seed and init>``.
+``benchmarks/out/lm_engine/checkpoints/<family>-<hash of its config, seed and init>``;
+:func:`released_fp8` writes a DeepSeek-V3 one again in DeepSeek's released FP8 layout.
 """
 
 from __future__ import annotations
@@ -118,6 +119,49 @@ def build(family: str, **overrides: Any) -> Path:
          f"writing {directory}")
     model.to(torch.bfloat16).save_pretrained(directory)
     return directory
+
+
+def released_fp8(directory: Path) -> Path:
+    """A copy of a DeepSeek-V3 checkpoint ``directory`` in DeepSeek's released FP8 layout
+    (beside it, ``<name>-fp8``, built once): every 2-D weight of the decoder layers (attention
+    projections, MLPs, shared and routed experts; not the embeddings, head, norms or router)
+    as float8_e4m3fn with a ``weight_scale_inv`` per 128 x 128 block
+    (``moe_ops.quantize_block_fp8``), the config's ``quantization_config`` as V3's. What a V3
+    / R1 user exports; numaov keeps its experts and attention projections as released."""
+    from safetensors.torch import load_file, save_file
+
+    from numaov.custom_ops.moe_ops import FP8_BLOCK, quantize_block_fp8
+
+    out = directory.parent / f"{directory.name}-fp8"
+    if (out / "config.json").is_file():
+        return out
+    _log(f"deepseek_v3: writing the released FP8 layout of {directory.name} to {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    scales = {}  # the scales' names -> their file, for a sharded checkpoint's index
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors = {}
+        for name, tensor in load_file(str(path)).items():
+            if (name.startswith("model.layers.") and name.endswith(".weight")
+                    and tensor.dim() == 2 and not name.endswith("mlp.gate.weight")):
+                tensors[name], tensors[f"{name}_scale_inv"] = quantize_block_fp8(tensor)
+                scales[f"{name}_scale_inv"] = path.name
+            else:
+                tensors[name] = tensor
+        save_file(tensors, str(out / path.name), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text())
+        mapping["weight_map"].update(scales)
+        (out / index.name).write_text(json.dumps(mapping, indent=2))
+    for path in directory.iterdir():
+        if path.suffix != ".safetensors" and path.name not in ("config.json", index.name):
+            (out / path.name).write_bytes(path.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def _deepseek_v2() -> Path:

@@ -32,6 +32,12 @@ scales (:func:`quantize_experts`, and :func:`fp8_row_scales` for a released FP8 
 blocks, sharded or not). The scales are two more inputs of the op (and of the ONNX node), so an
 IR carries them as constants.
 
+``dense_linear(x, weight, scale)`` is the same kernel as a plain linear layer, ``weight . x``
+over the last dim, for a weight ``[M, K]`` in one of these formats (node
+``numaov.moe::DenseLinear``, extension op ``DenseLinear``): what keeps a released FP8
+checkpoint's attention projections one byte per weight, which OpenVINO's CPU plugin would
+widen to bf16 at compile time (``models.layers.fp8_linear``).
+
 Numerics: sums over a row's slots are fp32 and the result is rounded once to ``x``'s dtype.
 With bf16 weights the activations are rounded to bf16 before each projection (what a bf16
 ``F.linear`` does); int8 / int4 / fp8 weights are weight-only (the activations stay f32).
@@ -56,12 +62,15 @@ __all__ = [
     "MoeOpError",
     "dequantize_experts",
     "fp8_row_scales",
+    "quantize_block_fp8",
     "quantize_experts",
     "bf16_kernel",
     "kernel_isa",
     "kernel_unavailable_reason",
+    "dense_linear",
     "moe_experts",
     "moe_translation_table",
+    "write_dense_linear_onnx",
     "write_moe_onnx",
     "write_store_moe_onnx",
 ]
@@ -261,6 +270,66 @@ def moe_experts(x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: 
     return torch.ops.numaov.moe_experts(*tensors)
 
 
+def _check_linear_args(x: Tensor, weight: Tensor, scale: Tensor | None) -> None:
+    def fail(message: str, parameter: str) -> None:
+        raise MoeOpError(f"dense_linear: {message}", parameter=parameter)
+
+    if not isinstance(x, Tensor) or x.dim() < 1 or x.dtype not in ACTIVATION_DTYPES:
+        fail(f"x is {getattr(x, 'dtype', type(x).__name__)} "
+             f"{list(getattr(x, 'shape', []))}; expected a torch.float32 or torch.bfloat16 "
+             "tensor [..., K]", "x")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES:
+        fail(f"weight is {getattr(weight, 'dtype', type(weight).__name__)} "
+             f"{list(getattr(weight, 'shape', []))}; expected [M, K] in torch.float32, "
+             "torch.bfloat16, torch.int8, torch.uint8 (packed int4) or torch.float8_e4m3fn",
+             "weight")
+    quantized = weight.dtype in SCALED_DTYPES
+    if quantized != (scale is not None):
+        fail(f"weight is {weight.dtype} and scale is {'given' if scale is not None else 'None'}; "
+             "expected a scale exactly for int8 / int4 / fp8 weights", "scale")
+    packing = 2 if weight.dtype == torch.uint8 else 1
+    k = _known(x.shape[-1])
+    if k is not None and k != _known(weight.shape[1]) * packing:
+        fail(f"x {list(x.shape)} and weight {list(weight.shape)} differ in input size; expected "
+             "x [..., K] and weight [M, K]" + (" (K halved: packed int4)" if packing == 2 else ""),
+             "weight")
+    if quantized:
+        if scale.dtype != torch.float32 or scale.dim() != 2 or scale.shape[0] != weight.shape[0]:
+            fail(f"scale is {scale.dtype} {list(scale.shape)}; expected torch.float32 "
+                 f"[{weight.shape[0]}, groups]", "scale")
+        _check_groups("scale", weight.shape[1] * packing, scale.shape[1], packing == 2)
+
+
+@torch.library.custom_op("numaov::dense_linear", mutates_args=())
+def _dense_linear_op(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    # the experts' numerics: weight-only formats widened to f32 with f32 activations, bf16
+    # weights against activations rounded to bf16; one rounding to x's dtype
+    if scale is not None:
+        w = dequantize_experts(weight[None], scale[None])[0]
+        return F.linear(x.float(), w).to(x.dtype)
+    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
+@_dense_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def dense_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """``weight . x`` over the last dim of ``x [..., K]`` (no bias): ``[..., M]`` in ``x``'s
+    dtype, for a ``weight [M, K]`` in a weight format of :func:`quantize_experts` (one
+    expert's stack; int8 / int4 / fp8 with its ``scale [M, groups]``), computed by the experts'
+    kernel in OpenVINO."""
+    _check_linear_args(x, weight, scale)
+    tensors = (x, weight) if scale is None else (x, weight, scale)
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            f"{MOE_DOMAIN}::DenseLinear", tensors, {}, dtype=x.dtype,
+            shape=(*x.shape[:-1], weight.shape[0]), version=MOE_DOMAIN_VERSION,
+        )
+    return torch.ops.numaov.dense_linear(*tensors)
+
+
 # ---------------------------------------------------------------------------------------------
 # Weight formats: the stacks as the op (and the IR) hold them.
 # ---------------------------------------------------------------------------------------------
@@ -328,16 +397,27 @@ def quantize_experts(stack: Tensor, weight_format: str, group_size: int | None =
 def _quantize_fp8(stack: Tensor, block: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """``quantize_experts(stack, "fp8")``: block scales over ``block`` (rows, columns)."""
     e, rows, k = stack.shape
-    br, bc = block
-    nr, nc = -(-rows // br), -(-k // bc)
-    w = stack.detach().float()
-    padded = F.pad(w, (0, nc * bc - k, 0, nr * br - rows))
-    amax = padded.abs().reshape(e, nr, br, nc, bc).amax(dim=(2, 4))
-    scale_inv = (amax / FP8_MAX).clamp_min(1e-12)  # [E, nr, nc]
-    per_value = scale_inv.repeat_interleave(br, dim=1).repeat_interleave(bc, dim=2)[:, :rows, :k]
-    q = (w / per_value).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()
+    q, scale_inv = quantize_block_fp8(stack, block)
     scales = torch.stack([fp8_row_scales(scale_inv[i], 0, rows, 0, k, block) for i in range(e)])
     return q, scales.contiguous()
+
+
+def quantize_block_fp8(weight: Tensor, block: tuple[int, int] = FP8_BLOCK
+                       ) -> tuple[Tensor, Tensor]:
+    """``weight [..., N, K]`` as DeepSeek-V3 releases its weights: ``(float8_e4m3fn [..., N,
+    K], f32 weight_scale_inv [..., ceil(N / block[0]), ceil(K / block[1])])``, each block's
+    scale mapping its largest magnitude to E4M3's largest (448); partial edge blocks have
+    their own."""
+    *lead, rows, k = weight.shape
+    br, bc = block
+    nr, nc = -(-rows // br), -(-k // bc)
+    w = weight.detach().float()
+    padded = F.pad(w, (0, nc * bc - k, 0, nr * br - rows))
+    amax = padded.abs().reshape(*lead, nr, br, nc, bc).amax(dim=(-3, -1))
+    scale_inv = (amax / FP8_MAX).clamp_min(1e-12)  # [..., nr, nc]
+    per_value = scale_inv.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
+    q = (w / per_value[..., :rows, :k]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scale_inv.contiguous()
 
 
 def fp8_row_scales(block_scale_inv: Tensor, row_start: int, rows: int, col_start: int,
@@ -448,7 +528,8 @@ def format_kernels() -> dict[str, dict[str, Any]]:
             described = {
                 "amx": f"AMX bf16 tiles for experts of {bf16['amx_min_rows']}+ rows, "
                        "AVX512-BF16 dot products below",
-                "avx512_bf16": "AVX512-BF16 dot products",
+                "avx512_bf16": f"AVX512-BF16 outer products for experts of "
+                               f"{bf16['outer_min_rows']}+ rows, dot products below",
                 "avx2": "AVX2: bf16 weights and activations widened to f32, f32 FMA"}
             kernels[weight_format] = {"kernel": described[bf16["kernel"]],
                                       "reason": bf16["reason"]}
@@ -465,7 +546,9 @@ def bf16_kernel() -> dict[str, Any]:
     """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
     (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
     ``off``; ``always``) and ``NUMAOV_MOE_ISA``: ``{"kernel": "amx" | "avx512_bf16" | "avx2"
-    | None, "amx_min_rows": int | None, "fp8_tile_min_rows": int | None, "reason": str}``;
+    | None, "amx_min_rows": int | None, "fp8_tile_min_rows": int | None, "outer_min_rows": int
+    | None, "reason": str}``; ``outer_min_rows``: the rows from which experts on AVX512-BF16
+    run as outer products against packed activations (dot products below);
     ``fp8_tile_min_rows``: the rows per expert (a call's average) from which a bf16 model's fp8
     experts run on these tiles, dequantized to bf16 (None: never). Raises MoeOpError for a bad
     setting of either."""
@@ -496,7 +579,9 @@ def moe_translation_table() -> dict[Any, Any]:
                   else OpSchema.FormalParameterOption.Single)
         return OpSchema.FormalParameter(name, type_str, param_option=option)
 
-    # The domain is not registered with onnx, so onnxscript needs the schema given.
+    # The domain is not registered with onnx, so onnxscript needs the schemas given.
+    WEIGHT_TYPES = ["tensor(float)", "tensor(bfloat16)", "tensor(int8)", "tensor(uint8)",  # noqa: N806
+                    "tensor(float8e4m3fn)"]
     schema = OpSchema(
         "MoeExperts", MOE_DOMAIN, MOE_DOMAIN_VERSION,
         inputs=[formal("x", "T"), formal("ids", "I"), formal("weights", "tensor(float)"),
@@ -507,9 +592,7 @@ def moe_translation_table() -> dict[Any, Any]:
         type_constraints=[
             ("T", ["tensor(float)", "tensor(bfloat16)"], "activations"),
             ("I", ["tensor(int64)", "tensor(int32)"], "expert ids"),
-            ("W", ["tensor(float)", "tensor(bfloat16)", "tensor(int8)", "tensor(uint8)",
-                   "tensor(float8e4m3fn)"],
-             "expert weights: f32, bf16, int8, packed int4, fp8"),
+            ("W", WEIGHT_TYPES, "expert weights: f32, bf16, int8, packed int4, fp8"),
         ],
     )
     node = Op(Opset(MOE_DOMAIN, MOE_DOMAIN_VERSION), "MoeExperts", schema)
@@ -519,7 +602,23 @@ def moe_translation_table() -> dict[Any, Any]:
             return node(x, ids, weights, gate_up, down)
         return node(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
 
-    return {torch.ops.numaov.moe_experts.default: moe_experts_onnx}
+    linear_schema = OpSchema(
+        "DenseLinear", MOE_DOMAIN, MOE_DOMAIN_VERSION,
+        inputs=[formal("x", "T"), formal("weight", "W"),
+                formal("scale", "tensor(float)", optional=True)],
+        outputs=[formal("y", "T")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(bfloat16)"], "activations"),
+            ("W", WEIGHT_TYPES, "the weight: f32, bf16, int8, packed int4, fp8"),
+        ],
+    )
+    linear_node = Op(Opset(MOE_DOMAIN, MOE_DOMAIN_VERSION), "DenseLinear", linear_schema)
+
+    def dense_linear_onnx(x, weight, scale=None):
+        return linear_node(x, weight) if scale is None else linear_node(x, weight, scale)
+
+    return {torch.ops.numaov.moe_experts.default: moe_experts_onnx,
+            torch.ops.numaov.dense_linear.default: dense_linear_onnx}
 
 
 def write_moe_onnx(path: Path, gate_up: Tensor, down: Tensor, top_k: int,
@@ -529,22 +628,15 @@ def write_moe_onnx(path: Path, gate_up: Tensor, down: Tensor, top_k: int,
     [N, top_k] int64 and weights [N, top_k] with N dynamic: the op alone, for tests and
     benchmarks of its OpenVINO face."""
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    def initializer(tensor: Tensor, name: str) -> Any:
-        if tensor.dtype == torch.float8_e4m3fn:  # no numpy dtype: the bytes as they are
-            return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, list(tensor.shape),
-                                      tensor.contiguous().view(torch.uint8).numpy().tobytes(),
-                                      raw=True)
-        return numpy_helper.from_array(tensor.numpy(), name)
+    from onnx import TensorProto, helper
 
     hidden = down.shape[1]
     names = ["x", "ids", "weights", "gate_up", "down"]
-    initializers = [initializer(gate_up, "gate_up"), initializer(down, "down")]
+    initializers = [_initializer(gate_up, "gate_up"), _initializer(down, "down")]
     if scales is not None:
         names += ["gate_up_scale", "down_scale"]
-        initializers += [numpy_helper.from_array(scales[0].numpy(), "gate_up_scale"),
-                         numpy_helper.from_array(scales[1].numpy(), "down_scale")]
+        initializers += [_initializer(scales[0], "gate_up_scale"),
+                         _initializer(scales[1], "down_scale")]
     node = helper.make_node("MoeExperts", names, ["y"], domain=MOE_DOMAIN)
     graph = helper.make_graph(
         [node], "moe",
@@ -556,6 +648,44 @@ def write_moe_onnx(path: Path, gate_up: Tensor, down: Tensor, top_k: int,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                      helper.make_opsetid(MOE_DOMAIN, MOE_DOMAIN_VERSION)])
+    onnx.save(model, path)
+    return path
+
+
+def _initializer(tensor: Tensor, name: str) -> Any:
+    """An ONNX initializer of ``tensor`` (fp8, bf16: its bytes as they are, numpy has
+    neither)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    raw = {torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN, torch.bfloat16: TensorProto.BFLOAT16}
+    if tensor.dtype in raw:
+        return helper.make_tensor(name, raw[tensor.dtype], list(tensor.shape),
+                                  tensor.contiguous().view(torch.uint8).numpy().tobytes(),
+                                  raw=True)
+    return numpy_helper.from_array(tensor.numpy(), name)
+
+
+def write_dense_linear_onnx(path: Path, weight: Tensor, scale: Tensor | None = None) -> Path:
+    """An ONNX model of one ``numaov.moe::DenseLinear`` node with ``weight`` (and its scale) as
+    initializers and input x [N, K] f32, N dynamic: the op alone, for tests and benchmarks of
+    its OpenVINO face."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    k = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+    names = ["x", "weight"] + ([] if scale is None else ["scale"])
+    initializers = [_initializer(weight, "weight")]
+    if scale is not None:
+        initializers.append(_initializer(scale, "scale"))
+    node = helper.make_node("DenseLinear", names, ["y"], domain=MOE_DOMAIN)
+    graph = helper.make_graph(
+        [node], "dense_linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", weight.shape[0]])],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(MOE_DOMAIN, MOE_DOMAIN_VERSION)])
     onnx.save(model, path)
     return path
 

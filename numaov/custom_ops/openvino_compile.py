@@ -247,7 +247,8 @@ def effective_precision(precision: Any, properties: Mapping[str, Any] | None = N
 
 
 def _moe_activations_in_bf16(model: Any) -> int:
-    """Give every ``MoeExperts`` node of a model the CPU plugin computes in bf16 bf16
+    """Give every ``MoeExperts`` and ``DenseLinear`` node (the experts' kernel) of a model the
+    CPU plugin computes in bf16 bf16
     activations: its f32 x through a Convert to bf16, its output through a Convert back to f32.
     The plugin computes the nodes around it in bf16, but runs an extension op on the types the
     graph gives it, so without these it converts x to f32 and the result back (a Reorder each
@@ -259,7 +260,8 @@ def _moe_activations_in_bf16(model: Any) -> int:
     import openvino as ov
 
     nodes = [node for node in model.get_ordered_ops()
-             if node.get_type_name() == "MoeExperts" and node.get_input_element_type(0) == ov.Type.f32]
+             if node.get_type_name() in ("MoeExperts", "DenseLinear")
+             and node.get_input_element_type(0) == ov.Type.f32]
     return _compute_in_bf16(model, nodes, (0,))
 
 

@@ -421,6 +421,7 @@ def _export_into(
     experts: ExpertShape | None,
     group_size: int | None,
 ) -> ExportManifest:
+    from numaov.exporter.fp8_projections import keep_fp8_projections
     from numaov.models.checkpoint import compute_in_f32
     from numaov.models.layers.data_parallel import DataParallelGroup
     from numaov.models.layers.experts import StoredExperts
@@ -487,6 +488,11 @@ def _export_into(
             store_id = open_store(out_dir / store_files[rank]).store_id
             stored = functools.partial(StoredExperts, store_id)
         shard = family.load(checkpoint_dir, load_dtype, group, experts=stored)
+        if weights == "fp8":
+            kept = keep_fp8_projections(shard, checkpoint_dir, config, group)
+            if kept and rank == 0:
+                report(f"{kept} attention and MLP projections kept in the release's FP8 "
+                       "(numaov's DenseLinear op reads them one byte per weight)")
         narrow = compute_in_f32(shard) > 0  # the graph holds bf16 weights behind Casts
         timings["load"] += time.perf_counter() - start
         start = time.perf_counter()

@@ -67,12 +67,18 @@ def _subgraphs(node) -> list:
     return []
 
 
-def _moe_input(target, indices: tuple[int, ...]) -> bool:
-    """Whether an input port is one of ``indices`` of numaov's MoeExperts: its expert stacks
-    (3, 4), read in place in their stored format, so they get the bf16 constant itself with no
-    Convert for the plugin to fold back to f32; their f32 scales (5, 6), part of the stored
-    format, kept f32 (rounded to bf16 they moved a layer's output by 1%)."""
-    return target.get_node().get_type_name() == "MoeExperts" and target.get_index() in indices
+# The input ports of numaov's ops on the experts' kernel that read a weight in place in its
+# stored format (MoeExperts' stacks, DenseLinear's weight), then those of its f32 scales.
+_STORED_WEIGHT_PORTS = {"MoeExperts": ((3, 4), (5, 6)), "DenseLinear": ((1,), (2,))}
+
+
+def _stored_input(target, scales: bool) -> bool:
+    """Whether an input port is a stored weight of numaov's MoeExperts / DenseLinear (read in
+    place in its stored format, so it gets the bf16 constant itself with no Convert for the
+    plugin to fold back to f32) or, with ``scales``, that weight's f32 scales (part of the
+    stored format, kept f32: rounded to bf16 they moved a layer's output by 1%)."""
+    ports = _STORED_WEIGHT_PORTS.get(target.get_node().get_type_name())
+    return ports is not None and target.get_index() in ports[int(scales)]
 
 
 # Values rounded per step of _bf16_constant: bounds its temporaries (a few copies of one chunk).
@@ -112,13 +118,13 @@ def _store_weights_as_bf16(model) -> int:
         shape = node.get_output_partial_shape(0)
         if not shape.is_static or int(np.prod(list(node.get_output_shape(0)))) < BF16_MIN_ELEMENTS:
             continue
-        if any(_moe_input(t, (5, 6)) for t in node.output(0).get_target_inputs()):
+        if any(_stored_input(t, scales=True) for t in node.output(0).get_target_inputs()):
             continue
         compressed = _bf16_constant(node.get_data())
         compressed.set_friendly_name(node.get_friendly_name())
         expanded = None
         for target in list(node.output(0).get_target_inputs()):
-            if _moe_input(target, (3, 4)):
+            if _stored_input(target, scales=False):
                 target.replace_source_output(compressed.output(0))
                 continue
             if expanded is None:

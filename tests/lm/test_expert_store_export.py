@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
+import openvino as ov
 import pytest
 import torch
 from safetensors.torch import load_file as read_tensors_file
@@ -28,6 +30,7 @@ from support.deepseek_v3_harness import (
 from numaov import NumaovError
 from numaov.custom_ops.expert_store import STORE_NAME, ExpertStoreError, open_store
 from numaov.exporter.lm_export import export_lm
+from numaov.native import add_extension
 from numaov.runtime.lm.engine import SamplingParams, run_lm
 
 pytestmark = pytest.mark.slow  # exports two rank graphs and runs two rank workers
@@ -104,6 +107,14 @@ def test_released_fp8_experts_are_stored_as_released_and_match_pytorch(
     # the IR holds no expert: its weights are the non-expert ones, far below the stores
     xml = (fp8_export / "rank_0" / "model.xml").read_text()
     assert xml.count('type="MoeExperts"') == 2 and xml.count(f'store="{STORE_NAME}"') == 2
+    # each layer's four attention projections (q_a, q_b, kv_a, o) and the three of its dense
+    # MLP or shared expert run on DenseLinear with the released float8 bytes as its weight (the
+    # MLPs' this rank's slice); kv_b (read as two batched weights) is not one
+    assert xml.count('type="DenseLinear"') == 7 * 3 and xml.count('element_type="f8e4m3"') == 21
+    ir = _read_ir(fp8_export / "rank_1" / "model.xml")
+    down = released["model.layers.0.mlp.down_proj.weight"][:, 96:]  # rank 1's columns
+    assert any(np.array_equal(w, down.contiguous().view(torch.uint8).numpy())
+               for w in _dense_linear_weights(ir).values())
     # greedy tokens equal transformers' on the dequantized weights (f32 inference; the fp8
     # experts are widened exactly, so only the summation order differs)
     from transformers import DeepseekV3ForCausalLM
@@ -126,6 +137,36 @@ def test_released_fp8_experts_are_stored_as_released_and_match_pytorch(
                              capture_output=True, text=True, timeout=300, check=True)
         mapped = json.loads(run.stdout.strip().splitlines()[-1])
         assert [Path(p).parent.name for p in mapped] == [f"rank_{rank}"], mapped
+
+
+def test_released_fp8_attention_projections_in_a_bf16_model(
+        fp8_checkpoint: tuple[Path, Path], tmp_path: Path) -> None:
+    """At bf16 the projections kept in FP8 hold the released bytes and scales (no bf16 copy in
+    the IR) and the export passes its bf16 parity against the dequantized model."""
+    directory, _ = fp8_checkpoint
+    manifest = export_lm(directory, tmp_path / "model", precision="bf16", weights="fp8")
+    assert all(f["passed"] for f in manifest.parity)
+    released = read_tensors(directory)
+    weights = _dense_linear_weights(_read_ir(tmp_path / "model" / "rank_0" / "model.xml"))
+    assert len(weights) == 21
+    q_a = released["model.layers.1.self_attn.q_a_proj.weight"].view(torch.uint8).numpy()
+    assert any(np.array_equal(w, q_a) for w in weights.values())
+
+
+def _read_ir(xml: Path) -> ov.Model:
+    core = ov.Core()
+    add_extension(core)
+    return core.read_model(xml)
+
+
+def _dense_linear_weights(ir: ov.Model) -> dict[str, np.ndarray]:
+    """The bytes of every DenseLinear node's weight constant, by the constant's name."""
+    weights = {}
+    for node in ir.get_ordered_ops():
+        if node.get_type_name() == "DenseLinear":
+            constant = node.input_value(1).get_node()
+            weights[constant.get_friendly_name()] = constant.get_data().view(np.uint8)
+    return weights
 
 
 def test_fp8_blocks_the_kernel_cannot_group_are_refused(tmp_path: Path) -> None:

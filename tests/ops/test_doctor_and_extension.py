@@ -72,8 +72,9 @@ def test_doctor_reports_the_moe_bf16_kernel_under_numaov_moe_amx() -> None:
     if read_topology().isa.avx512_bf16:
         assert moe == {"bf16_kernel": "avx512_bf16", "amx_min_rows": None,
                        "reason": "NUMAOV_MOE_AMX=off"}
-        assert formats["bf16"] == {"kernel": "AVX512-BF16 dot products",
-                                   "reason": "NUMAOV_MOE_AMX=off"}
+        assert formats["bf16"] == {
+            "kernel": "AVX512-BF16 outer products for experts of 16+ rows, dot products below",
+            "reason": "NUMAOV_MOE_AMX=off"}
     # every format the op takes is named with the kernel it runs on here
     assert set(formats) == {"f32", "bf16", "int8", "int4", "fp8"}
     assert all(f["kernel"] or f["reason"] for f in formats.values()), formats

@@ -71,6 +71,11 @@ class MultiHeadLatentAttention(nn.Module):
     rather than the two halves.
     """
 
+    #: The projections run as linear layers, which an export keeps in a released checkpoint's
+    #: FP8 (``exporter.fp8_projections``); ``kv_b_proj`` is read as two batched weights
+    #: (step 3), not run as a layer.
+    FP8_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+
     def __init__(self, hidden: int, heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  nope_dim: int, rope_dim: int, v_dim: int, attention_bias: bool,
                  softmax_scale: float, interleaved_rope: bool = True) -> None:

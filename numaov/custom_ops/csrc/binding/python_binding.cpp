@@ -285,12 +285,14 @@ PYBIND11_MODULE(_native, m) {
             out["amx_min_rows"] = k.amx_min_rows ? py::object(py::int_(k.amx_min_rows)) : py::object(py::none());
             out["fp8_tile_min_rows"] =
                 k.fp8_tile_min_rows ? py::object(py::int_(k.fp8_tile_min_rows)) : py::object(py::none());
+            out["outer_min_rows"] =
+                k.outer_min_rows ? py::object(py::int_(k.outer_min_rows)) : py::object(py::none());
             out["reason"] = k.reason;
             return out;
         },
         "Which kernel the MoeExperts op runs bf16 experts on here under NUMAOV_MOE_AMX: kernel 'amx' (experts "
-        "of at least amx_min_rows rows), 'avx512_bf16' or None, the rows per expert from which a bf16 model's "
-        "fp8 experts run on it (fp8_tile_min_rows), and the reason.");
+        "of at least amx_min_rows rows), 'avx512_bf16' (outer products from outer_min_rows rows) or None, the "
+        "rows per expert from which a bf16 model's fp8 experts run on it (fp8_tile_min_rows), and the reason.");
     m.def(
         "open_expert_store",
         [](const std::string& path) {

@@ -51,6 +51,12 @@ constexpr size_t kAmxMinRows = 2;
 // 16 rows 1.46x; benchmarks/RESULTS.md); AMX tiles only move the crossover lower. Decode
 // stays exact.
 constexpr size_t kFp8TileMinRows = 8;
+// bf16 experts (and a dense linear's one) with at least this many rows run, where AMX is not
+// used, on AVX512-BF16 outer products against their packed activations (outer_products):
+// the dot-product tiles' 4 x 4 sums end in 16 horizontal adds and reread the activations
+// for every 4 weight rows, which left a 512-row bf16 linear at 123 GMAC/s against OpenVINO's
+// 178 on 2 cores (benchmarks/RESULTS.md); below it the padded 16-row blocks waste products.
+constexpr size_t kOuterMinRows = 16;
 
 struct Features {
     bool avx512 = false;
@@ -868,6 +874,95 @@ size_t amx_min_rows() {
     }
 }
 
+// How experts of many rows run in this call: against their activations packed in 16-row
+// blocks (moe_amx.hpp's pairs layout), on AMX tiles where usable (and NUMAOV_MOE_AMX allows),
+// else on AVX512-BF16 outer products; from min_rows rows (SIZE_MAX: none: f32 activations,
+// or AVX2).
+struct PanelTiles {
+    size_t min_rows;
+    bool amx;
+};
+
+template <class T>
+PanelTiles panel_tiles(bool avx2) {
+    if (!std::is_same_v<T, uint16_t> || avx2) return {SIZE_MAX, false};
+    const size_t amx_rows = amx_min_rows();
+    if (amx_rows != SIZE_MAX) return {amx_rows, true};
+    return {kOuterMinRows, false};
+}
+
+// Eight weight rows w[r] (K bf16 values each) against one or two 16-row blocks of packed
+// activations (`act`, blocks `words` apart): c[b] + 16 r gets weight row r's sums over the 16
+// activation rows of block b. Each step broadcasts a weight pair (w[2p], w[2p+1]) against the
+// block's pairs (a[m][2p], a[m][2p+1]): one vdpbf16ps per 16 products, each activation row's
+// sum in its own lane, so no horizontal sums, and a weight pair is read once per 16 or 32
+// rows. A K of odd length ends on a pair whose second weight is 0 (the panel's is too).
+template <int B>
+NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void outer_step(__m512 (&acc)[8][B], const uint32_t* act, size_t words,
+                                                        size_t p, const uint32_t (&pair)[8]) {
+    __m512i a[B];
+    NUMAOV_UNROLL for (int b = 0; b < B; ++b) a[b] = _mm512_load_si512(act + b * words + p * 16);
+    NUMAOV_UNROLL for (int r = 0; r < 8; ++r) {
+        const __m512i wb = _mm512_set1_epi32(int(pair[r]));
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) {
+            acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)a[b], (__m512bh)wb);
+        }
+    }
+}
+
+template <int B>
+NUMAOV_TARGET_AVX512_BF16 void outer_product_rows(const uint16_t* const (&w)[8], const uint32_t* act,
+                                                  size_t words, size_t K, float* const (&c)[B]) {
+    __m512 acc[8][B];
+    NUMAOV_UNROLL for (int r = 0; r < 8; ++r) {
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    }
+    const size_t pairs = K / 2;
+    for (size_t p = 0; p < pairs; ++p) {
+        uint32_t pair[8];
+        NUMAOV_UNROLL for (int r = 0; r < 8; ++r) std::memcpy(&pair[r], w[r] + 2 * p, 4);
+        outer_step<B>(acc, act, words, p, pair);
+    }
+    if (K % 2) {
+        uint32_t pair[8];
+        NUMAOV_UNROLL for (int r = 0; r < 8; ++r) pair[r] = w[r][K - 1];
+        outer_step<B>(acc, act, words, pairs, pair);
+    }
+    NUMAOV_UNROLL for (int r = 0; r < 8; ++r) {
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) _mm512_store_ps(c[b] + 16 * r, acc[r][b]);
+    }
+}
+
+// amx_tiles::products on AVX512-BF16 (the same operands and result tiles; rows of a weight
+// block past its count are not written), for CPUs without AMX.
+NUMAOV_TARGET_AVX512_BF16 void outer_products(const amx_tiles::WeightBlock (&w)[2], const uint32_t* panel,
+                                              size_t blocks, size_t K, float* c) {
+    constexpr size_t kResult = amx_tiles::kTile * amx_tiles::kTile;
+    const size_t words = amx_tiles::block_words(K);
+    for (size_t a = 0; a < 2; ++a) {
+        for (size_t r0 = 0; r0 < w[a].count; r0 += 8) {
+            const uint16_t* rows[8];
+            // a group's rows past the count repeat its last row (their sums are not used)
+            for (size_t r = 0; r < 8; ++r) rows[r] = w[a].first + std::min(r0 + r, w[a].count - 1) * K;
+            float* const tiles[2] = {c + 2 * a * kResult + 16 * r0, c + (2 * a + 1) * kResult + 16 * r0};
+            if (blocks == 2) {
+                outer_product_rows<2>(rows, panel, words, K, tiles);
+            } else {
+                float* const one[1] = {tiles[0]};
+                outer_product_rows<1>(rows, panel, words, K, one);
+            }
+        }
+    }
+}
+
+// The product of one or two weight blocks and one or two blocks of packed activations, on
+// AMX tiles (the calling thread holds an amx::TileSession) or AVX512-BF16 (PanelTiles).
+void panel_products(bool amx, const amx_tiles::WeightBlock (&w)[2], const uint32_t* panel, size_t blocks, size_t K,
+                    float* c) {
+    if (amx) return amx_tiles::products(w, panel, blocks, K, c);
+    outer_products(w, panel, blocks, K, c);
+}
+
 // The experts on AMX tiles: which hits, and where their packed activations
 // (moe_amx.hpp's pairs layout) start in one buffer.
 struct AmxPlan {
@@ -893,12 +988,20 @@ struct AmxPlan {
     void pack(const Routing& routing, size_t K, Scratch<uint32_t>& panels, RowsOf rows_of) const {
         if (!any) return;
         panels.resize(words);
-        ov::parallel_for(routing.hits.size(), [&](size_t h) {
-            if (!uses(h)) return;
+        // one work item per 16-row block, so one hit of many rows (a dense linear's
+        // prefill) is packed by every thread
+        std::vector<std::pair<size_t, size_t>> blocks;  // (hit, its block)
+        for (size_t h = 0; h < routing.hits.size(); ++h) {
+            if (!uses(h)) continue;
+            for (size_t b = 0; b * amx_tiles::kTile < routing.hits[h].count; ++b) blocks.emplace_back(h, b);
+        }
+        ov::parallel_for(blocks.size(), [&](size_t i) {
+            const auto [h, b] = blocks[i];
             const auto& hit = routing.hits[h];
-            std::vector<const uint16_t*> rows(hit.count);
-            for (size_t m = 0; m < hit.count; ++m) rows[m] = rows_of(hit, m);
-            amx_tiles::pack_panel(rows.data(), hit.count, K, panels.data() + panel_at[h]);
+            const size_t first = b * amx_tiles::kTile, count = std::min(amx_tiles::kTile, hit.count - first);
+            const uint16_t* rows[amx_tiles::kTile];
+            for (size_t m = 0; m < count; ++m) rows[m] = rows_of(hit, first + m);
+            amx_tiles::pack_panel(rows, count, K, panels.data() + panel_at[h] + b * amx_tiles::block_words(K));
         });
     }
 };
@@ -957,6 +1060,120 @@ void for_rows(size_t rows, size_t width, const Fn& fn) {
     }
 }
 
+// `rows` rows of `width` values of x (f32, or bf16 when x_bf16) in the weights' type T: x
+// itself when it already is, else converted into `converted`.
+template <class T>
+const T* activations_as(const void* x, bool x_bf16, size_t rows, size_t width, Scratch<T>& converted) {
+    constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+    if (x_bf16 == kBf16) return static_cast<const T*>(x);
+    converted.resize(rows * width);
+    for_rows(rows, width, [&](size_t n) {
+        for (size_t h = 0; h < width; ++h) {
+            if constexpr (kBf16) {
+                converted[n * width + h] = to_bf16(static_cast<const float*>(x)[n * width + h]);
+            } else {
+                converted[n * width + h] = from_bf16(static_cast<const uint16_t*>(x)[n * width + h]);
+            }
+        }
+    });
+    return converted.data();
+}
+
+// One micro-tile of `rows` rows against weight rows r of a one-expert stack, on AVX2 or AVX-512.
+template <class T>
+void dot_micro_tile(bool avx2, const T* const* a, size_t rows, const Stack& w, const size_t* r, float* c) {
+    if (avx2) return dot_rows_avx2(a, rows, w, r, c);
+    dot_rows(a, rows, w, r, c);
+}
+
+// The second pass (the down projection), shared with the dense linear:
+// out[routing.row[p]] = sum over the sorted pairs p of routing.weight[p] * (w[e] . act[p]),
+// e the pair's expert; act holds a row of w.K values per pair, out `rows` f32 rows of w.rows
+// values, every one of them written. Work items are blocks of output columns, so no two
+// threads write one value.
+template <class T>
+void down_pass(const Stack& w, const T* act, const Routing& routing, size_t rows, float* out, bool avx2) {
+    const size_t H = w.rows, I = w.K;
+    const int threads = parallel_get_max_threads();
+    constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+    constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
+    const PanelTiles kind = panel_tiles<T>(avx2);
+    const AmxPlan down_plan(routing, kind.min_rows, I);
+    Scratch<uint32_t> act_panels;
+    if constexpr (kBf16) {
+        down_plan.pack(routing, I, act_panels,
+                       [&](const Routing::Hit& hit, size_t m) { return act + (hit.start + m) * I; });
+    }
+    const size_t bh = block_columns(H, 1, threads, down_plan.any ? 2 * kTile : kTileCols);
+    const size_t h_blocks = (H + bh - 1) / bh;
+    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
+        size_t begin = 0, end = 0;
+        ov::splitter(h_blocks, nthr, ithr, begin, end);
+        const T* a[kTileRows];
+        size_t wd[kTileCols];
+        alignas(64) float y[kTileRows * kTileCols];
+        std::optional<amx::TileSession> tiles;
+        TileRows<T> weight_rows;
+        alignas(64) float c[4 * kResult];
+        for (size_t item = begin; item < end; ++item) {
+            const size_t c0 = item * bh, c1 = std::min(H, c0 + bh);
+            for (size_t n = 0; n < rows; ++n) std::fill(out + n * H + c0, out + n * H + c1, 0.0f);
+            for (size_t hit_index = 0; hit_index < routing.hits.size(); ++hit_index) {
+                const auto& hit = routing.hits[hit_index];
+                if (down_plan.any && down_plan.uses(hit_index)) {
+                    // Blocks of 32 output columns (two weight blocks of 16 rows) against
+                    // two 16-row blocks of pairs.
+                    if (kind.amx && !tiles) tiles.emplace();
+                    const uint32_t* panel = act_panels.data() + down_plan.panel_at[hit_index];
+                    const size_t blocks = (hit.count + kTile - 1) / kTile;
+                    for (size_t n0 = c0; n0 < c1; n0 += 2 * kTile) {
+                        const size_t cols[2] = {std::min(kTile, c1 - n0),
+                                                n0 + kTile < c1 ? std::min(kTile, c1 - n0 - kTile) : 0};
+                        const amx_tiles::WeightBlock wb2[2] = {
+                            {weight_rows.bf16(w, hit.expert, n0, cols[0], 0), cols[0]},
+                            {cols[1] ? weight_rows.bf16(w, hit.expert, n0 + kTile, cols[1], 1) : nullptr,
+                             cols[1]}};
+                        for (size_t b0 = 0; b0 < blocks; b0 += 2) {
+                            const size_t nb = std::min<size_t>(2, blocks - b0);
+                            panel_products(kind.amx, wb2, panel + b0 * amx_tiles::block_words(I), nb, I, c);
+                            for (size_t wb = 0; wb < 2; ++wb) {
+                                for (size_t b = 0; b < nb; ++b) {
+                                    add_down_block(c + (2 * wb + b) * kResult, cols[wb], pair_block(hit, b0 + b),
+                                                   routing, out + n0 + wb * kTile, H);
+                                }
+                            }
+                        }
+                    }
+                    continue;
+                }
+                for (size_t j = c0; j < c1; j += kTileCols) {
+                    const size_t cols = std::min(kTileCols, c1 - j);
+                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = std::min(n, cols - 1);
+                    const Stack block = weight_rows.rows(w, hit.expert, j, cols, 0);
+                    for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
+                        const size_t count = std::min(kTileRows, hit.start + hit.count - m0);
+                        for (size_t m = 0; m < count; ++m) a[m] = act + (m0 + m) * I;
+                        dot_micro_tile(avx2, a, count, block, wd, y);
+                        for (size_t m = 0; m < count; ++m) {
+                            float* dst = out + routing.row[m0 + m] * H + j;
+                            const float weight = routing.weight[m0 + m];
+                            for (size_t n = 0; n < cols; ++n) dst[n] += weight * y[m * kTileCols + n];
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+// f32 sums [rows, width] rounded once into a bf16 `out`.
+void round_to_bf16(const float* sums, size_t rows, size_t width, void* out) {
+    uint16_t* dst = static_cast<uint16_t*>(out);
+    for_rows(rows, width, [&](size_t n) {
+        for (size_t h = 0; h < width; ++h) dst[n * width + h] = to_bf16(sums[n * width + h]);
+    });
+}
+
 // `avx2`: the tiles run on AVX2 (dot_rows_avx2), and bf16 experts never on AMX.
 template <class T>
 void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
@@ -967,33 +1184,18 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
     // 0. Activations in the weights' type (x itself when it already is).
     constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
     Scratch<T> converted;
-    const T* x = static_cast<const T*>(t.x);
-    if (t.x_bf16 != kBf16) {
-        converted.resize(s.rows * H);
-        for_rows(s.rows, H, [&](size_t n) {
-            for (size_t h = 0; h < H; ++h) {
-                if constexpr (kBf16) {
-                    converted[n * H + h] = to_bf16(static_cast<const float*>(t.x)[n * H + h]);
-                } else {
-                    converted[n * H + h] = from_bf16(static_cast<const uint16_t*>(t.x)[n * H + h]);
-                }
-            }
-        });
-        x = converted.data();
-    }
+    const T* x = activations_as<T>(t.x, t.x_bf16, s.rows, H, converted);
     const Stack gate_up{t.gate_up, t.gate_up_scale, 2 * I, H, t.gate_up_groups, t.format};
     const Stack down{t.down, t.down_scale, H, I, t.down_groups, t.format};
 
     // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I].
     Scratch<T> act(pairs * I);
     constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
-    const size_t amx_rows = kBf16 && !avx2 ? amx_min_rows() : SIZE_MAX;
-    // One micro-tile of `rows` rows against weight rows r of a one-expert stack.
     const auto dot = [avx2](const T* const* a, size_t rows, const Stack& w, const size_t* r, float* c) {
-        if (avx2) return dot_rows_avx2(a, rows, w, r, c);
-        dot_rows(a, rows, w, r, c);
+        dot_micro_tile(avx2, a, rows, w, r, c);
     };
-    const AmxPlan up_plan(routing, amx_rows, H);
+    const PanelTiles kind = panel_tiles<T>(avx2);
+    const AmxPlan up_plan(routing, kind.min_rows, H);
     Scratch<uint32_t> x_panels;
     if constexpr (kBf16) {
         up_plan.pack(routing, H, x_panels,
@@ -1018,7 +1220,7 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
                 if (up_plan.uses(hit_index)) {
                     // Blocks of 16 intermediate columns: the gate rows and the up rows
                     // as the two weight blocks, against two 16-row blocks of pairs.
-                    if (!tiles) tiles.emplace();
+                    if (kind.amx && !tiles) tiles.emplace();
                     const uint32_t* panel = x_panels.data() + up_plan.panel_at[hit_index];
                     const size_t blocks = (hit.count + kTile - 1) / kTile;
                     for (size_t n0 = c0; n0 < c1; n0 += kTile) {
@@ -1028,7 +1230,7 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
                             {weight_rows.bf16(gate_up, hit.expert, I + n0, cols, 1), cols}};
                         for (size_t b0 = 0; b0 < blocks; b0 += 2) {
                             const size_t nb = std::min<size_t>(2, blocks - b0);
-                            amx_tiles::products(w, panel + b0 * amx_tiles::block_words(H), nb, H, c);
+                            panel_products(kind.amx, w, panel + b0 * amx_tiles::block_words(H), nb, H, c);
                             // gate's tiles at c + b * 256, up's at c + (2 + b) * 256
                             for (size_t b = 0; b < nb; ++b) {
                                 store_gate_up_block(c + b * kResult, c + (2 + b) * kResult, cols,
@@ -1072,78 +1274,8 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
         sums.resize(s.rows * H);
         out = sums.data();
     }
-    const AmxPlan down_plan(routing, amx_rows, I);
-    Scratch<uint32_t> act_panels;
-    if constexpr (kBf16) {
-        down_plan.pack(routing, I, act_panels,
-                       [&](const Routing::Hit& hit, size_t m) { return act.data() + (hit.start + m) * I; });
-    }
-    const size_t bh = block_columns(H, 1, threads, down_plan.any ? 2 * kTile : kTileCols);
-    const size_t h_blocks = (H + bh - 1) / bh;
-    ov::parallel_nt(0, [&](const int ithr, const int nthr) {
-        size_t begin = 0, end = 0;
-        ov::splitter(h_blocks, nthr, ithr, begin, end);
-        const T* a[kTileRows];
-        size_t wd[kTileCols];
-        alignas(64) float y[kTileRows * kTileCols];
-        std::optional<amx::TileSession> tiles;
-        TileRows<T> weight_rows;
-        alignas(64) float c[4 * kResult];
-        for (size_t item = begin; item < end; ++item) {
-            const size_t c0 = item * bh, c1 = std::min(H, c0 + bh);
-            for (size_t n = 0; n < s.rows; ++n) std::fill(out + n * H + c0, out + n * H + c1, 0.0f);
-            for (size_t hit_index = 0; hit_index < routing.hits.size(); ++hit_index) {
-                const auto& hit = routing.hits[hit_index];
-                if (down_plan.any && down_plan.uses(hit_index)) {
-                    // Blocks of 32 output columns (two weight blocks of 16 rows) against
-                    // two 16-row blocks of pairs.
-                    if (!tiles) tiles.emplace();
-                    const uint32_t* panel = act_panels.data() + down_plan.panel_at[hit_index];
-                    const size_t blocks = (hit.count + kTile - 1) / kTile;
-                    for (size_t n0 = c0; n0 < c1; n0 += 2 * kTile) {
-                        const size_t cols[2] = {std::min(kTile, c1 - n0),
-                                                n0 + kTile < c1 ? std::min(kTile, c1 - n0 - kTile) : 0};
-                        const amx_tiles::WeightBlock w[2] = {
-                            {weight_rows.bf16(down, hit.expert, n0, cols[0], 0), cols[0]},
-                            {cols[1] ? weight_rows.bf16(down, hit.expert, n0 + kTile, cols[1], 1) : nullptr,
-                             cols[1]}};
-                        for (size_t b0 = 0; b0 < blocks; b0 += 2) {
-                            const size_t nb = std::min<size_t>(2, blocks - b0);
-                            amx_tiles::products(w, panel + b0 * amx_tiles::block_words(I), nb, I, c);
-                            for (size_t wb = 0; wb < 2; ++wb) {
-                                for (size_t b = 0; b < nb; ++b) {
-                                    add_down_block(c + (2 * wb + b) * kResult, cols[wb], pair_block(hit, b0 + b),
-                                                   routing, out + n0 + wb * kTile, H);
-                                }
-                            }
-                        }
-                    }
-                    continue;
-                }
-                for (size_t j = c0; j < c1; j += kTileCols) {
-                    const size_t cols = std::min(kTileCols, c1 - j);
-                    for (size_t n = 0; n < kTileCols; ++n) wd[n] = std::min(n, cols - 1);
-                    const Stack block = weight_rows.rows(down, hit.expert, j, cols, 0);
-                    for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
-                        const size_t rows = std::min(kTileRows, hit.start + hit.count - m0);
-                        for (size_t m = 0; m < rows; ++m) a[m] = act.data() + (m0 + m) * I;
-                        dot(a, rows, block, wd, y);
-                        for (size_t m = 0; m < rows; ++m) {
-                            float* dst = out + routing.row[m0 + m] * H + j;
-                            const float weight = routing.weight[m0 + m];
-                            for (size_t n = 0; n < cols; ++n) dst[n] += weight * y[m * kTileCols + n];
-                        }
-                    }
-                }
-            }
-        }
-    });
-    if (t.x_bf16) {
-        uint16_t* dst = static_cast<uint16_t*>(t.out);
-        for_rows(s.rows, H, [&](size_t n) {
-            for (size_t h = 0; h < H; ++h) dst[n * H + h] = to_bf16(sums[n * H + h]);
-        });
-    }
+    down_pass<T>(down, act.data(), routing, s.rows, out, avx2);
+    if (t.x_bf16) round_to_bf16(sums.data(), s.rows, H, t.out);
 }
 
 }  // namespace
@@ -1221,12 +1353,12 @@ Bf16Kernel bf16_kernel() {
         return {"avx2", features().avx512_bf16 ? "NUMAOV_MOE_ISA=avx2" : "the CPU has no AVX512-BF16", 0, 0};
     }
     switch (amx_setting()) {
-        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0, kFp8TileMinRows};
+        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0, kFp8TileMinRows, kOuterMinRows};
         case AmxSetting::always:
             if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0, 0};
             return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1, kFp8TileMinRows};
         default:
-            if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0, kFp8TileMinRows};
+            if (!amx::usable()) return {"avx512_bf16", amx::unavailable_reason(), 0, kFp8TileMinRows, kOuterMinRows};
             return {"amx", "AMX is usable; experts with fewer rows run on AVX512-BF16", kAmxMinRows,
                     kFp8TileMinRows};
     }
@@ -1255,6 +1387,50 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
         run<uint16_t>(tensors, shape, routing, avx2);
     } else {
         run<float>(tensors, shape, routing, avx2);
+    }
+}
+
+namespace {
+
+template <class T>
+void run_linear(const LinearTensors& t, size_t rows, size_t in, size_t outs, const Routing& routing, bool avx2) {
+    Scratch<T> converted;
+    const T* x = activations_as<T>(t.x, t.x_bf16, rows, in, converted);
+    const Stack weight{t.weight, t.scale, outs, in, t.groups, t.format};
+    Scratch<float> sums;
+    float* out = static_cast<float*>(t.out);
+    if (t.x_bf16) {
+        sums.resize(rows * outs);
+        out = sums.data();
+    }
+    down_pass<T>(weight, x, routing, rows, out, avx2);
+    if (t.x_bf16) round_to_bf16(sums.data(), rows, outs, t.out);
+}
+
+}  // namespace
+
+void linear(const LinearTensors& tensors, size_t rows, size_t in, size_t outs) {
+    const std::string missing = unavailable_reason(tensors.format);
+    if (!missing.empty()) throw std::runtime_error("numaov linear kernel: " + missing);
+    if (rows == 0) return;
+    if (in == 0 || outs == 0) throw std::invalid_argument("the input and output sizes must be >= 1");
+    if (has_scales(tensors.format)) {
+        check_groups(tensors.format, "weight", in, tensors.groups);
+        if (!tensors.scale) throw std::invalid_argument("int8 / int4 / fp8 weights need their scales");
+    }
+    // every row is one pair of the one expert, of routing weight 1 (exact: 1 * y is y)
+    Routing routing;
+    routing.row.resize(rows);
+    for (size_t n = 0; n < rows; ++n) routing.row[n] = n;
+    routing.weight.assign(rows, 1.0f);
+    routing.hits.push_back({0, 0, rows});
+    const bool avx2 = kernel_isa(tensors.format) == "avx2";
+    const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 && !avx2 &&
+                                   features().avx512_bf16 && rows >= kFp8TileMinRows;
+    if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
+        run_linear<uint16_t>(tensors, rows, in, outs, routing, avx2);
+    } else {
+        run_linear<float>(tensors, rows, in, outs, routing, avx2);
     }
 }
 

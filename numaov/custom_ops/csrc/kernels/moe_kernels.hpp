@@ -22,8 +22,9 @@
 // Numerics: f32 weights run in f32 (AVX-512 FMA). bf16 weights take the
 // activations rounded to bf16 (as PyTorch's bf16 linear and OpenVINO's bf16
 // inference do) and accumulate in f32: on AMX tiles (moe_amx.hpp) for experts
-// with 2 or more rows where AMX is usable, else with AVX512-BF16 dot products
-// (NUMAOV_MOE_AMX: auto, off, always; read at every call).
+// with 2 or more rows where AMX is usable, else on AVX512-BF16: outer products
+// against the same packed activations for experts of 16 or more rows, dot
+// products below (NUMAOV_MOE_AMX: auto, off, always; read at every call).
 // int8, int4 and fp8 weights are weight-only: each weight is widened to its
 // exact f32 value as it is read (int8 by conversion, int4 by a 16-entry lookup,
 // fp8 through the bits of an IEEE half and F16C's conversion), and the
@@ -100,7 +101,8 @@ void check_groups(WeightFormat format, const char* name, size_t K, size_t groups
 
 // Which kernel bf16 experts run on here under NUMAOV_MOE_AMX and NUMAOV_MOE_ISA:
 // "amx" (experts of at least amx_min_rows rows; fewer on AVX512-BF16),
-// "avx512_bf16", "avx2" (widened to f32), or "" when bf16 weights cannot run;
+// "avx512_bf16" (outer products for experts of at least outer_min_rows rows, dot
+// products below), "avx2" (widened to f32), or "" when bf16 weights cannot run;
 // `reason` says why; fp8_tile_min_rows: the rows per expert from which a bf16
 // model's fp8 experts run on these tiles (0: never). Throws
 // std::invalid_argument for a setting other than those the two variables take.
@@ -108,6 +110,7 @@ struct Bf16Kernel {
     std::string kernel, reason;
     size_t amx_min_rows;
     size_t fp8_tile_min_rows;
+    size_t outer_min_rows = 0;
 };
 Bf16Kernel bf16_kernel();
 
@@ -142,5 +145,29 @@ struct Tensors {
 // the CPU lacks the instructions.
 // Runs on the calling thread's OpenVINO/TBB arena.
 void moe_experts(const Tensors& tensors, const Shape& shape);
+
+// A dense linear on the experts' kernel, for weights OpenVINO's own kernels cannot read in
+// their format (fp8: the CPU plugin widens an f8e4m3 constant at compile time and reads it
+// as bf16, twice the bytes):
+//
+//   out[n] = weight . x[n]
+//
+// x [N, K] and out [N, M] share one element type (f32 or bf16); weight is one expert's down
+// stack [M, K] in `format` (with f32 scales [M, groups] for int8 / int4 / fp8), read with the
+// experts' numerics, tiles and threads (see Numerics above): each of the N rows is a pair
+// of routing weight 1 of that one expert. No bias: the caller adds it.
+struct LinearTensors {
+    const void* x;    // [N, K]
+    void* out;        // [N, M]
+    bool x_bf16;      // also: the model computes in bf16
+    WeightFormat format;
+    const void* weight;           // [M, K]
+    const float* scale = nullptr;  // int8 / int4 / fp8: [M, groups]
+    size_t groups = 1;
+};
+
+// Throws std::invalid_argument for a group count the format cannot take, and
+// std::runtime_error when the CPU lacks the instructions.
+void linear(const LinearTensors& tensors, size_t rows, size_t in, size_t outs);
 
 }  // namespace numaov::moe

@@ -284,4 +284,104 @@ bool MoeExperts::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inp
     return true;
 }
 
+// -- DenseLinear ------------------------------------------------------------------------------
+
+DenseLinear::DenseLinear(const ov::OutputVector& args) : Op(args) { constructor_validate_and_infer_types(); }
+
+void DenseLinear::validate_and_infer_types() {
+    const size_t inputs = get_input_size();
+    NODE_VALIDATION_CHECK(this, inputs == 2 || inputs == 3,
+                          "expected 2 inputs (x, weight) or 3 (and the f32 scales of i8 / u8 / f8e4m3 weights), got ",
+                          inputs);
+    const auto &xt = get_input_element_type(0), &wt = get_input_element_type(1);
+    NODE_VALIDATION_CHECK(this, xt.is_dynamic() || is_float(xt), "x has element type ", xt, "; expected f32 or bf16");
+    NODE_VALIDATION_CHECK(this, wt.is_dynamic() || is_weight(wt), "weight has element type ", wt,
+                          "; expected f32, bf16, i8 (int8), u8 (packed int4) or f8e4m3 (fp8)");
+    if (wt.is_static()) {
+        NODE_VALIDATION_CHECK(this, is_quantized(wt) == (inputs == 3), "weight has element type ", wt, " and the op ",
+                              inputs, " inputs; expected scales (3 inputs) exactly for i8 / u8 / f8e4m3 weights");
+    }
+    if (inputs == 3) {
+        const auto& st = get_input_element_type(2);
+        NODE_VALIDATION_CHECK(this, st.is_dynamic() || st == ov::element::f32, "scales have element type ", st,
+                              "; expected f32");
+    }
+    const auto &x = get_input_partial_shape(0), &w = get_input_partial_shape(1);
+    NODE_VALIDATION_CHECK(this, x.rank().is_dynamic() || x.rank().get_length() >= 1, "x is a scalar; expected [..., K]");
+    NODE_VALIDATION_CHECK(this, w.rank().is_dynamic() || w.rank().get_length() == 2, "weight has rank ", w.rank(),
+                          "; expected [M, K]");
+    const int64_t packing = wt == ov::element::u8 ? 2 : 1;
+    if (x.rank().is_static() && w.rank().is_static()) {
+        NODE_VALIDATION_CHECK(this, x[x.size() - 1].compatible(w[1] * packing), "x ", x, " and weight ", w,
+                              " differ in input size; expected x [..., K] and weight [M, K]",
+                              packing == 2 ? " (K halved: packed int4)" : "");
+    }
+    if (inputs == 3) {
+        const auto& sc = get_input_partial_shape(2);
+        if (sc.rank().is_static() && w.rank().is_static()) {
+            NODE_VALIDATION_CHECK(this, sc.size() == 2 && sc[0].compatible(w[0]), "scales ", sc,
+                                  " do not fit weight ", w, "; expected [M, groups]");
+        }
+    }
+    ov::PartialShape out = ov::PartialShape::dynamic();
+    if (x.rank().is_static()) {
+        out = x;
+        out[out.size() - 1] = w.rank().is_static() ? w[0] : ov::Dimension::dynamic();
+    }
+    set_output_type(0, xt, out);
+}
+
+std::shared_ptr<ov::Node> DenseLinear::clone_with_new_inputs(const ov::OutputVector& new_args) const {
+    OPENVINO_ASSERT(new_args.size() == 2 || new_args.size() == 3, "DenseLinear takes 2 or 3 inputs, got ",
+                    new_args.size());
+    return std::make_shared<DenseLinear>(new_args);
+}
+
+bool DenseLinear::has_evaluate() const {
+    return is_float(get_input_element_type(0)) && is_weight(get_input_element_type(1));
+}
+
+bool DenseLinear::evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const {
+    const size_t count = inputs.size();
+    const std::string name = "DenseLinear '" + get_friendly_name() + "'";
+    OPENVINO_ASSERT(count == 2 || count == 3, name, ": ", count, " inputs; expected 2 or 3");
+    const auto xt = inputs[0].get_element_type(), wt = inputs[1].get_element_type();
+    OPENVINO_ASSERT(is_float(xt) && is_weight(wt) && is_quantized(wt) == (count == 3) &&
+                        (count == 2 || inputs[2].get_element_type() == ov::element::f32),
+                    name, ": element types x ", xt, ", weight ", wt,
+                    "; expected x f32|bf16 and a weight f32, bf16, or i8 / u8 / f8e4m3 with f32 scales");
+    const auto &x = inputs[0].get_shape(), &w = inputs[1].get_shape();
+    const size_t packing = wt == ov::element::u8 ? 2 : 1;
+    bool shapes_ok = !x.empty() && w.size() == 2 && x.back() == w[1] * packing;
+    if (count == 3) {
+        const auto& sc = inputs[2].get_shape();
+        shapes_ok = shapes_ok && sc.size() == 2 && sc[0] == w[0];
+    }
+    for (const auto& input : inputs) shapes_ok = shapes_ok && input.is_continuous();
+    if (!shapes_ok) {
+        std::ostringstream msg;
+        msg << name << ": x " << x << ", weight " << w;
+        if (count == 3) msg << ", scales " << inputs[2].get_shape();
+        msg << "; expected dense x [..., K], weight [M, K]" << (packing == 2 ? " (K halved: packed int4)" : "")
+            << (count == 3 ? " and scales [M, groups]" : "");
+        OPENVINO_THROW(msg.str());
+    }
+    ov::Shape out_shape = x;
+    out_shape.back() = w[0];
+    outputs[0].set_shape(out_shape);
+    const size_t rows = ov::shape_size(x) / x.back();
+    moe::LinearTensors tensors{inputs[0].data(), outputs[0].data(), xt == ov::element::bf16, format_of(wt),
+                               inputs[1].data()};
+    if (count == 3) {
+        tensors.scale = inputs[2].data<const float>();
+        tensors.groups = inputs[2].get_shape()[1];
+    }
+    try {
+        moe::linear(tensors, rows, x.back(), w[0]);
+    } catch (const std::exception& e) {
+        OPENVINO_THROW(name, ": ", e.what());
+    }
+    return true;
+}
+
 }  // namespace numaov

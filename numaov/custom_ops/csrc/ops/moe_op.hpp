@@ -64,4 +64,27 @@ private:
     mutable std::atomic<const void*> m_entry{nullptr};
 };
 
+// OpenVINO extension op DenseLinear: a linear layer whose weight is in a format the CPU
+// plugin's own kernels cannot read as it is (fp8), run by the experts' kernel
+// (kernels/moe_kernels.hpp, `linear`).
+//
+// Written by the exporter as node numaov.moe::DenseLinear (numaov/custom_ops/moe_ops.py).
+//   inputs:  x [..., K] f32|bf16, weight [M, K] in a weight format as MoeExperts' stacks
+//            (f32, bf16, i8, u8 holding packed int4 with K halved, f8e4m3), and for i8 / u8 /
+//            f8e4m3 its f32 scales [M, groups]
+//   output:  [..., M], x's type: weight . x over the last dim (no bias)
+class DenseLinear : public ov::op::Op {
+public:
+    OPENVINO_OP("DenseLinear", "numaov");
+
+    DenseLinear() = default;
+    explicit DenseLinear(const ov::OutputVector& args);
+
+    void validate_and_infer_types() override;
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& new_args) const override;
+    bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+    bool has_evaluate() const override;
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override;
+};
+
 }  // namespace numaov

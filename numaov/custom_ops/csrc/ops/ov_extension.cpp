@@ -70,5 +70,10 @@ OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     // (with their store attributes, when they have them).
     std::make_shared<ov::frontend::onnx::ConversionExtension>(
         "MoeExperts", NUMAOV_MOE_DOMAIN, convert_moe_experts),
+    // IR: a linear layer whose weight OpenVINO cannot read in its format (fp8), on the
+    // experts' kernel.
+    std::make_shared<ov::OpExtension<numaov::DenseLinear>>(),
+    // ONNX: numaov.moe::DenseLinear nodes written by the exporter become DenseLinear.
+    std::make_shared<ov::frontend::onnx::OpExtension<numaov::DenseLinear>>("DenseLinear", NUMAOV_MOE_DOMAIN),
 }));
 // clang-format on
