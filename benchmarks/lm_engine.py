@@ -27,9 +27,9 @@ stateful), and both run the same seeded prompts:
   as fp8, computing in f32) at f32 precision, bf16 weights at bf16 (``OPTIMUM_WEIGHTS``).
   ``--released-fp8`` (deepseek_v3): numaov's fp8 exports read the checkpoint rewritten in
   DeepSeek's released FP8 layout (``lm_checkpoints.released_fp8``: every decoder linear weight
-  in 128 x 128 blocks, as V3 / R1 ship), so its attention and MLP projections stay fp8 too (on
-  numaov's ``DenseLinear``), as a V3 user's export does; the exports are kept apart
-  (``..._fp8_released``).
+  in 128 x 128 blocks, as V3 / R1 ship), as a V3 user's export does; with ``--fp8-dense`` its
+  attention and MLP projections stay fp8 too (numaov's ``DenseLinear``); the exports are kept
+  apart (``..._fp8_released[_dense]``).
   ``--also PRECISION:WEIGHTS,...`` adds, to the same alternating rounds, a numaov dp=1 engine
   per other format (and optimum-intel at that format, once per format it runs), so e.g. fp8
   and bf16 decode are timed side by side (``ratios`` then gives dp=1's tokens/s against each).
@@ -75,7 +75,7 @@ Run on a quiet machine: ``uptime`` is printed at the start and the end.
     .venv/bin/python benchmarks/lm_engine.py [--family deepseek_v2|deepseek_v3|qwen_moe]
         [--sections decode,prefill,greedy,context,kv,profile,roofline] [--precision f32]
         [--weights f32|bf16|int8|int4|fp8] [--rounds 3] [--also bf16:bf16,bf16:fp8]
-        [--released-fp8]
+        [--released-fp8 [--fp8-dense]]
         [--batches 1,8,32] [--new-tokens 64]
 
 (default sections: decode,context,kv)
@@ -112,8 +112,10 @@ SEED = 0
 PROMPT_LEN = 32
 NEW_TOKENS = 64
 BATCHES = (1, 8, 32)
-#: --released-fp8: fp8 exports read DeepSeek's released FP8 layout of the checkpoint
+#: --released-fp8: fp8 exports read DeepSeek's released FP8 layout of the checkpoint;
+#: --fp8-dense: and keep its projections fp8 (export_lm's fp8_dense)
 RELEASED_FP8 = False
+FP8_DENSE = False
 PREFILL_LEN = 512
 GREEDY_PROMPTS = 2
 GREEDY_TOKENS = 16
@@ -164,15 +166,17 @@ def numaov_export(checkpoint: Path, dp: int, precision: str, weights: str) -> Pa
     from numaov.exporter.lm_export import export_lm
 
     released = weights == "fp8" and RELEASED_FP8
-    if released:  # DeepSeek's FP8 release of the same weights: experts and attention in FP8
+    if released:  # DeepSeek's FP8 release of the same weights
         checkpoint = lm_checkpoints.released_fp8(checkpoint)
-    out = WORK / f"numaov_dp{dp}_{precision}_{weights}{'_released' if released else ''}"
+    dense = released and FP8_DENSE
+    out = WORK / (f"numaov_dp{dp}_{precision}_{weights}{'_released' if released else ''}"
+                  f"{'_dense' if dense else ''}")
     if (out / "manifest.json").is_file():
         return out
     log(f"numaov export dp={dp} {precision}, {weights} weights")
     os.environ["NUMAOV_CPU_BIND"] = "0|1" if dp == 2 else "0-1"
     export_lm(checkpoint, out, dp=dp, precision=precision, weights=weights, progress=log,
-                    force=True)
+              force=True, fp8_dense=dense)
     return out
 
 
@@ -1020,7 +1024,7 @@ def prefill_rounds(decoders: dict[str, Any], rounds: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    global BATCHES, NEW_TOKENS, RELEASED_FP8
+    global BATCHES, NEW_TOKENS, RELEASED_FP8, FP8_DENSE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", default="deepseek_v2", choices=lm_checkpoints.FAMILIES,
                         help="the checkpoint's model family (lm_checkpoints.py)")
@@ -1038,8 +1042,11 @@ def main() -> None:
     parser.add_argument("--released-fp8", action="store_true",
                         help="numaov's fp8 exports read the checkpoint rewritten in DeepSeek's "
                              "released FP8 layout (lm_checkpoints.released_fp8; deepseek_v3 "
-                             "only), so its attention projections stay fp8 too; without it "
-                             "numaov quantizes the bf16 checkpoint's experts alone")
+                             "only), whose experts it keeps as released; without it numaov "
+                             "quantizes the bf16 checkpoint's experts itself")
+    parser.add_argument("--fp8-dense", action="store_true",
+                        help="with --released-fp8: the fp8 exports keep the attention and MLP "
+                             "projections fp8 too (numaov export lm --fp8-dense)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)),
                         help="decode batch sizes (default 1,8,32)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -1054,7 +1061,9 @@ def main() -> None:
     NEW_TOKENS = args.new_tokens
     if args.released_fp8 and args.family != "deepseek_v3":
         parser.error("--released-fp8: only --family deepseek_v3 has a released FP8 layout")
-    RELEASED_FP8 = args.released_fp8
+    if args.fp8_dense and not args.released_fp8:
+        parser.error("--fp8-dense: only with --released-fp8 (a released FP8 checkpoint's)")
+    RELEASED_FP8, FP8_DENSE = args.released_fp8, args.fp8_dense
     also = [tuple(item.split(":")) for item in filter(None, args.also.split(","))]
     sections = set(args.sections.split(","))
     results: dict[str, Any] = {
@@ -1062,7 +1071,7 @@ def main() -> None:
         "cpus": len(os.sched_getaffinity(0)), "load_start": uptime(), "family": args.family,
         "precision": args.precision, "weights": args.weights, "rounds": args.rounds,
         "batches": list(BATCHES), "new_tokens": NEW_TOKENS, "prompt_tokens": PROMPT_LEN,
-        "released_fp8": RELEASED_FP8,
+        "released_fp8": RELEASED_FP8, "fp8_dense": FP8_DENSE,
         "also": [f"{p}:{w}" for p, w in also],
         "command": " ".join(["python", "benchmarks/lm_engine.py", *sys.argv[1:]]),
     }
@@ -1161,7 +1170,8 @@ def main() -> None:
     log(f"load at end: {results['load_end']}")
     out = Path(str(OUT if args.family == "deepseek_v2" else OUT_FAMILY).format(
         family=args.family, precision=args.precision,
-        weights=args.weights + ("_released" if RELEASED_FP8 else "")))
+        weights=args.weights + ("_released" if RELEASED_FP8 else "")
+        + ("_dense" if FP8_DENSE else "")))
     out.parent.mkdir(parents=True, exist_ok=True)
     for section in list(results):
         if section.startswith(("optimum", "numaov_dp")) and isinstance(results[section], dict):

@@ -296,7 +296,8 @@ def cmd_export_lm(args: argparse.Namespace) -> int:
     from numaov.exporter.lm_export import export_lm
 
     manifest = export_lm(args.checkpoint, args.out, args.dp, args.precision,
-                               _progress(args), force=args.force, weights=args.weights)
+                         _progress(args), force=args.force, weights=args.weights,
+                         fp8_dense=args.fp8_dense)
     print(manifest.summary(args.out))
     for note in manifest.notes:
         print(f"note: {note}")
@@ -323,6 +324,10 @@ def _add_export_lm_parser(sub: argparse._SubParsersAction) -> None:
                    help="weight format of the IR (default: the --precision): bf16 stores every "
                    "expert and weight bf16; int8 / int4 are weight-only, the routed experts in "
                    "numaov's MoE op and the other layers through NNCF")
+    p.add_argument("--fp8-dense", action="store_true",
+                   help="with --weights fp8 of a released FP8 checkpoint: also keep its "
+                   "attention and MLP projections fp8, run by numaov's DenseLinear op (faster "
+                   "decode of a few rows per rank, slower from about 5 rows without AMX)")
     _add_force(p)
     _add_common(p)
     p.set_defaults(func=cmd_export_lm)

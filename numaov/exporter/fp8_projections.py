@@ -1,8 +1,8 @@
-"""A released FP8 checkpoint's attention projections kept as released in an fp8 export.
+"""A released FP8 checkpoint's projections kept as released: ``--fp8-dense``.
 
 ``--weights fp8`` of a released block-FP8 checkpoint (DeepSeek-V3 / R1) stores the routed
-experts as released (``expert_streaming``); the attention projections are FP8 in the release
-too. Loaded as the model's layers they are dequantized to bf16, and OpenVINO's CPU plugin
+experts as released (``expert_streaming``); the attention and MLP projections are FP8 in the
+release too. Loaded as the model's layers they are dequantized to bf16, and OpenVINO's CPU plugin
 would read them so (it has no fp8 weight decompression). Here each projection a layer lists in
 ``FP8_PROJECTIONS`` whose weight the checkpoint holds in float8 becomes a
 ``layers.fp8_linear.Fp8Linear`` holding the released bytes and their block scales (no
@@ -10,7 +10,9 @@ requantization), which the graph runs on numaov's ``DenseLinear`` op: the attent
 projections (replicated on every rank under DP attention) and the dense MLPs' and shared
 experts' (``GatedMLP``; under DP each rank's slice, rows of gate / up and columns of down, with
 the block scales of its slice). The parity reference keeps the dequantized weights, which is
-what transformers computes with.
+what transformers computes with. Opt-in (``export_lm(fp8_dense=True)``): the bytes win at a
+few rows per call; from about 5 rows widening the fp8 weights costs more, on a CPU without
+AMX, than OpenVINO's bf16 matmul (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations

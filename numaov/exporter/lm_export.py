@@ -357,12 +357,15 @@ def export_lm(
     progress: Callable[[str], None] | None = None,
     force: bool = False,
     weights: str | None = None,
+    fp8_dense: bool = False,
 ) -> ExportManifest:
     """Export the language-model checkpoint in ``checkpoint_dir`` (its family by the
     ``model_type`` of its ``config.json``) for ``dp`` ranks; returns the manifest written to
     ``out_dir``. ``force`` replaces an ``out_dir`` that holds something
     other than a numaov export. ``weights`` is the IR's weight format (``weight_formats``:
-    f32, bf16, int8, int4; default: ``precision``'s).
+    f32, bf16, int8, int4, fp8; default: ``precision``'s). ``fp8_dense``: with fp8 weights of a
+    released FP8 checkpoint, its attention and MLP projections stay fp8 too
+    (``fp8_projections``); refused otherwise.
 
     Raises ``ShardError`` when ``dp`` does not divide the sharded dims, ``CheckpointError``
     when the checkpoint does not fit its config, ``ParityError`` (``out_dir`` left as it was)
@@ -374,13 +377,19 @@ def export_lm(
     weights = check_weights(weights, precision)
     family = family_for_checkpoint(checkpoint_dir)
     config = family.read_config(checkpoint_dir)
+    if fp8_dense and (weights != "fp8" or fp8_block(config) is None):
+        raise LMExportError(
+            f"keeping the projections fp8 is for a released FP8 checkpoint's; expected "
+            f"--weights fp8 (got {weights}) and a checkpoint with an FP8 quantization_config"
+            + ("" if fp8_block(config) is not None else f" ({checkpoint_dir} has none)"),
+            parameter="fp8_dense")
     family.check_dp(config, dp)
     experts = family.expert_shape(config, dp)
     group_size = (expert_group_size(weights, experts.hidden, experts.intermediate)
                   if experts is not None else None)
     with staged_output(out_dir, force) as staging:  # published when the block returns
         return _export_into(checkpoint_dir, staging, family, config, dp, precision, report,
-                            weights, experts, group_size)
+                            weights, experts, group_size, fp8_dense)
 
 
 def _copy_tokenizer(checkpoint_dir: Path, out_dir: Path) -> list[str]:
@@ -420,6 +429,7 @@ def _export_into(
     weights: str,
     experts: ExpertShape | None,
     group_size: int | None,
+    fp8_dense: bool,
 ) -> ExportManifest:
     from numaov.exporter.fp8_projections import keep_fp8_projections
     from numaov.models.checkpoint import compute_in_f32
@@ -488,11 +498,12 @@ def _export_into(
             store_id = open_store(out_dir / store_files[rank]).store_id
             stored = functools.partial(StoredExperts, store_id)
         shard = family.load(checkpoint_dir, load_dtype, group, experts=stored)
-        if weights == "fp8":
+        if fp8_dense:
             kept = keep_fp8_projections(shard, checkpoint_dir, config, group)
-            if kept and rank == 0:
-                report(f"{kept} attention and MLP projections kept in the release's FP8 "
-                       "(numaov's DenseLinear op reads them one byte per weight)")
+            if rank == 0:
+                dense_note = (f"{kept} attention and MLP projections per rank kept in the "
+                              "release's FP8, on numaov's DenseLinear op")
+                report(dense_note)
         narrow = compute_in_f32(shard) > 0  # the graph holds bf16 weights behind Casts
         timings["load"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -528,6 +539,8 @@ def _export_into(
     notes: list[str] = []
     reference_sample = None
     notes.append(_onnxruntime_refusal(graphs[0].path))
+    if fp8_dense:
+        notes.append(dense_note)
     if dp == 1:
         figures = check_parity(
             rank_inputs[0], references[0], list(OUTPUT_NAMES), None, xml_paths[0],

@@ -59,9 +59,9 @@ def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 @pytest.fixture(scope="module")
 def fp8_export(fp8_checkpoint: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
                ) -> Path:
-    """The FP8 checkpoint exported for dp=2 with its experts kept as fp8."""
+    """The FP8 checkpoint exported for dp=2 with its experts and projections kept as fp8."""
     out = tmp_path_factory.mktemp("fp8_export") / "model"
-    export_lm(fp8_checkpoint[0], out, dp=2, weights="fp8")
+    export_lm(fp8_checkpoint[0], out, dp=2, weights="fp8", fp8_dense=True)
     return out
 
 
@@ -144,8 +144,11 @@ def test_released_fp8_attention_projections_in_a_bf16_model(
     """At bf16 the projections kept in FP8 hold the released bytes and scales (no bf16 copy in
     the IR) and the export passes its bf16 parity against the dequantized model."""
     directory, _ = fp8_checkpoint
-    manifest = export_lm(directory, tmp_path / "model", precision="bf16", weights="fp8")
+    manifest = export_lm(directory, tmp_path / "model", precision="bf16", weights="fp8",
+                         fp8_dense=True)
     assert all(f["passed"] for f in manifest.parity)
+    assert "21 attention and MLP projections per rank kept in the release's FP8" in " ".join(
+        manifest.notes)
     released = read_tensors(directory)
     weights = _dense_linear_weights(_read_ir(tmp_path / "model" / "rank_0" / "model.xml"))
     assert len(weights) == 21
@@ -167,6 +170,18 @@ def _dense_linear_weights(ir: ov.Model) -> dict[str, np.ndarray]:
             constant = node.input_value(1).get_node()
             weights[constant.get_friendly_name()] = constant.get_data().view(np.uint8)
     return weights
+
+
+def test_fp8_projections_only_when_asked_for_and_of_a_released_checkpoint(
+        fp8_checkpoint: tuple[Path, Path], tmp_path: Path) -> None:
+    directory, plain = fp8_checkpoint
+    export_lm(directory, tmp_path / "experts", weights="fp8")  # the experts alone, by default
+    assert _dense_linear_weights(_read_ir(tmp_path / "experts" / "rank_0" / "model.xml")) == {}
+    with pytest.raises(NumaovError, match=r"expected --weights fp8 \(got bf16\)") as caught:
+        export_lm(directory, tmp_path / "bf16", weights="bf16", fp8_dense=True)
+    assert caught.value.parameter == "fp8_dense"
+    with pytest.raises(NumaovError, match="and a checkpoint with an FP8 quantization_config"):
+        export_lm(plain, tmp_path / "plain", weights="fp8", fp8_dense=True)
 
 
 def test_fp8_blocks_the_kernel_cannot_group_are_refused(tmp_path: Path) -> None:
