@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.moe_kernel import bf16_tiles_missing, needs_kernel, relative_error
 
 from numaov.custom_ops import MoeOpError, compile_ir
 from numaov.custom_ops.moe_ops import (
     bf16_kernel,
     dense_linear,
     dequantize_experts,
-    kernel_unavailable_reason,
     quantize_experts,
     write_dense_linear_onnx,
 )
@@ -34,10 +34,6 @@ from numaov.exporter.openvino_convert import convert_to_ir
 F32_TOL = 1e-5
 BF16_TOL = 3e-2
 BF16_OUTPUT_TOL = 1e-2
-
-KERNEL_MISSING = kernel_unavailable_reason("f32")
-needs_kernel = pytest.mark.skipif(bool(KERNEL_MISSING),
-                                  reason=f"the MoE kernel cannot run here: {KERNEL_MISSING}")
 
 
 def _weight(outs: int, k: int, weight_format: str, seed: int = 0):
@@ -51,13 +47,6 @@ def _standing_for(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Ten
     return dequantize_experts(stored[None], None if scale is None else scale[None])[0].double()
 
 
-def _rel(got, expected) -> float:
-    got, expected = torch.as_tensor(got).double(), torch.as_tensor(expected).double()
-    if expected.numel() == 0:
-        return 0.0
-    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("weight_format", ["f32", "bf16", "int8", "int4", "fp8"])
 def test_eager_matches_float64_on_the_weight_it_stands_for(weight_format: str) -> None:
     stored, scale = _weight(72, 256, weight_format)
@@ -66,7 +55,7 @@ def test_eager_matches_float64_on_the_weight_it_stands_for(weight_format: str) -
     assert got.shape == (2, 5, 72) and got.dtype == torch.float32
     xr = x.bfloat16().double() if weight_format == "bf16" else x.double()
     tolerance = BF16_TOL if weight_format == "bf16" else F32_TOL
-    assert _rel(got, xr @ _standing_for(stored, scale).T) < tolerance
+    assert relative_error(got, xr @ _standing_for(stored, scale).T) < tolerance
 
 
 def _compiled(tmp_path: Path, stored, scale, precision: str):
@@ -88,17 +77,10 @@ def test_openvino_op_equals_eager_op(tmp_path: Path, weight_format: str, k: int)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         (got,) = run({"x": x.numpy()})
         assert got.shape == (rows, 131)
-        assert _rel(got, dense_linear(x, stored, scale)) < F32_TOL, rows
+        assert relative_error(got, dense_linear(x, stored, scale)) < F32_TOL, rows
 
 
-def _bf16_tiles_missing() -> str:
-    if KERNEL_MISSING:
-        return KERNEL_MISSING
-    kernel = bf16_kernel()
-    return "" if kernel["kernel"] in ("amx", "avx512_bf16") else f"bf16 weights run on {kernel}"
-
-
-@pytest.mark.skipif(bool(_bf16_tiles_missing()), reason=f"no bf16 tiles: {_bf16_tiles_missing()}")
+@pytest.mark.skipif(bool(bf16_tiles_missing()), reason=f"no bf16 tiles: {bf16_tiles_missing()}")
 def test_fp8_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled at bf16 the op gets bf16 activations and keeps the weight fp8 (the CPU plugin
     does not widen it); below the bf16 tiles' row count the result is the exact one rounded
@@ -119,13 +101,13 @@ def test_fp8_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         if rows < tile_rows:
             (want,) = exact({"x": x.numpy()})
             assert np.array_equal(got, torch.from_numpy(want).bfloat16().float().numpy()), rows
-        assert _rel(got, x.double() @ _standing_for(stored, scale).T) < BF16_TOL, rows
+        assert relative_error(got, x.double() @ _standing_for(stored, scale).T) < BF16_TOL, rows
 
 
 # Outer products from 16 rows where AMX is not used (dot-product tiles below): rows on both
 # sides, one and two 16-row blocks and a partial one; 37 outputs (a partial weight block of 16
 # rows, and of 8 within it); K of 97 values (an odd pair at the end) and 256
-@pytest.mark.skipif(bool(_bf16_tiles_missing()), reason=f"no bf16 tiles: {_bf16_tiles_missing()}")
+@pytest.mark.skipif(bool(bf16_tiles_missing()), reason=f"no bf16 tiles: {bf16_tiles_missing()}")
 @pytest.mark.parametrize("k", [97, 256])
 def test_bf16_weights_on_either_side_of_the_outer_products(tmp_path: Path, k: int) -> None:
     stored, _ = _weight(37, k, "bf16")
@@ -135,7 +117,7 @@ def test_bf16_weights_on_either_side_of_the_outer_products(tmp_path: Path, k: in
         (got,) = run({"x": x.numpy()})
         # bf16-valued operands: exact products, f32 sums, one rounding of the output to bf16
         # (2^-9 of a value, measured 2e-3 .. 3.5e-3 of the largest)
-        assert _rel(got, x.double() @ stored.double().T) < BF16_OUTPUT_TOL, rows
+        assert relative_error(got, x.double() @ stored.double().T) < BF16_OUTPUT_TOL, rows
 
 
 def test_eager_refuses_bad_inputs() -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.moe_kernel import bf16_tiles_missing, needs_kernel, relative_error
 
 from numaov.custom_ops import (
     MoeOpError,
@@ -43,7 +44,6 @@ from numaov.custom_ops.moe_ops import (
     dequantize_experts,
     fp8_row_scales,
     kernel_isa,
-    kernel_unavailable_reason,
     quantize_experts,
     write_moe_onnx,
 )
@@ -54,11 +54,6 @@ from numaov.models.deepseek_v2.moe import deepseek_v2_router
 F32_TOL = 1e-5
 BF16_TOL = 3e-2
 OV_BF16_TOL = 2e-2
-
-# every format runs where the kernel does (AVX-512, or AVX2 with FMA and F16C)
-KERNEL_MISSING = kernel_unavailable_reason("f32")
-needs_kernel = pytest.mark.skipif(bool(KERNEL_MISSING),
-                                  reason=f"the MoE kernel cannot run here: {KERNEL_MISSING}")
 
 
 def _problem(rows: int, experts: int, top_k: int, hidden: int = 48, inter: int = 20,
@@ -85,13 +80,6 @@ def _reference(x, ids, weights, gate_up, down) -> torch.Tensor:
     return out
 
 
-def _rel(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
-    got, expected = torch.as_tensor(got).double(), torch.as_tensor(expected).double()
-    if expected.numel() == 0:
-        return 0.0
-    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
-
-
 # ---------------------------------------------------------------------------------------------
 # eager op against float64
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +90,7 @@ def test_eager_matches_float64_at_every_row_count(rows: int) -> None:
     x, ids, weights, gate_up, down = _problem(rows, experts=8, top_k=2)
     got = moe_experts(x, ids, weights, gate_up, down)
     assert got.shape == x.shape and got.dtype == torch.float32
-    assert _rel(got, _reference(x, ids, weights, gate_up, down)) < F32_TOL
+    assert relative_error(got, _reference(x, ids, weights, gate_up, down)) < F32_TOL
 
 
 def test_eager_gradients_match_float64() -> None:
@@ -115,13 +103,13 @@ def test_eager_gradients_match_float64() -> None:
     reference = [t.detach().double().requires_grad_() for t in leaves]
     _reference(reference[0], ids, *reference[1:]).square().sum().backward()
     for name, g, r in zip(("x", "weights", "gate_up", "down"), got, reference, strict=True):
-        assert _rel(g, r.grad) < F32_TOL, name
+        assert relative_error(g, r.grad) < F32_TOL, name
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 6, 8])
 def test_eager_matches_float64_at_every_top_k(top_k: int) -> None:
     x, ids, weights, gate_up, down = _problem(9, experts=16, top_k=top_k, seed=top_k)
-    assert _rel(moe_experts(x, ids, weights, gate_up, down),
+    assert relative_error(moe_experts(x, ids, weights, gate_up, down),
                 _reference(x, ids, weights, gate_up, down)) < F32_TOL
 
 
@@ -129,7 +117,7 @@ def test_experts_without_rows_and_all_rows_to_one_expert() -> None:
     x, _, weights, gate_up, down = _problem(33, experts=12, top_k=1)
     one = torch.full((33, 1), 5)  # every row to expert 5; the other eleven get nothing
     got = moe_experts(x, one, weights, gate_up, down)
-    assert _rel(got, _reference(x, one, weights, gate_up, down)) < F32_TOL
+    assert relative_error(got, _reference(x, one, weights, gate_up, down)) < F32_TOL
     # changing an expert that got no rows changes nothing
     other = gate_up.clone()
     other[0] += 1.0
@@ -150,7 +138,7 @@ def test_group_limited_routing() -> None:
         ids, weights = router(x)
     groups = (ids // 4).tolist()
     assert all(len(set(g)) <= 2 for g in groups)  # each row's experts come from 2 groups
-    assert _rel(moe_experts(x, ids, weights, gate_up, down),
+    assert relative_error(moe_experts(x, ids, weights, gate_up, down),
                 _reference(x, ids, weights, gate_up, down)) < F32_TOL
 
 
@@ -159,10 +147,10 @@ def test_bf16_weights_and_activations() -> None:
     reference = _reference(x, ids, weights, gate_up, down)
     weights_bf16 = moe_experts(x, ids, weights, gate_up.bfloat16(), down.bfloat16())
     assert weights_bf16.dtype == torch.float32
-    assert _rel(weights_bf16, reference) < BF16_TOL
+    assert relative_error(weights_bf16, reference) < BF16_TOL
     all_bf16 = moe_experts(x.bfloat16(), ids, weights, gate_up.bfloat16(), down.bfloat16())
     assert all_bf16.dtype == torch.bfloat16
-    assert _rel(all_bf16, reference) < BF16_TOL
+    assert relative_error(all_bf16, reference) < BF16_TOL
 
 
 @pytest.mark.parametrize(("weight_format", "group_size"),
@@ -181,7 +169,7 @@ def test_quantized_weights_are_within_half_a_step_and_the_op_runs_them(
     (qg, sg), (qd, sd) = stored
     got = moe_experts(x, ids, weights, qg, qd, sg, sd)
     exact = _reference(x, ids, weights, dequantize_experts(qg, sg), dequantize_experts(qd, sd))
-    assert _rel(got, exact) < F32_TOL
+    assert relative_error(got, exact) < F32_TOL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,11 +244,11 @@ def test_openvino_op_equals_eager_op_f32(tmp_path: Path) -> None:
                                          seed=rows)
         (got,) = run(_feeds(x, ids, weights))
         assert got.shape == (rows, 72)
-        assert _rel(got, moe_experts(x, ids, weights, gate_up, down)) < F32_TOL, rows
+        assert relative_error(got, moe_experts(x, ids, weights, gate_up, down)) < F32_TOL, rows
     x, _, weights, _, _ = _problem(50, experts=16, top_k=6, hidden=72, inter=36, seed=9)
     one = torch.full((50, 6), 3)  # all rows' slots to one expert
     (got,) = run(_feeds(x, one, weights))
-    assert _rel(got, moe_experts(x, one, weights, gate_up, down)) < F32_TOL
+    assert relative_error(got, moe_experts(x, one, weights, gate_up, down)) < F32_TOL
 
 
 @needs_kernel
@@ -278,8 +266,8 @@ def test_openvino_op_equals_eager_op_bf16_and_keeps_bf16_weights(tmp_path: Path)
         x, ids, weights, _, _ = _problem(rows, experts=8, top_k=2, hidden=96, inter=40, seed=rows)
         (got,) = run(_feeds(x, ids, weights))
         eager = moe_experts(x, ids, weights, gate_up.bfloat16(), down.bfloat16())
-        assert _rel(got, eager) < OV_BF16_TOL, rows
-        assert _rel(got, _reference(x, ids, weights, gate_up, down)) < BF16_TOL, rows
+        assert relative_error(got, eager) < OV_BF16_TOL, rows
+        assert relative_error(got, _reference(x, ids, weights, gate_up, down)) < BF16_TOL, rows
 
 
 @needs_kernel
@@ -302,7 +290,7 @@ def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: st
         x, ids, weights, _, _ = _problem(rows, experts=8, top_k=6, hidden=hidden, inter=inter,
                                          seed=rows)
         (got,) = run(_feeds(x, ids, weights))
-        assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
+        assert relative_error(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
 
 
 @needs_kernel
@@ -319,7 +307,7 @@ def test_openvino_op_refuses_bad_inputs_with_a_clear_error(tmp_path: Path) -> No
         run({"x": x.numpy(), "ids": ids[:3].numpy(), "weights": weights[:3].numpy()})
     # the op still runs after refusing
     (got,) = run(_feeds(x, ids, weights))
-    assert _rel(got, moe_experts(x, ids, weights, gate_up, down)) < F32_TOL
+    assert relative_error(got, moe_experts(x, ids, weights, gate_up, down)) < F32_TOL
 
 
 def test_onnxruntime_refuses_the_moe_domain(tmp_path: Path) -> None:
@@ -352,9 +340,9 @@ def test_fp8_eager_matches_float64_on_the_weights_it_stands_for(hidden: int, int
     assert (sg.shape[2], sd.shape[2]) == groups  # 128-column blocks as per-row groups
     got = moe_experts(x, ids, weights, qg, qd, sg, sd)
     exact = _reference(x, ids, weights, dequantize_experts(qg, sg), dequantize_experts(qd, sd))
-    assert _rel(got, exact) < F32_TOL
+    assert relative_error(got, exact) < F32_TOL
     bf16_x = moe_experts(x.bfloat16(), ids, weights, qg, qd, sg, sd)
-    assert bf16_x.dtype == torch.bfloat16 and _rel(bf16_x, exact) < BF16_TOL
+    assert bf16_x.dtype == torch.bfloat16 and relative_error(bf16_x, exact) < BF16_TOL
 
 
 @pytest.mark.parametrize(("rows", "k"), [(40, 48), (300, 200), (256, 384)])
@@ -444,7 +432,7 @@ def test_openvino_op_equals_eager_op_fp8(tmp_path: Path, hidden: int, inter: int
         x, ids, weights, *_ = _fp8_problem(rows, hidden, inter, seed=rows, experts=8, top_k=6)
         (got,) = run(_feeds(x, ids, weights))
         assert got.shape == (rows, hidden)
-        assert _rel(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
+        assert relative_error(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
 
 
 @needs_kernel
@@ -479,15 +467,7 @@ def test_openvino_fp8_widening_is_exact_for_every_code(tmp_path: Path,
     assert values.abs().max() == 448 and values[1] == 2.0**-9 and values[0x80 + 7] == -7 * 2.0**-9
 
 
-
-def _bf16_tiles_missing() -> str:
-    if KERNEL_MISSING:
-        return KERNEL_MISSING
-    kernel = bf16_kernel()
-    return "" if kernel["kernel"] in ("amx", "avx512_bf16") else f"bf16 experts run on {kernel}"
-
-
-@pytest.mark.skipif(bool(_bf16_tiles_missing()), reason=f"no bf16 tiles: {_bf16_tiles_missing()}")
+@pytest.mark.skipif(bool(bf16_tiles_missing()), reason=f"no bf16 tiles: {bf16_tiles_missing()}")
 @pytest.mark.parametrize(("hidden", "inter"), [(48, 20), (256, 160)])
 def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hidden: int,
                                      inter: int) -> None:
@@ -536,7 +516,7 @@ def test_fp8_experts_in_a_bf16_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
             monkeypatch.delenv("NUMAOV_MOE_AMX")
             assert np.array_equal(again, got)
         reference = _reference(x, ids, weights, *dequantized)
-        assert _rel(got, reference) < BF16_TOL, rows
+        assert relative_error(got, reference) < BF16_TOL, rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,11 +581,11 @@ def test_avx2_kernel_matches_float64_and_the_avx512_kernel(
         monkeypatch.setenv("NUMAOV_MOE_ISA", "avx2")
         (got,) = run(_feeds(x, ids, weights))
         reference = _reference(x, ids, weights, gate_up, down)
-        assert _rel(got, reference) < (BF16_TOL if precision == "bf16" else F32_TOL), rows
+        assert relative_error(got, reference) < (BF16_TOL if precision == "bf16" else F32_TOL), rows
         if has_avx512:
             monkeypatch.setenv("NUMAOV_MOE_ISA", "avx512")
             (other,) = run(_feeds(x, ids, weights))
-            assert _rel(got, other) < (2e-3 if precision == "bf16" else F32_TOL), rows
+            assert relative_error(got, other) < (2e-3 if precision == "bf16" else F32_TOL), rows
 
 
 def test_a_bad_or_missing_isa_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -653,4 +633,4 @@ def test_scaled_formats_at_each_tile_height(tmp_path: Path, monkeypatch: pytest.
     reference = _reference(x, ids, weights, dequantize_experts(qg, sg), dequantize_experts(qd, sd))
     for expert, count in enumerate(FEW_ROWS):
         mine = (ids[:, 0] == expert).numpy()
-        assert _rel(got[mine], reference[mine]) < F32_TOL, count
+        assert relative_error(got[mine], reference[mine]) < F32_TOL, count

@@ -1,0 +1,32 @@
+"""What the MoE kernel's op tests share (tests/ops/test_moe_op.py, test_dense_linear.py):
+whether the kernel runs here, whether its bf16 tiles do, and the relative error they judge
+by."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from numaov.custom_ops.moe_ops import bf16_kernel, kernel_unavailable_reason
+
+# every format runs where the kernel does (AVX-512, or AVX2 with FMA and F16C)
+KERNEL_MISSING = kernel_unavailable_reason("f32")
+needs_kernel = pytest.mark.skipif(bool(KERNEL_MISSING),
+                                  reason=f"the MoE kernel cannot run here: {KERNEL_MISSING}")
+
+
+def bf16_tiles_missing() -> str:
+    """Why bf16 weights do not run on bf16 tiles (AMX or AVX512-BF16) here; "" when they do."""
+    if KERNEL_MISSING:
+        return KERNEL_MISSING
+    kernel = bf16_kernel()
+    return "" if kernel["kernel"] in ("amx", "avx512_bf16") else f"bf16 experts run on {kernel}"
+
+
+def relative_error(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
+    """max |got - expected| / max |expected| (0 for empty tensors)."""
+    got, expected = torch.as_tensor(got).double(), torch.as_tensor(expected).double()
+    if expected.numel() == 0:
+        return 0.0
+    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
