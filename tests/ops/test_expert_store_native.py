@@ -18,10 +18,10 @@ import openvino as ov
 import pytest
 import torch
 import xxhash
+from support.moe_kernel import needs_kernel
 
 from numaov.custom_ops import compile_ir
 from numaov.custom_ops.moe_ops import (
-    kernel_unavailable_reason,
     quantize_experts,
     write_moe_onnx,
     write_store_moe_onnx,
@@ -33,11 +33,6 @@ CODES = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "fp8": 4}
 # (format, experts, hidden, inter): odd sizes where the format allows (int4 reads 32 values a step)
 CASES = [("f32", 3, 48, 20), ("bf16", 3, 48, 20), ("int8", 3, 48, 20), ("int4", 3, 64, 32),
          ("fp8", 3, 48, 20)]
-
-# every format runs where the kernel does (AVX-512, or AVX2 with FMA and F16C)
-KERNEL_MISSING = kernel_unavailable_reason("f32")
-needs_kernel = pytest.mark.skipif(bool(KERNEL_MISSING),
-                                  reason=f"the MoE kernel cannot run here: {KERNEL_MISSING}")
 
 
 def _align(offset: int, to: int = 4096) -> int:

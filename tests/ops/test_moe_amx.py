@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_moe_op import BF16_TOL, _compiled, _feeds, _reference, _rel
+from support.moe_kernel import relative_error
+from test_moe_op import BF16_TOL, _compiled, _feeds, _reference
 
 from numaov.custom_ops.moe_ops import (
     dequantize_experts,
@@ -88,8 +89,8 @@ def test_amx_matches_float64_and_the_avx512_path_at_every_row_count(
         assert int(mine.sum()) == count
         if count == 0:
             continue
-        assert _rel(amx[mine], reference[mine]) < BF16_TOL, count
-        assert _rel(amx[mine], avx[mine]) < AMX_VS_AVX_TOL, count
+        assert relative_error(amx[mine], reference[mine]) < BF16_TOL, count
+        assert relative_error(amx[mine], avx[mine]) < AMX_VS_AVX_TOL, count
 
 
 def test_auto_runs_experts_with_2_rows_or_more_on_amx(
@@ -122,8 +123,8 @@ def test_amx_with_several_experts_per_row(tmp_path: Path,
         reference = _reference(x, ids, weights, gate_up, down)
         amx = _run(run, monkeypatch, "always", x, ids, weights)
         avx = _run(run, monkeypatch, "off", x, ids, weights)
-        assert _rel(amx, reference) < BF16_TOL, rows
-        assert _rel(amx, avx) < AMX_VS_AVX_TOL, rows
+        assert relative_error(amx, reference) < BF16_TOL, rows
+        assert relative_error(amx, avx) < AMX_VS_AVX_TOL, rows
 
 
 def test_fp8_experts_of_many_rows_run_on_the_tiles_as_their_bf16_dequantization(
