@@ -777,8 +777,9 @@ class LMEngine:
                        error)
         self._finish(seq, "error", error)
 
-    def _finish(self, seq: SequenceState, reason: str,
-                structure_error: str | None = None) -> None:
+    def _finish(self, seq: SequenceState, reason: str, broken: str | None = None) -> None:
+        """End ``seq`` with ``reason``; ``broken``: why its structure cannot go on (the
+        request's error)."""
         seq.finish_reason = reason
         self._scheduler.remove(seq)
         text = self._texts.pop(seq.request_id)
@@ -788,9 +789,9 @@ class LMEngine:
         self._completions[seq.request_id] = Completion(
             seq.request_id, seq.prompt, seq.tokens, text.text,
             seq.logprobs if seq.params.logprobs else None, reason, logits, seq.cached_prompt,
-            structure_error)
+            broken)
         self._events[seq.request_id].put(StreamEvent(seq.request_id, [], delta, [], reason,
-                                                     structure_error))
+                                                     broken))
         self._wake(seq.request_id)
         self._cond.notify_all()
 
