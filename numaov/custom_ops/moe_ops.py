@@ -35,8 +35,8 @@ IR carries them as constants.
 ``dense_linear(x, weight, scale)`` is the same kernel as a plain linear layer, ``weight . x``
 over the last dim, for a weight ``[M, K]`` in one of these formats (node
 ``numaov.moe::DenseLinear``, extension op ``DenseLinear``): what keeps a released FP8
-checkpoint's attention projections one byte per weight, which OpenVINO's CPU plugin would
-widen to bf16 at compile time (``models.layers.fp8_linear``).
+checkpoint's attention and MLP projections one byte per weight with ``--fp8-dense``, which
+OpenVINO's CPU plugin would widen to bf16 at compile time (``models.layers.fp8_linear``).
 
 Numerics: sums over a row's slots are fp32 and the result is rounded once to ``x``'s dtype.
 With bf16 weights the activations are rounded to bf16 before each projection (what a bf16

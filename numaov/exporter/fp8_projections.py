@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -31,8 +30,6 @@ from numaov.models.layers.fp8_linear import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
-_ONE_RANK = SimpleNamespace(rank=0, world_size=1)
-
 
 def keep_fp8_projections(model: nn.Module, checkpoint_dir: Path, config: Any,
                          dp: Any = None) -> int:
@@ -41,7 +38,7 @@ def keep_fp8_projections(model: nn.Module, checkpoint_dir: Path, config: Any,
     that is not block-FP8). ``dp``: the ``DataParallelGroup`` whose rank ``model`` holds the
     shard of (None: one rank). A projection whose block scales the kernel cannot group per
     row (a slice's columns not in groups of 16 or more) stays dequantized, with a log line."""
-    dp = dp or _ONE_RANK
+    rank = dp.rank if dp is not None else 0
     block = fp8_block(config)
     if block is None:
         return 0
@@ -59,8 +56,8 @@ def keep_fp8_projections(model: nn.Module, checkpoint_dir: Path, config: Any,
             weight = checkpoint.read_float8(name)
             # this rank's slice (a sharded MLP's rows or columns: the module holds its shape)
             rows, cols = linear.out_features, linear.in_features
-            row_start = dp.rank * rows if rows < weight.shape[0] else 0
-            col_start = dp.rank * cols if cols < weight.shape[1] else 0
+            row_start = rank * rows if rows < weight.shape[0] else 0
+            col_start = rank * cols if cols < weight.shape[1] else 0
             try:
                 scale = fp8_row_scales(checkpoint.read(name + SCALE_SUFFIX), row_start, rows,
                                        col_start, cols, block)

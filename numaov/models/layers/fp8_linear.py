@@ -4,9 +4,11 @@ the experts' kernel).
 
 Why: OpenVINO's CPU plugin has no fp8 weight decompression for its ``FullyConnected``: it
 widens an f8e4m3 constant to bf16 when compiling and reads two bytes a weight. DeepSeek-V3 /
-R1 release their attention projections in FP8 too, and at batch 1 decode reads every weight
-once a token, so a projection held as released is read in half the time (at V3's real width
-the attention projections are 187 M of a MoE layer's 583 M weights read per token).
+R1 release their attention and MLP projections in FP8 too, and at batch 1 decode reads every
+weight once a token, so a projection held as released is read in half the time (at V3's real
+width the attention projections are 187 M of a MoE layer's 583 M weights read per token). From
+about 5 rows a call, widening costs more than the bytes save on a CPU without AMX, which is why
+an export keeps them only when asked (``--fp8-dense``).
 
 Numerics are the experts' fp8 ones: each weight widened exactly and scaled by its block's
 ``weight_scale_inv``, f32 activations and sums, one rounding to the activations' dtype; in a

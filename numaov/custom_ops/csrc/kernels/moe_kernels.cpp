@@ -963,14 +963,14 @@ void panel_products(bool amx, const amx_tiles::WeightBlock (&w)[2], const uint32
     outer_products(w, panel, blocks, K, c);
 }
 
-// The experts on AMX tiles: which hits, and where their packed activations
-// (moe_amx.hpp's pairs layout) start in one buffer.
-struct AmxPlan {
-    std::vector<size_t> panel_at;  // per hit; SIZE_MAX: the hit runs on AVX-512
+// The experts on packed activations (AMX tiles or outer products, PanelTiles): which hits, and
+// where their packed activations (moe_amx.hpp's pairs layout) start in one buffer.
+struct PanelPlan {
+    std::vector<size_t> panel_at;  // per hit; SIZE_MAX: the hit runs on the micro-tiles
     size_t words = 0;
     bool any = false;
 
-    AmxPlan(const Routing& routing, size_t min_rows, size_t K) {
+    PanelPlan(const Routing& routing, size_t min_rows, size_t K) {
         for (const auto& hit : routing.hits) {
             if (hit.count >= min_rows) {
                 panel_at.push_back(words);
@@ -1098,7 +1098,7 @@ void down_pass(const Stack& w, const T* act, const Routing& routing, size_t rows
     constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
     constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
     const PanelTiles kind = panel_tiles<T>(avx2);
-    const AmxPlan down_plan(routing, kind.min_rows, I);
+    const PanelPlan down_plan(routing, kind.min_rows, I);
     Scratch<uint32_t> act_panels;
     if constexpr (kBf16) {
         down_plan.pack(routing, I, act_panels,
@@ -1174,6 +1174,15 @@ void round_to_bf16(const float* sums, size_t rows, size_t width, void* out) {
     });
 }
 
+// Whether a call runs on the bf16 tiles (run<uint16_t>): bf16 weights always; fp8 weights in a
+// bf16 model (x_bf16) once its `pairs` average kFp8TileMinRows per expert it reads (`hits`),
+// where AVX512-BF16 is there (not AVX2); the rest on f32 (run<float>).
+bool on_bf16_tiles(WeightFormat format, bool x_bf16, bool avx2, size_t pairs, size_t hits) {
+    if (format == WeightFormat::bf16) return true;
+    return format == WeightFormat::fp8 && x_bf16 && !avx2 && features().avx512_bf16 &&
+           pairs >= kFp8TileMinRows * hits;
+}
+
 // `avx2`: the tiles run on AVX2 (dot_rows_avx2), and bf16 experts never on AMX.
 template <class T>
 void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
@@ -1195,7 +1204,7 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
         dot_micro_tile(avx2, a, rows, w, r, c);
     };
     const PanelTiles kind = panel_tiles<T>(avx2);
-    const AmxPlan up_plan(routing, kind.min_rows, H);
+    const PanelPlan up_plan(routing, kind.min_rows, H);
     Scratch<uint32_t> x_panels;
     if constexpr (kBf16) {
         up_plan.pack(routing, H, x_panels,
@@ -1380,10 +1389,7 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
     }
     const Routing routing = route(tensors, shape);
     const bool avx2 = kernel_isa(tensors.format) == "avx2";
-    const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 && !avx2 &&
-                                   features().avx512_bf16 &&
-                                   shape.rows * shape.top_k >= kFp8TileMinRows * routing.hits.size();
-    if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
+    if (on_bf16_tiles(tensors.format, tensors.x_bf16, avx2, shape.rows * shape.top_k, routing.hits.size())) {
         run<uint16_t>(tensors, shape, routing, avx2);
     } else {
         run<float>(tensors, shape, routing, avx2);
@@ -1425,9 +1431,7 @@ void linear(const LinearTensors& tensors, size_t rows, size_t in, size_t outs) {
     routing.weight.assign(rows, 1.0f);
     routing.hits.push_back({0, 0, rows});
     const bool avx2 = kernel_isa(tensors.format) == "avx2";
-    const bool fp8_on_bf16_tiles = tensors.format == WeightFormat::fp8 && tensors.x_bf16 && !avx2 &&
-                                   features().avx512_bf16 && rows >= kFp8TileMinRows;
-    if (tensors.format == WeightFormat::bf16 || fp8_on_bf16_tiles) {
+    if (on_bf16_tiles(tensors.format, tensors.x_bf16, avx2, rows, 1)) {
         run_linear<uint16_t>(tensors, rows, in, outs, routing, avx2);
     } else {
         run_linear<float>(tensors, rows, in, outs, routing, avx2);
