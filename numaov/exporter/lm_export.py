@@ -116,6 +116,7 @@ from numaov.exporter.weight_formats import (
     other_weights_storage,
     parity_tolerance,
     rounding_format,
+    row_criterion,
     row_criterion_note,
 )
 from numaov.manifest import LM_KIND, ExportManifest, RankFiles, TensorSpec
@@ -442,8 +443,9 @@ def _export_into(
     # dequantized values)
     rounded = rounding_format(weights, precision, released_fp8=fp8_block(config) is not None)
     tolerance = parity_tolerance(rounded, inference_precision)
-    min_row_share = MIN_ROW_SHARE.get(rounded)
-    min_token_share = MIN_TOKEN_SHARE.get(rounded)
+    by_rows = row_criterion(rounded, inference_precision)
+    min_row_share = None if by_rows is None else MIN_ROW_SHARE[by_rows]
+    min_token_share = None if by_rows is None else MIN_TOKEN_SHARE[by_rows]
     storage = other_weights_storage(weights, precision)
 
     spec = _StepSpec.of(family, config, precision)
@@ -564,8 +566,8 @@ def _export_into(
             "against the unsharded PyTorch model on the same sequences"
         )
     timings["parity"] = time.perf_counter() - start
-    if min_row_share is not None:
-        notes.append(row_criterion_note(rounded, figures))
+    if by_rows is not None:
+        notes.append(row_criterion_note(by_rows, figures))
 
     copied = _copy_tokenizer(checkpoint_dir, out_dir)
     if copied:

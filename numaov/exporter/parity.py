@@ -10,11 +10,13 @@ the PyTorch output: a scale-free "how far off, relative to the output's magnitud
 neither blows up on near-zero elements (as an element-wise relative error would) nor
 depends on the model's output scale (as an absolute tolerance would).
 
-The quantized weight formats (int8 / int4) are checked per row instead (``min_row_share``):
+A language-model export that rounds (int8 / int4 / fp8 / bf16 weights, or bf16 inference:
+``weight_formats.row_criterion``) is checked per row instead (``min_row_share``):
 the same scale-free error is taken for every row (the last axis: one position's logits, one
 cached token's vector), and the share of rows within the tolerance, over every input set,
 must reach ``min_row_share``; for logits, the share of rows whose argmax (the greedy token)
-equals PyTorch's must reach ``min_token_share``. Rounded weights can flip a near-tied router choice, which moves a few
+equals PyTorch's must reach ``min_token_share``. Rounding (of the weights, or of the
+activations the f32 router reads) can flip a near-tied router choice, which moves a few
 positions far while every other position moves a little; a wrong scale, layout, group size
 or expert moves every position that reaches it by O(1), so the share falls.
 """

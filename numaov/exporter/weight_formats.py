@@ -16,10 +16,13 @@
   near-tied experts): its matmuls, found as those whose constant weight has as many rows as the
   family has routed experts (``LMFamily.expert_shape``), go into NNCF's ``ignored_scope``.
 
-The parity check at export compares against the f32 PyTorch model. bf16 keeps the whole-output
-criterion (bf16 inference's tolerance). int8 / int4 are checked per row (``parity`` module
-docstring): at least ``MIN_ROW_SHARE`` of every output's rows within ``WEIGHT_TOLERANCES`` of
-its scale, and as many of the logits rows keeping PyTorch's greedy token (reasons beside them).
+The parity check at export compares against the f32 PyTorch model. An export that rounds
+nothing (f32 weights computed in f32) keeps the whole-output criterion (f32's 1e-4). Every
+other one is checked per row (``parity`` module docstring, :func:`row_criterion`): int8 / int4 /
+fp8 weights, bf16 weights, and bf16 inference, whose rounded activations reach the f32 router
+too: at least ``MIN_ROW_SHARE`` of every output's rows within ``WEIGHT_TOLERANCES`` (bf16: bf16
+inference's tolerance) of its scale, and ``MIN_TOKEN_SHARE`` of the logits rows keeping
+PyTorch's greedy token (reasons beside them).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ WEIGHT_TOLERANCES: dict[str, float] = {
 }
 
 
-# The per-row criterion of the quantized formats: at least MIN_ROW_SHARE of an output's rows
+# The per-row criterion of the exports that round: at least MIN_ROW_SHARE of an output's rows
 # (over every parity input) within WEIGHT_TOLERANCES of its scale, and at least
 # MIN_TOKEN_SHARE of the logits rows keeping PyTorch's greedy token. Why shares and not every
 # row: rounded weights move a near-tied router score across the tie at a few positions, and
@@ -73,19 +76,44 @@ WEIGHT_TOLERANCES: dict[str, float] = {
 #   requires half the greedy tokens. It does not catch an error confined to one layer or one
 #   expert on these tiny models (one layer's scales x2 keeps 19/38 tokens, and every row
 #   within 0.5): int4's own rounding moves them as much. Against f32 no share separates those.
-MIN_ROW_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.9, "fp8": 0.9}
-MIN_TOKEN_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.5, "fp8": 0.9}
+# - bf16 (weights or inference; tolerance 0.1): the whole-output criterion refused 6 of 10
+#   correct exports of the tests' seeded DeepSeek-V3 (hidden 256) and Qwen2-MoE models (worst
+#   error 0.30-0.67 of the logits' scale, at 1-4 of 38 rows; the other rows 0.01), and a
+#   released FP8 checkpoint's bf16 export. Correct bf16 exports of 12 models (6 seeded V3, 4
+#   seeded Qwen3 / Qwen2-MoE, the trained tiny-moe, the FP8 one with and without
+#   --fp8-dense): 34-38 of 38 logits rows within (89% at worst), 34-38 greedy tokens kept
+#   (89%), 614-824 of 618-824 cached-token rows. Broken, the first MoE layer's stored experts
+#   edited: gate_up x2 0-1 of 38 rows within, 5-20 tokens kept; experts 0 and 1 swapped 18-23
+#   rows, 21-27 tokens (71% at most) on the seeded models, but 35 rows and 36 tokens on the
+#   trained tiny-moe, whose first layer routes few rows to them: that one passes at bf16, as
+#   a router flip would, and is refused at f32 (whole output, 1e-4). 0.8 is between.
+MIN_ROW_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.9, "fp8": 0.9, "bf16": 0.8}
+MIN_TOKEN_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.5, "fp8": 0.9, "bf16": 0.8}
 
 
-def row_criterion_note(weights: str, figures: Any) -> str:
-    """The manifest's note saying how a quantized export's parity was judged, with each
-    output's figures (``parity.row_shares``)."""
+def row_criterion(rounded: str, inference_precision: str) -> str | None:
+    """The format whose shares (``MIN_ROW_SHARE``, ``MIN_TOKEN_SHARE``) judge an export
+    rounding its weights to ``rounded`` and computing at ``inference_precision`` per row:
+    the rounded format's own, else bf16's when the weights or the activations are bf16; None
+    (the whole output is judged) for f32 weights computed in f32, where no rounding can flip
+    a router choice."""
+    if rounded in WEIGHT_TOLERANCES:
+        return rounded
+    if "bf16" in (rounded, inference_precision):
+        return "bf16"
+    return None
+
+
+def row_criterion_note(criterion: str, figures: Any) -> str:
+    """The manifest's note saying how an export judged per row (``criterion``, from
+    :func:`row_criterion`) was checked, with each output's figures (``parity.row_shares``)."""
     from numaov.exporter.parity import row_shares
 
     worst = max((f.rel_error for f in figures), default=0.0)
+    rounding = "bf16 rounding" if criterion == "bf16" else f"the {criterion} weights"
     return (
-        f"parity of the {weights} weights checked per row against the f32 PyTorch model, over "
-        "every parity input (rounded weights may flip a near-tied router choice at a few "
+        f"parity under {rounding} checked per row against the f32 PyTorch model, over "
+        f"every parity input ({rounding} may flip a near-tied router choice at a few "
         "positions, so a share of the rows is required, not all): "
         + "; ".join(s.describe() for s in row_shares(figures))
         + f"; worst whole-output error {worst:.3g} of its scale"

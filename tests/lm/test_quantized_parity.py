@@ -1,6 +1,7 @@
-"""The parity criterion of the quantized DeepSeek formats (int8 / int4): a share of every
-output's rows within the format's tolerance and of the logits rows keeping PyTorch's greedy
-token, over all parity inputs (``parity.judge``, ``weight_formats.MIN_ROW_SHARE``).
+"""The per-row parity criterion of every export that rounds (int8 / int4 / fp8 / bf16 weights,
+bf16 inference): a share of every output's rows within the format's tolerance and of the
+logits rows keeping PyTorch's greedy token, over all parity inputs (``parity.judge``,
+``weight_formats.row_criterion``, ``MIN_ROW_SHARE``).
 
 The rules on arrays first; then the trained built-in tiny-moe, whose int8 export the
 whole-output criterion refused over one router flip, exports at int8 and int4, and an int8
@@ -18,11 +19,26 @@ import torch
 from numaov.exporter.expert_streaming import ExpertConverter
 from numaov.exporter.lm_export import export_lm
 from numaov.exporter.parity import ParityError, judge, measure, row_shares
-from numaov.exporter.weight_formats import MIN_ROW_SHARE, MIN_TOKEN_SHARE, WEIGHT_TOLERANCES
+from numaov.exporter.weight_formats import (
+    MIN_ROW_SHARE,
+    MIN_TOKEN_SHARE,
+    WEIGHT_TOLERANCES,
+    row_criterion,
+)
 from numaov.manifest import ExportManifest
 from numaov.models.builtin import TINY_MOE_DIR
 
 SHAPES = {"input_ids": [40, 1]}
+
+
+def test_every_export_that_rounds_is_judged_per_row() -> None:
+    """Quantized weights by their own shares; bf16 weights or bf16 inference (its activations
+    reach the f32 router) by bf16's; only f32 weights computed in f32 by the whole output."""
+    assert [row_criterion(w, "f32") for w in ("f32", "bf16", "int8", "int4", "fp8")] == [
+        None, "bf16", "int8", "int4", "fp8"]
+    assert [row_criterion(w, "bf16") for w in ("f32", "bf16", "int8", "fp8")] == [
+        "bf16", "bf16", "int8", "fp8"]
+    assert MIN_ROW_SHARE["bf16"] == MIN_TOKEN_SHARE["bf16"] == 0.8
 
 
 def _logits(rng: np.random.Generator, rows: int = 40) -> np.ndarray:
