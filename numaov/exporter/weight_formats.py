@@ -58,37 +58,34 @@ WEIGHT_TOLERANCES: dict[str, float] = {
 
 
 # The per-row criterion of the exports that round: at least MIN_ROW_SHARE of an output's rows
-# (over every parity input) within WEIGHT_TOLERANCES of its scale, and at least
+# (over every parity input) within WEIGHT_TOLERANCES (bf16: 0.1) of its scale, and at least
 # MIN_TOKEN_SHARE of the logits rows keeping PyTorch's greedy token. Why shares and not every
-# row: rounded weights move a near-tied router score across the tie at a few positions, and
-# such a position takes another expert, a legitimate result of the format that moves its row
-# (and, through attention, the later rows of its sequence) far more than the rounding itself:
-# on the trained tiny-moe, rounding only its four kv_b_proj matrices to int8 moves the logits
-# by 0.148 of their scale; whole-output error 0.0895 against 0.06. Measured at export (38
-# logits rows, 824 cached-token rows; "seeded" is the tests' random tiny model):
-# - int8 exports: trained 36/38 logits rows within (95%) and 36/38 greedy tokens kept, every
-#   cached-token row within; seeded 38/38 and 37/38. Broken exports of the trained model, the
-#   first MoE layer edited before conversion: gate_up scales x2 0/38 rows within; experts 0
-#   and 1 swapped 30/38 (79%); one expert's down scales x2 31/38 (82%). 0.9 is between.
-# - int4 exports: trained 38/38 rows within, 32/38 tokens kept (84%); seeded 38/38, 22/38
-#   (58%: its random weights give near-flat logits, and int4 at hidden 64 moves them most).
-#   Every stack's gate_up scales x2: trained 13/38 tokens kept (34%), seeded 4/38. So int4
-#   requires half the greedy tokens. It does not catch an error confined to one layer or one
-#   expert on these tiny models (one layer's scales x2 keeps 19/38 tokens, and every row
-#   within 0.5): int4's own rounding moves them as much. Against f32 no share separates those.
-# - bf16 (weights or inference; tolerance 0.1): the whole-output criterion refused 6 of 10
-#   correct exports of the tests' seeded DeepSeek-V3 (hidden 256) and Qwen2-MoE models (worst
-#   error 0.30-0.67 of the logits' scale, at 1-4 of 38 rows; the other rows 0.01), and a
-#   released FP8 checkpoint's bf16 export. Correct bf16 exports of 12 models (6 seeded V3, 4
-#   seeded Qwen3 / Qwen2-MoE, the trained tiny-moe, the FP8 one with and without
-#   --fp8-dense): 34-38 of 38 logits rows within (89% at worst), 34-38 greedy tokens kept
-#   (89%), 614-824 of 618-824 cached-token rows. Broken, the first MoE layer's stored experts
-#   edited: gate_up x2 0-1 of 38 rows within, 5-20 tokens kept; experts 0 and 1 swapped 18-23
-#   rows, 21-27 tokens (71% at most) on the seeded models, but 35 rows and 36 tokens on the
-#   trained tiny-moe, whose first layer routes few rows to them: that one passes at bf16, as
-#   a router flip would, and is refused at f32 (whole output, 1e-4). 0.8 is between.
-MIN_ROW_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.9, "fp8": 0.9, "bf16": 0.8}
-MIN_TOKEN_SHARE: dict[str, float] = {"int8": 0.9, "int4": 0.5, "fp8": 0.9, "bf16": 0.8}
+# row: rounding (of the weights, or of the activations the f32 router reads) moves a near-tied
+# router score across the tie at a few positions, and such a position takes another expert, a
+# legitimate result of the format that moves its row (and, through attention, the later rows
+# of its sequence) far more than the rounding itself; and near-flat logits swap their best two
+# tokens. On the trained tiny-moe, rounding only its four kv_b_proj matrices to int8 moves the
+# logits by 0.148 of their scale.
+# Measured at export, 38 logits rows and 618-824 cached-token rows per export, correct exports
+# of 11 models (5 seeded DeepSeek-V3 of hidden 256 and 8 experts, the tests' seeded V3, 2 seeded
+# Qwen3-MoE, 2 Qwen2-MoE, the trained tiny-moe), each format at f32 and bf16 inference:
+# - worst rows within / greedy tokens kept: int8 31 / 32 of 38 (82% / 84%), fp8 32 / 32
+#   (84%), bf16 weights 34 / 34 (89%), int4 29 / 18 (76% / 47%: int4 moves near-flat logits
+#   most). The cached-token rows: 607 of 618 at worst. Before these shares (0.9 for the rows;
+#   0.9 of the tokens, int4 0.5) 27 of the 66 int8 / int4 / fp8 exports were refused, and
+#   bf16's whole-output criterion refused 6 of 10 seeded bf16 exports (0.30-0.67 of the
+#   logits' scale at 1-4 rows, 0.01 elsewhere) and a released FP8 checkpoint's bf16 export.
+# - broken exports, the first MoE layer's stored experts edited: gate_up (int8 / int4: its
+#   scales) x2 0-1 of 38 rows within (int8, bf16), 4-20 tokens kept; experts 0 and 1 swapped
+#   12-17 rows and 21-24 tokens (int8), 18-23 rows and 21-27 tokens (bf16), int4 21-29 rows
+#   and 12-16 tokens (42% at most) on the seeded models. So rows and tokens at 0.75 (int4
+#   tokens 0.45, its rows 0.7: its rows do not separate) are between.
+# What no share separates: an error confined to one layer's experts of the trained tiny-moe,
+# which routes few rows to any one expert (experts 0 and 1 swapped: int8 33 rows, 36 tokens;
+# int4 gate_up scales x2 19 tokens), moves as few rows as the rounding does; an f32 export
+# (whole output, 1e-4) refuses it, and the expert store's and op's own tests check each expert.
+MIN_ROW_SHARE: dict[str, float] = {"int8": 0.75, "int4": 0.7, "fp8": 0.75, "bf16": 0.75}
+MIN_TOKEN_SHARE: dict[str, float] = {"int8": 0.75, "int4": 0.45, "fp8": 0.75, "bf16": 0.75}
 
 
 def row_criterion(rounded: str, inference_precision: str) -> str | None:

@@ -23,9 +23,10 @@ PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [30, 2, 200]]
 # The tiny Qwen's router is drawn sharp (the harness), so a weight rounded by int8 moves a
 # token to another expert now and then, and that row's logits by up to 0.15 of their scale:
 # int8 rounding applied in eager to seeds 5 / 7 / 11 kept 92.5-100% of rows within int8's
-# 0.06, and the export's own check found 34 of 38 rows (89.5%, just under the 90% share) at
-# seeds 5 and 7 and passes at 11, the seed the family's model tests use.
-QWEN_SEED = 11
+# 0.06, and the export's own check found 34 of 38 rows (89.5%) at seeds 5 and 7, which the
+# 90% share of rows refused; seed 5 holds the share (``weight_formats.MIN_ROW_SHARE``) to what
+# rounding does.
+QWEN_SEED = 5
 NEW_TOKENS = 4
 
 

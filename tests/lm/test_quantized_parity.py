@@ -38,7 +38,7 @@ def test_every_export_that_rounds_is_judged_per_row() -> None:
         None, "bf16", "int8", "int4", "fp8"]
     assert [row_criterion(w, "bf16") for w in ("f32", "bf16", "int8", "fp8")] == [
         "bf16", "bf16", "int8", "fp8"]
-    assert MIN_ROW_SHARE["bf16"] == MIN_TOKEN_SHARE["bf16"] == 0.8
+    assert MIN_ROW_SHARE["bf16"] == MIN_TOKEN_SHARE["bf16"] == MIN_ROW_SHARE["int8"]
 
 
 def _logits(rng: np.random.Generator, rows: int = 40) -> np.ndarray:
@@ -158,7 +158,7 @@ def test_an_int8_export_with_one_layers_scales_doubled_is_refused(
     monkeypatch.setattr(ExpertConverter, "expert", store_doubled)
     with pytest.raises(ParityError, match=r"exported model does not match PyTorch: .*"
                        r"openvino output 'logits': \d+ of 38 rows within 0.06 of the output's "
-                       r"scale \(required: 90%\)") as info:
+                       r"scale \(required: 75%\)") as info:
         export_lm(TINY_MOE_DIR, tmp_path / "out", weights="int8")
     assert edited
     (logits,) = [s for s in row_shares(info.value.figures) if s.output == "logits"]
