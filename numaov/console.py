@@ -168,3 +168,26 @@ def quiet_libraries(log_level: int | str) -> None:
             library_logging.disable_progress_bar()
     if "huggingface_hub.utils" in sys.modules:
         sys.modules["huggingface_hub.utils"].disable_progress_bars()
+
+
+@contextmanager
+def quiet_nncf() -> Iterator[None]:
+    """NNCF's INFO lines (its bit-width tables), its warnings and its rich progress bar, which
+    it writes to stdout (the command's results), held back while NNCF compresses, unless
+    numaov logs at DEBUG. NNCF sets its logger's level when imported, so this wraps each call
+    instead of being part of `quiet_libraries()`."""
+    if logging.getLogger("numaov").getEffectiveLevel() <= logging.DEBUG:
+        yield
+        return
+    import rich
+
+    nncf_logger = logging.getLogger("nncf")
+    console = rich.get_console()  # where NNCF's progress bars draw
+    level, quiet = nncf_logger.level, console.quiet
+    nncf_logger.setLevel(logging.ERROR)
+    console.quiet = True
+    try:
+        yield
+    finally:
+        nncf_logger.setLevel(level)
+        console.quiet = quiet

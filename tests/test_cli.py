@@ -280,3 +280,30 @@ def test_library_noise_is_silenced_unless_debugging(log_level: str) -> None:
         assert "noise" in proc.stderr.replace("Cannot initialize model (noise)", "")
     else:
         assert proc.stderr == ""
+
+
+# NNCF writes its bit-width table and progress bar to stdout, where the command's results go.
+NNCF_NOISE = """
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from numaov.exporter.weight_formats import compress_other_weights
+x = ops.parameter([1, 64], np.float32)
+weight = ops.constant(np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32))
+model = ov.Model([ops.matmul(x, weight, False, True)], [x])
+compress_other_weights(model, "int8", None, None)
+assert any(op.get_type_name() == "Constant" and op.get_element_type() == ov.Type.i8
+           for op in model.get_ordered_ops())
+"""
+
+
+@pytest.mark.parametrize("log_level", ["WARNING", "DEBUG"])
+def test_nncf_compresses_without_writing_to_stdout_unless_debugging(log_level: str) -> None:
+    setup = f"import logging; logging.basicConfig(level={log_level!r})\n"
+    proc = subprocess.run([sys.executable, "-c", setup + NNCF_NOISE], capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    if log_level == "DEBUG":  # the noise is there to silence
+        assert "Weight compression mode" in proc.stdout
+    else:
+        assert proc.stdout == "", proc.stdout

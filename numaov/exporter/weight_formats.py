@@ -31,6 +31,7 @@ import logging
 from typing import Any
 
 from numaov import NumaovError
+from numaov.console import quiet_nncf
 from numaov.manifest import WEIGHT_FORMATS
 
 logger = logging.getLogger(__name__)
@@ -192,17 +193,20 @@ def compress_other_weights(model: Any, weights: str, group_size: int | None,
     # it saves memory but no decode time, and on the tiny model it was most of int8's error
     # (0.10 of the logits' scale with it, 0.03 without).
     scope = nncf.IgnoredScope(names=ignored, types=["Gather"], validate=False)
-    if weights == "int8":
-        nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_SYM, ignored_scope=scope)
-    else:
-        # A matmul whose rows the group does not divide (e.g. MLA's small latent projections)
-        # gets the largest power of two that does, as NNCF's ADJUST mode computes.
-        nncf.compress_weights(
-            model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size or 32,
-            ratio=1.0, ignored_scope=scope,
-            advanced_parameters=AdvancedCompressionParameters(
-                group_size_fallback_mode=GroupSizeFallbackMode.ADJUST),
-        )
+    with quiet_nncf():
+        if weights == "int8":
+            nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_SYM,
+                                  ignored_scope=scope)
+        else:
+            # A matmul whose rows the group does not divide (e.g. MLA's small latent
+            # projections) gets the largest power of two that does, as NNCF's ADJUST mode
+            # computes.
+            nncf.compress_weights(
+                model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size or 32,
+                ratio=1.0, ignored_scope=scope,
+                advanced_parameters=AdvancedCompressionParameters(
+                    group_size_fallback_mode=GroupSizeFallbackMode.ADJUST),
+            )
     logger.info("NNCF compressed the non-expert weights to %s (%d router matmuls kept f32)",
                 weights, len(ignored))
 
