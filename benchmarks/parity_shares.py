@@ -20,10 +20,12 @@ Writes benchmarks/out/parity_shares.json. A benchmark, not a test: it asserts no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +33,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))  # the harnesses that write the tests' checkpoints
 
 import numaov.exporter.lm_export as lm_export  # noqa: E402
+from numaov import NumaovError  # noqa: E402
 from numaov.exporter.expert_streaming import ExpertConverter  # noqa: E402
+from numaov.exporter.openvino_convert import INFERENCE_PRECISION  # noqa: E402
 from numaov.exporter.weight_formats import (  # noqa: E402
     MIN_ROW_SHARE,
     MIN_TOKEN_SHARE,
     rounding_format,
     row_criterion,
 )
+from numaov.manifest import WEIGHT_FORMATS, row_shares  # noqa: E402
 
 OUT = REPO / "benchmarks" / "out" / "parity_shares.json"
 # The FP8 tests' wider DeepSeek-V3 (tests/lm/test_expert_store_export.py WIDE)
@@ -68,9 +73,9 @@ def checkpoint(name: str, root: Path) -> Path:
     return directory
 
 
-def broken_converter(kind: str) -> Any:
-    """ExpertConverter.expert editing the first MoE layer it converts, as ``--break`` says."""
-    original = ExpertConverter.expert
+def broken_converter(kind: str, original: Any) -> Any:
+    """``original`` (ExpertConverter.expert) editing the first MoE layer it converts, as
+    ``--break`` says."""
     first: list[int] = []
 
     def expert(self: ExpertConverter, layer: int, index: int) -> list[dict[str, Any]]:
@@ -85,27 +90,53 @@ def broken_converter(kind: str) -> Any:
     return expert
 
 
-def shares(name: str, directory: Path, precision: str, weights: str, out: Path) -> dict:
-    manifest = lm_export.export_lm(directory, out, dp=1, precision=precision, weights=weights)
-    totals: dict[str, list[int]] = {}
-    for f in manifest.parity:
-        if f["backend"] == "openvino" and f["rows"] is not None:
-            counts = totals.setdefault(f["output"], [0, 0, 0])
-            counts[0] += f["rows_within"]
-            counts[1] += f["rows"]
-            counts[2] += f["rows_same_argmax"] or 0
-    by_rows = row_criterion(rounding_format(weights, precision, False), precision)
+def criterion(fmt: str) -> str:
+    """The shares that judge exports of ``PRECISION:WEIGHTS`` (``row_criterion``)."""
+    precision, _, weights = fmt.partition(":")
+    by_rows = (row_criterion(rounding_format(weights, precision, False),
+                             INFERENCE_PRECISION[precision])
+               if precision in INFERENCE_PRECISION and weights in WEIGHT_FORMATS else None)
     if by_rows is None:
-        raise SystemExit(f"{precision}:{weights} rounds nothing: it is judged on the whole output")
-    need_rows, need_tokens = MIN_ROW_SHARE[by_rows], MIN_TOKEN_SHARE[by_rows]
-    passes = all(w >= need_rows * n for w, n, _ in totals.values()) and all(
-        t >= need_tokens * totals[o][1] for o, (_, _, t) in totals.items() if o == "logits")
-    return {"model": name, "precision": precision, "weights": weights,
-            "outputs": {o: {"rows_within": w, "rows": n, **({"tokens_kept": t} if o == "logits"
-                                                            else {})}
-                        for o, (w, n, t) in totals.items()},
+        raise SystemExit(f"format {fmt!r}; expected PRECISION:WEIGHTS of an export that rounds "
+                         "(f32:f32 is judged on the whole output)")
+    return by_rows
+
+
+def shares(directory: Path, fmt: str, out: Path) -> dict:
+    """Export ``directory`` in ``fmt``; each output's rows per phase, and the verdict of the
+    shares in force."""
+    precision, _, weights = fmt.partition(":")
+    by_rows = criterion(fmt)
+    try:
+        manifest = lm_export.export_lm(directory, out, dp=1, precision=precision,
+                                       weights=weights)
+    except NumaovError as exc:  # e.g. a non-finite output: refused whatever the shares
+        return {"error": str(exc), "passes_the_shares": False}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    judged = [replace(share, min_row_share=MIN_ROW_SHARE[by_rows],
+                      min_token_share=MIN_TOKEN_SHARE[by_rows])
+              for share in row_shares(manifest.parity) if share.backend == "openvino"]
+    return {"shares": [{"output": share.output, "rows": share.rows,
+                        "rows_within": share.rows_within, "token_rows": share.token_rows,
+                        "tokens_kept": share.rows_same_argmax,
+                        "phases": {phase: [within, rows] for phase, rows, within in share.phases}}
+                       for share in judged],
             "worst_whole_output_error": max(f["rel_error"] for f in manifest.parity),
-            "required": [need_rows, need_tokens], "passes_the_shares": passes}
+            "required": [MIN_ROW_SHARE[by_rows], MIN_TOKEN_SHARE[by_rows]],
+            "passes_the_shares": all(share.passed for share in judged)}
+
+
+def describe(result: dict) -> str:
+    if "error" in result:
+        return f"refused: {result['error']}"
+    parts = [f"{s['output']} {s['rows_within']} of {s['rows']} rows"
+             + (f", {s['tokens_kept']} of {s['token_rows']} tokens" if s["token_rows"] else "")
+             + "".join(f", {phase} {within} of {rows}"
+                       for phase, (within, rows) in s["phases"].items())
+             for s in result["shares"]]
+    return (f"{'; '.join(parts)}; whole output {result['worst_whole_output_error']:.3g}; "
+            f"{'passes' if result['passes_the_shares'] else 'refused'}")
 
 
 def main() -> None:
@@ -119,28 +150,26 @@ def main() -> None:
     # every export is kept, whatever its shares; the verdict is recomputed above
     lm_export.MIN_ROW_SHARE = dict.fromkeys(MIN_ROW_SHARE, 0.0)
     lm_export.MIN_TOKEN_SHARE = dict.fromkeys(MIN_TOKEN_SHARE, 0.0)
-    if args.broken:
-        ExpertConverter.expert = broken_converter(args.broken)
+    original = ExpertConverter.expert
+    formats = args.formats.split(",")
+    for fmt in formats:
+        criterion(fmt)  # before any export
     results = []
+    OUT.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="parity_shares_") as work:
         root = Path(work)
         for name in args.models.split(","):
-            directory = checkpoint(name, root)
-            for fmt in args.formats.split(","):
-                precision, weights = fmt.split(":")
-                result = shares(name, directory, precision, weights, root / "export")
-                result["broken"] = args.broken
+            with contextlib.redirect_stdout(sys.stderr):  # the harnesses print what they write
+                directory = checkpoint(name, root)
+            for fmt in formats:
+                if args.broken:  # its first MoE layer found anew for every export
+                    ExpertConverter.expert = broken_converter(args.broken, original)
+                result = {"model": name, "format": fmt, "broken": args.broken,
+                          **shares(directory, fmt, root / "export")}
                 results.append(result)
-                logits = result["outputs"]["logits"]
-                cached = result["outputs"]["new_key_values"]
-                print(f"{name} {precision}:{weights}{' ' + args.broken if args.broken else ''}: "
-                      f"logits {logits['rows_within']} of {logits['rows']} rows within, "
-                      f"{logits['tokens_kept']} tokens kept; cached {cached['rows_within']} of "
-                      f"{cached['rows']}; whole output {result['worst_whole_output_error']:.3g}; "
-                      f"{'passes' if result['passes_the_shares'] else 'refused'}", flush=True)
-                shutil.rmtree(root / "export")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2))
+                print(f"{name} {fmt}{' ' + args.broken if args.broken else ''}: "
+                      f"{describe(result)}", flush=True)
+                OUT.write_text(json.dumps(results, indent=2))  # each export as it ends
     log(f"wrote {OUT}")
 
 

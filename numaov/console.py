@@ -5,7 +5,8 @@ place on a terminal. `quiet_libraries()` is called once by `cli.main()`, before 
 library is imported, so that what numaov has already handled (diffusers asking for
 `accelerate`, transformers' "Loading weights" bars, exporter notes) is not shown again to
 the user; with ``--log-level DEBUG`` those libraries speak and Python's warnings go to the
-log. Neither prints results: stdout stays the command's.
+log. `quiet_nncf()` does the same around each NNCF weight compression, which writes to
+stdout. None prints results: stdout stays the command's.
 """
 
 from __future__ import annotations
@@ -173,21 +174,26 @@ def quiet_libraries(log_level: int | str) -> None:
 @contextmanager
 def quiet_nncf() -> Iterator[None]:
     """NNCF's INFO lines (its bit-width tables), its warnings and its rich progress bar, which
-    it writes to stdout (the command's results), held back while NNCF compresses, unless
-    numaov logs at DEBUG. NNCF sets its logger's level when imported, so this wraps each call
-    instead of being part of `quiet_libraries()`."""
-    if logging.getLogger("numaov").getEffectiveLevel() <= logging.DEBUG:
-        yield
-        return
+    it writes to stdout (the command's results), held back while NNCF compresses; when numaov
+    logs at DEBUG they go to stderr instead. NNCF sets its logger up when imported, so this
+    wraps each call instead of being part of `quiet_libraries()`."""
     import rich
 
     nncf_logger = logging.getLogger("nncf")
     console = rich.get_console()  # where NNCF's progress bars draw
-    level, quiet = nncf_logger.level, console.quiet
-    nncf_logger.setLevel(logging.ERROR)
-    console.quiet = True
+    handlers = [h for h in nncf_logger.handlers if isinstance(h, logging.StreamHandler)]
+    saved = nncf_logger.level, console.quiet, console.file, [h.stream for h in handlers]
+    if logging.getLogger("numaov").getEffectiveLevel() <= logging.DEBUG:
+        console.file = sys.stderr
+        for handler in handlers:
+            handler.setStream(sys.stderr)
+    else:
+        nncf_logger.setLevel(logging.ERROR)
+        console.quiet = True
     try:
         yield
     finally:
-        nncf_logger.setLevel(level)
-        console.quiet = quiet
+        nncf_logger.setLevel(saved[0])
+        console.quiet, console.file = saved[1], saved[2]
+        for handler, stream in zip(handlers, saved[3], strict=True):
+            handler.setStream(stream)

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,10 +175,27 @@ def digest_files(model_dir: str | Path, names: Iterable[str]) -> dict[str, FileD
     return {name: digest_file(Path(model_dir) / name) for name in sorted(set(names))}
 
 
+# The phases of a language-model step whose rows the per-row criterion also judges apart: the
+# shares pool every input set, where the few rows of one phase (a bug in reading the cache)
+# could all be wrong. A phase must keep PHASE_MIN_ROW_SHARE of its own rows within: such a
+# bug leaves none; correct exports kept 67% at worst (fp8 decode of a seeded Qwen3-MoE,
+# ``benchmarks/parity_shares.py``).
+PREFILL, CACHED = "prefill", "decode with a cache"
+PHASE_MIN_ROW_SHARE = 0.5
+
+
+def row_phase(shapes: Mapping[str, Sequence[int]]) -> str:
+    """The phase of an input set, from its shapes: ``CACHED`` when its sequences have cached
+    tokens (``past_slots [batch, past]``), else ``PREFILL``."""
+    past = shapes.get("past_slots", ())
+    return CACHED if len(past) > 1 and past[1] > 0 else PREFILL
+
+
 @dataclass(frozen=True)
 class RowShare:
-    """The per-row parity criterion's verdict (quantized weights, ``exporter.parity``) on one
-    output of one backend, over every input set."""
+    """The per-row parity criterion's verdict (an export that rounds, ``exporter.parity``) on
+    one output of one backend over every input set; ``phases``: (phase, rows, rows within) per
+    ``row_phase``."""
 
     backend: str
     output: str
@@ -189,24 +206,33 @@ class RowShare:
     tolerance: float
     min_row_share: float
     min_token_share: float
+    phases: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def short_phases(self) -> list[tuple[str, int, int]]:
+        """The phases that keep fewer than PHASE_MIN_ROW_SHARE of their rows within."""
+        return [p for p in self.phases if p[2] < PHASE_MIN_ROW_SHARE * p[1]]
 
     @property
     def passed(self) -> bool:
         return (self.rows_within >= self.min_row_share * self.rows
-                and self.rows_same_argmax >= self.min_token_share * self.token_rows)
+                and self.rows_same_argmax >= self.min_token_share * self.token_rows
+                and not self.short_phases)
 
     def describe(self) -> str:
         tokens = (f", {self.rows_same_argmax} of {self.token_rows} keep PyTorch's argmax "
                   f"(required: {self.min_token_share:.0%})" if self.token_rows else "")
+        phases = "".join(f", {within} of {rows} in {phase} (required: "
+                         f"{PHASE_MIN_ROW_SHARE:.0%})" for phase, rows, within in self.short_phases)
         return (f"{self.backend} output {self.output!r}: {self.rows_within} of {self.rows} rows "
                 f"within {self.tolerance:g} of the output's scale (required: "
-                f"{self.min_row_share:.0%}){tokens}")
+                f"{self.min_row_share:.0%}){tokens}{phases}")
 
 
 def row_shares(figures: Iterable[Mapping[str, Any]]) -> list[RowShare]:
     """Parity figures as the manifest records them (``ParityFigure.as_dict()``), those of the
-    per-row criterion pooled per (backend, output) over the input sets: one decode step has a
-    few rows, so the share is taken over all of them."""
+    per-row criterion pooled per (backend, output) over the input sets (one decode step has a
+    few rows, so the share is taken over all of them), and per phase within that."""
     pooled: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for figure in figures:
         if figure.get("min_row_share") is not None:
@@ -214,13 +240,19 @@ def row_shares(figures: Iterable[Mapping[str, Any]]) -> list[RowShare]:
     shares = []
     for (backend, output), group in pooled.items():
         tokens = [f for f in group if f.get("rows_same_argmax") is not None]
+        phases: dict[str, list[int]] = {}
+        for f in group:
+            counts = phases.setdefault(row_phase(f.get("shapes", {})), [0, 0])
+            counts[0] += f.get("rows") or 0
+            counts[1] += f.get("rows_within") or 0
         shares.append(RowShare(
             backend, output, sum(f.get("rows") or 0 for f in group),
             sum(f.get("rows_within") or 0 for f in group),
             sum(f.get("rows") or 0 for f in tokens),
             sum(f.get("rows_same_argmax") or 0 for f in tokens), float(group[0]["tolerance"]),
             float(group[0]["min_row_share"] or 0.0),
-            float(group[0].get("min_token_share") or 0.0)))
+            float(group[0].get("min_token_share") or 0.0),
+            tuple((phase, rows, within) for phase, (rows, within) in phases.items() if rows)))
     return shares
 
 
@@ -332,7 +364,7 @@ class ExportManifest:
         )
 
     def _row_parity(self) -> str:
-        """The per-row parity of quantized weights (``exporter.parity``), for the CLI line:
+        """The per-row parity of an export that rounds (``exporter.parity``), for the CLI line:
         per output, its rows within tolerance and greedy tokens kept over every input set."""
         shares = row_shares(self.parity)
         if not shares:

@@ -155,11 +155,16 @@ PARITY_SCENARIOS: tuple[tuple[tuple[int, int, int], ...], ...] = (
     ((3, 1, 6),),  # decode on rank 0 only: every other rank idle
     ((1, 1, 4), (2, 1, 9)),  # decode with different cache lengths per rank
 )
-# The quantized formats' parity is a share of rows (``weight_formats.MIN_ROW_SHARE``), which
-# needs enough rows to mean something: one more scenario, a prefill of 32 sequences per rank
-# (32 logits rows and 32 x 6 cached tokens per layer each), after the others so their inputs
-# (and the reference sample) are the same for every format.
-ROW_SCENARIO: tuple[tuple[int, int, int], ...] = ((32, 6, 0), (32, 6, 0))
+# An export that rounds is judged on a share of rows (``weight_formats.row_criterion``), and
+# each phase (``manifest.row_phase``: prefill, decode with a cache) on a share of its own,
+# which needs enough rows in each to mean something: two more scenarios per rank, a prefill of
+# 32 sequences (32 logits rows and 32 x 6 new tokens per layer) and a decode step of 32
+# sequences with 8 cached tokens each, after the others so their inputs (and the reference
+# sample) are the same for every format.
+ROW_SCENARIOS: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    ((32, 6, 0), (32, 6, 0)),
+    ((32, 1, 8), (32, 1, 8)),
+)
 # The names the manifest gives the graph's axes (ONNX names the Dim.DYNAMIC axes itself).
 AXIS_NAMES: dict[str, list[str | None]] = {
     "input_ids": ["batch", "new_tokens"],
@@ -224,10 +229,10 @@ def _step_inputs(
 def _rank_inputs(spec: _StepSpec, dp: int, by_rows: bool = False
                  ) -> list[list[dict[str, np.ndarray]]]:
     """``inputs[rank][scenario]``: every rank's share of every parity scenario (and of
-    ``ROW_SCENARIO`` when ``by_rows``)."""
+    ``ROW_SCENARIOS`` when ``by_rows``)."""
     rng = np.random.default_rng(PARITY_SEED)
     idle = (0, 1, 0)
-    scenarios = PARITY_SCENARIOS + ((ROW_SCENARIO,) if by_rows else ())
+    scenarios = PARITY_SCENARIOS + (ROW_SCENARIOS if by_rows else ())
     return [
         [
             _step_inputs(spec, scenario[rank] if rank < len(scenario) else idle, rng)
@@ -567,7 +572,7 @@ def _export_into(
         )
     timings["parity"] = time.perf_counter() - start
     if by_rows is not None:
-        notes.append(row_criterion_note(by_rows, figures))
+        notes.append(row_criterion_note(by_rows, inference_precision, figures))
 
     copied = _copy_tokenizer(checkpoint_dir, out_dir)
     if copied:

@@ -15,7 +15,9 @@ A language-model export that rounds (int8 / int4 / fp8 / bf16 weights, or bf16 i
 the same scale-free error is taken for every row (the last axis: one position's logits, one
 cached token's vector), and the share of rows within the tolerance, over every input set,
 must reach ``min_row_share``; for logits, the share of rows whose argmax (the greedy token)
-equals PyTorch's must reach ``min_token_share``. Rounding (of the weights, or of the
+equals PyTorch's must reach ``min_token_share``. Each phase (``manifest.row_phase``: prefill,
+decode with a cache) must also keep ``manifest.PHASE_MIN_ROW_SHARE`` of its own rows within, so
+the few rows of one cannot all be wrong under the other's many. Rounding (of the weights, or of the
 activations the f32 router reads) can flip a near-tied router choice, which moves a few
 positions far while every other position moves a little; a wrong scale, layout, group size
 or expert moves every position that reaches it by O(1), so the share falls.
@@ -109,8 +111,8 @@ class ParityFigure:
     # False for a figure kept for the record only: a bf16 graph judged stage by stage keeps
     # its whole output's figure, which grows with the depth (``check_stages``).
     judged: bool = True
-    # The per-row criterion (quantized weights; see the module docstring): this input set's
-    # counts, and the verdict on this output's rows over every input set (``judge``).
+    # The per-row criterion (an export that rounds; see the module docstring): this input
+    # set's counts, and the verdict on this output's rows over every input set (``judge``).
     min_row_share: float | None = None
     rows: int | None = None
     rows_within: int | None = None

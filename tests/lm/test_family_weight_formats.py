@@ -1,8 +1,7 @@
 """The newer families' exports in the other weight formats: a Qwen3-MoE and a DeepSeek-V3
 checkpoint written by transformers, exported at bf16 / int8 / int4, each passing the export's
 own parity check against the f32 PyTorch model under its format's rules (``exporter.parity``:
-relative error within the format's tolerance, or the per-row shares and greedy tokens for
-int8 / int4), with the experts in the rank's store in that format, and generating through
+the per-row shares and greedy tokens of an export that rounds), with the experts in the rank's store in that format, and generating through
 the engine."""
 
 from __future__ import annotations
