@@ -182,7 +182,8 @@ def quiet_nncf() -> Iterator[None]:
     nncf_logger = logging.getLogger("nncf")
     console = rich.get_console()  # where NNCF's progress bars draw
     handlers = [h for h in nncf_logger.handlers if isinstance(h, logging.StreamHandler)]
-    saved = nncf_logger.level, console.quiet, console.file, [h.stream for h in handlers]
+    level, quiet, file = nncf_logger.level, console.quiet, console.file
+    streams = [handler.stream for handler in handlers]
     if logging.getLogger("numaov").getEffectiveLevel() <= logging.DEBUG:
         console.file = sys.stderr
         for handler in handlers:
@@ -193,7 +194,7 @@ def quiet_nncf() -> Iterator[None]:
     try:
         yield
     finally:
-        nncf_logger.setLevel(saved[0])
-        console.quiet, console.file = saved[1], saved[2]
-        for handler, stream in zip(handlers, saved[3], strict=True):
+        nncf_logger.setLevel(level)
+        console.quiet, console.file = quiet, file
+        for handler, stream in zip(handlers, streams, strict=True):
             handler.setStream(stream)

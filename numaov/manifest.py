@@ -240,14 +240,14 @@ def row_shares(figures: Iterable[Mapping[str, Any]]) -> list[RowShare]:
     shares = []
     for (backend, output), group in pooled.items():
         tokens = [f for f in group if f.get("rows_same_argmax") is not None]
-        phases: dict[str, list[int]] = {}
+        phases: dict[str, list[int]] = {}  # phase -> [rows, rows within]
         for f in group:
             counts = phases.setdefault(row_phase(f.get("shapes", {})), [0, 0])
             counts[0] += f.get("rows") or 0
             counts[1] += f.get("rows_within") or 0
         shares.append(RowShare(
-            backend, output, sum(f.get("rows") or 0 for f in group),
-            sum(f.get("rows_within") or 0 for f in group),
+            backend, output, sum(rows for rows, _ in phases.values()),
+            sum(within for _, within in phases.values()),
             sum(f.get("rows") or 0 for f in tokens),
             sum(f.get("rows_same_argmax") or 0 for f in tokens), float(group[0]["tolerance"]),
             float(group[0]["min_row_share"] or 0.0),
