@@ -36,7 +36,8 @@ IR carries them as constants.
 over the last dim, for a weight ``[M, K]`` in one of these formats (node
 ``numaov.moe::DenseLinear``, extension op ``DenseLinear``): what keeps a released FP8
 checkpoint's attention and MLP projections one byte per weight with ``--fp8-dense``, which
-OpenVINO's CPU plugin would widen to bf16 at compile time (``models.layers.fp8_linear``).
+OpenVINO's CPU plugin would widen to bf16 at compile time, and a bf16 export's projections on
+AVX512-BF16 without AMX (``models.layers.kernel_linear``).
 
 Numerics: sums over a row's slots are fp32 and the result is rounded once to ``x``'s dtype.
 With bf16 weights the activations are rounded to bf16 before each projection (what a bf16

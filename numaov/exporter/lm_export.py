@@ -371,7 +371,7 @@ def export_lm(
     other than a numaov export. ``weights`` is the IR's weight format (``weight_formats``:
     f32, bf16, int8, int4, fp8; default: ``precision``'s). ``fp8_dense``: with fp8 weights of a
     released FP8 checkpoint, its attention and MLP projections stay fp8 too
-    (``fp8_projections``); refused otherwise.
+    (``dense_projections``); refused otherwise.
 
     Raises ``ShardError`` when ``dp`` does not divide the sharded dims, ``CheckpointError``
     when the checkpoint does not fit its config, ``ParityError`` (``out_dir`` left as it was)
@@ -437,7 +437,11 @@ def _export_into(
     group_size: int | None,
     fp8_dense: bool,
 ) -> ExportManifest:
-    from numaov.exporter.fp8_projections import keep_fp8_projections
+    from numaov.exporter.dense_projections import (
+        bf16_projections,
+        bf16_projections_here,
+        keep_fp8_projections,
+    )
     from numaov.models.checkpoint import compute_in_f32
     from numaov.models.layers.data_parallel import DataParallelGroup
     from numaov.models.layers.experts import StoredExperts
@@ -496,6 +500,8 @@ def _export_into(
         for name, array in _step_inputs(spec, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
     }
     graphs, xml_paths, rank_files = [], [], []
+    on_kernel = bf16_projections_here(precision, storage)
+    dense_notes: list[str] = []
     for rank in range(dp):
         start = time.perf_counter()
         report(f"rank {rank}/{dp}: loading its shard")
@@ -508,9 +514,16 @@ def _export_into(
         if fp8_dense:
             kept = keep_fp8_projections(shard, checkpoint_dir, config, group)
             if rank == 0:
-                dense_note = (f"{kept} attention and MLP projections per rank kept in the "
-                              "release's FP8, on numaov's DenseLinear op")
-                report(dense_note)
+                dense_notes.append(f"{kept} attention and MLP projections per rank kept in "
+                                   "the release's FP8, on numaov's DenseLinear op")
+                report(dense_notes[-1])
+        if on_kernel:
+            moved = bf16_projections(shard)
+            if rank == 0:
+                dense_notes.append(f"{moved} bf16 projections per rank on numaov's DenseLinear "
+                                   "op (AVX512-BF16 without AMX: faster than OpenVINO's "
+                                   "FullyConnected at a few rows a call)")
+                report(dense_notes[-1])
         narrow = compute_in_f32(shard) > 0  # the graph holds bf16 weights behind Casts
         timings["load"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -546,8 +559,7 @@ def _export_into(
     notes: list[str] = []
     reference_sample = None
     notes.append(_onnxruntime_refusal(graphs[0].path))
-    if fp8_dense:
-        notes.append(dense_note)
+    notes.extend(dense_notes)
     if dp == 1:
         figures = check_parity(
             rank_inputs[0], references[0], list(OUTPUT_NAMES), None, xml_paths[0],

@@ -166,6 +166,31 @@ def test_compiled_rank_graph_runs_the_moe_op_between_gather_and_reduce_scatter(e
     assert not expert_stacks
 
 
+def test_absorbed_attention_weights_multiply_every_sequence_at_once(exported) -> None:
+    """MLA's absorbed kv_b_proj halves ([heads, ., .] weights) multiply one [heads, B*T, .]
+    matrix of every sequence's rows, not a [B, heads, T, .] batch broadcast against them, which
+    OpenVINO ran as B * heads one-row products (a V3-shaped step at 8 sequences 1.11x slower;
+    benchmarks/RESULTS.md)."""
+    import openvino as ov
+
+    from numaov.custom_ops import add_extension
+
+    model_dir = exported["model_dir"]
+    config = json.loads((model_dir / "manifest.json").read_text())["config"]
+    heads = config["num_attention_heads"]
+    core = ov.Core()
+    add_extension(core)
+    model = core.read_model(str(model_dir / "rank_0/model.xml"))
+    absorbed = [op for op in model.get_ordered_ops() if op.get_type_name() == "MatMul"
+                and op.get_input_partial_shape(1).is_static
+                and len(op.get_input_partial_shape(1)) == 3
+                and op.get_input_partial_shape(1)[0].get_length() == heads]
+    assert len(absorbed) == 2 * config["num_hidden_layers"]
+    for op in absorbed:
+        rows = op.get_input_partial_shape(0)
+        assert len(rows) == 3 and rows[0].get_length() == heads, (op.get_friendly_name(), rows)
+
+
 def test_dp_not_dividing_the_sharded_dims_is_a_clear_cli_error(exported, tmp_path: Path) -> None:
     proc = subprocess.run(
         [*CLI, "export", "lm", "--checkpoint", str(exported["checkpoint"]), "--dp", "3",

@@ -152,7 +152,8 @@ def test_released_fp8_attention_projections_in_a_bf16_model(
     assert "21 attention and MLP projections per rank kept in the release's FP8" in " ".join(
         manifest.notes)
     released = read_tensors(directory)
-    weights = _dense_linear_weights(_read_ir(tmp_path / "model" / "rank_0" / "model.xml"))
+    weights = _dense_linear_weights(_read_ir(tmp_path / "model" / "rank_0" / "model.xml"),
+                                    "f8e4m3")
     assert len(weights) == 21
     q_a = released["model.layers.1.self_attn.q_a_proj.weight"].view(torch.uint8).numpy()
     assert any(np.array_equal(w, q_a) for w in weights.values())
@@ -178,13 +179,15 @@ def _read_ir(xml: Path) -> ov.Model:
     return core.read_model(xml)
 
 
-def _dense_linear_weights(ir: ov.Model) -> dict[str, np.ndarray]:
-    """The bytes of every DenseLinear node's weight constant, by the constant's name."""
+def _dense_linear_weights(ir: ov.Model, element_type: str | None = None) -> dict[str, np.ndarray]:
+    """The bytes of every DenseLinear node's weight constant (of ``element_type``, or any), by
+    the constant's name."""
     weights = {}
     for node in ir.get_ordered_ops():
         if node.get_type_name() == "DenseLinear":
             constant = node.input_value(1).get_node()
-            weights[constant.get_friendly_name()] = constant.get_data().view(np.uint8)
+            if element_type in (None, constant.get_element_type().get_type_name()):
+                weights[constant.get_friendly_name()] = constant.get_data().view(np.uint8)
     return weights
 
 

@@ -13,6 +13,7 @@ import pytest
 from support import deepseek_v3_harness, qwen_moe_harness
 
 from numaov.custom_ops.expert_store import STORE_NAME, open_store
+from numaov.exporter.dense_projections import bf16_projections_here
 from numaov.exporter.lm_export import export_lm
 from numaov.runtime.lm.engine import SamplingParams, run_lm
 
@@ -72,12 +73,22 @@ def _assert_routers_compute_in_f32(rank_dir: Path) -> None:
     (xml,) = rank_dir.glob("*.xml")
     runtime = compile_ir(xml, "bf16").model.get_runtime_model()
     kinds: dict[str, list[str]] = {}
+    linear = []  # (precision, weight rank) of each FullyConnected
     for op in runtime.get_ordered_ops():
         info = op.get_rt_info()
-        kinds.setdefault(info["layerType"].astype(str), []).append(
-            info["runtimePrecision"].astype(str))
+        kind, precision = info["layerType"].astype(str), info["runtimePrecision"].astype(str)
+        kinds.setdefault(kind, []).append(precision)
+        if kind == "FullyConnected":
+            linear.append((precision, len(op.get_input_partial_shape(1))))
     moe_layers = xml.read_text().count('type="MoeExperts"')
     assert moe_layers >= 1
     assert kinds["FullyConnected"].count("f32") == moe_layers, kinds["FullyConnected"]
-    assert "bf16" in kinds["FullyConnected"]
+    # the projections: numaov's DenseLinear on bf16 weights where the export's CPU runs bf16
+    # on AVX512-BF16 without AMX (exporter.dense_projections), else bf16 FullyConnecteds of
+    # 2-D weights (MLA's absorbed kv_b_proj halves are batched ones of 3-D weights either way)
+    projections = xml.read_text().count('type="DenseLinear"')
+    if bf16_projections_here("bf16", "bf16"):
+        assert projections >= 4 and ("bf16", 2) not in linear, linear
+    else:
+        assert projections == 0 and ("bf16", 2) in linear, linear
     assert set(kinds["TopK"]) == {"f32"}, kinds["TopK"]

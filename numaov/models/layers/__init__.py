@@ -6,8 +6,8 @@
   a selection-only score correction bias, renormalisation and scaling);
 - ``experts``: the routed experts as weight stacks on numaov's MoE op;
 - ``mlp``: the SwiGLU MLP of dense layers and shared experts;
-- ``fp8_linear``: a linear layer kept in a released checkpoint's FP8 on numaov's op (an
-  ``--fp8-dense`` export's attention and MLP projections, ``exporter.fp8_projections``);
+- ``kernel_linear``: a linear layer on numaov's op, its weight bf16 or a released
+  checkpoint's FP8 (an export's projections, ``exporter.dense_projections``);
 - ``mla``: multi-head latent attention (DeepSeek-V2 / V3 / Kimi-K2) over a compressed latent
   cache;
 - ``gqa``: grouped-query attention (Qwen-MoE) over a cache of rotated K and V heads;

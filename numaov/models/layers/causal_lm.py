@@ -49,6 +49,9 @@ class CausalLM(nn.Module):
     ``dp`` the instance is one rank of a DP group and holds that rank's MLP / expert shard.
     """
 
+    #: The linear layers an export may run on numaov's DenseLinear op
+    #: (``exporter.dense_projections``; a head tied to the embedding stays).
+    PROJECTIONS = ("lm_head",)
     #: The family's name in messages ("DeepSeek-V2 checkpoint '...'").
     title: ClassVar[str]
     #: The family's config class (``from_dict(values, what)``, ``to_dict()``).

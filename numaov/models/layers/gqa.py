@@ -36,6 +36,10 @@ class GroupedQueryAttention(nn.Module):
     projections, ``o_bias`` to the output projection.
     """
 
+    #: The linear layers an export may run on numaov's DenseLinear op
+    #: (``exporter.dense_projections``).
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm_eps: float | None = None) -> None:

@@ -71,10 +71,10 @@ class MultiHeadLatentAttention(nn.Module):
     rather than the two halves.
     """
 
-    #: The projections run as linear layers, which an export keeps in a released checkpoint's
-    #: FP8 (``exporter.fp8_projections``); ``kv_b_proj`` is read as two batched weights
+    #: The projections run as linear layers, which an export may run on numaov's DenseLinear
+    #: op (``exporter.dense_projections``); ``kv_b_proj`` is read as two batched weights
     #: (step 3), not run as a layer.
-    FP8_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+    PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
     def __init__(self, hidden: int, heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
                  nope_dim: int, rope_dim: int, v_dim: int, attention_bias: bool,
@@ -138,13 +138,19 @@ class MultiHeadLatentAttention(nn.Module):
         #    matrix [heads*T, R+Dr] against them: one matmul reads each cached entry once,
         #    where a per-head batch dim broadcast against one entry matrix had OpenVINO read
         #    the entries once per head.
+        #    The absorbed weights multiply each head's rows of every sequence at once
+        #    ([heads, B*T, .] against [heads, ., .]): a batch dim of B broadcast against them
+        #    had OpenVINO run B*heads one-row products (a V3-shaped layer's two took 0.35
+        #    against 0.13 ms each at 8 sequences).
         w_uk, w_uv = self._absorbed_weights()  # [heads, nope, R], [heads, v, R]
-        q_lat = torch.matmul(q_nope.transpose(1, 2), w_uk)  # [B, heads, T, R]
+        r = self.kv_lora_rank
+        q_lat = torch.matmul(q_nope.permute(2, 0, 1, 3).reshape(heads, b * t, self.nope_dim), w_uk)
+        q_lat = q_lat.view(heads, b, t, r).transpose(0, 1)  # [B, heads, T, R]
         q_all = torch.cat((q_lat, q_pe.view(b, t, heads, self.rope_dim).transpose(1, 2)), -1)
         s = present.shape[1]
         # the scale on the query (T rows) rather than on the scores (T x S): at 4,096 cached
         # tokens the scores' multiply was 0.1-0.2 ms of a V3-shaped layer's step
-        width = self.kv_lora_rank + self.rope_dim  # named, not -1: an idle rank has B = 0
+        width = r + self.rope_dim  # named, not -1: an idle rank has B = 0
         rows = (q_all * self.softmax_scale).reshape(b, heads * t, width)  # [B, heads*T, R+Dr]
         scores = torch.matmul(rows, present.transpose(1, 2)).view(b, heads, t, s)
         scores = scores.masked_fill(~mask, float("-inf"))  # [B, heads, T, S]
@@ -152,12 +158,12 @@ class MultiHeadLatentAttention(nn.Module):
         # the values are the entries' latents: multiplied by the whole entries and the rope
         # columns of the (small) result dropped, since slicing the latents out of the past
         # first copied it (0.25 ms a layer at 4,096 tokens) to save 11% of this matmul
-        context = torch.matmul(probs.view(b, heads * t, s), present)[..., : self.kv_lora_rank]
-        context = context.reshape(b, heads, t, self.kv_lora_rank)
-        out = torch.matmul(context, w_uv.transpose(1, 2))  # [B, heads, T, v]
+        context = torch.matmul(probs.view(b, heads * t, s), present)[..., :r]
+        context = context.reshape(b, heads, t, r).transpose(0, 1).reshape(heads, b * t, r)
+        out = torch.matmul(context, w_uv.transpose(1, 2))  # [heads, B*T, v]
 
         # 4. output projection
-        out = out.transpose(1, 2).reshape(b, t, heads * self.v_dim)
+        out = out.view(heads, b, t, self.v_dim).permute(1, 2, 0, 3).reshape(b, t, heads * self.v_dim)
         return self.o_proj(out), new
 
     def _absorbed_weights(self) -> tuple[Tensor, Tensor]:

@@ -9,9 +9,9 @@ from torch import Tensor, nn
 class GatedMLP(nn.Module):
     """SwiGLU MLP (dense layers and shared experts); ``intermediate`` is this rank's shard."""
 
-    #: The projections an export keeps in a released checkpoint's FP8
-    #: (``exporter.fp8_projections``; this rank's slice under DP).
-    FP8_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    #: The linear layers an export may run on numaov's DenseLinear op
+    #: (``exporter.dense_projections``; this rank's slice under DP).
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()

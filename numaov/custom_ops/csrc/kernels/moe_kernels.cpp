@@ -143,22 +143,25 @@ NUMAOV_TARGET_AVX512_BF16 NUMAOV_INLINE void fma_tile(__m512 (&acc)[M][kTileCols
 // software as one stream: each iteration that takes 64 bytes from each of its
 // rows requests the next kTileCols lines of the next block, which is thus in
 // cache, whole, when the tile ends (a distance of one block: 8 KB for int8 rows
-// of 2,048, within L1). Past the item's end it is the next columns' block,
+// of 2,048, 16-36 KB for bf16 rows of 2,048-4,608). The requests go to L2, not
+// L1: a tile of several rows holds its activation rows (4 x 4-9 KB) and its own
+// block in L1, and the next block requested into L1 beside them evicted both
+// (a chain of bf16 DenseLinears of 4 / 8 rows 1.3x / 1.5x faster into L2, one
+// row the same or faster; benchmarks/RESULTS.md). Past the item's end it is the next columns' block,
 // which this thread or another reads soon; past the stack's end it is harmless
 // (a prefetch never faults). Every tile of bf16, int8, int4 or fp8 weights
 // read in place does it (not rows dequantized into a buffer): the first tile of an expert's
 // rows reads the weights from memory whatever its rows (int8 / fp8 experts of
 // 2-4 rows read 5-7 GB/s without, 29-36 with), and for a later tile of the same
 // rows the requests cost a few instructions beside its FMAs. (Issue 33: decode's
-// samples sat on the first load of each line before; prefetching into L2
-// instead, or the next expert's rows at a hit's last tile, measured no better;
-// benchmarks/RESULTS.md.)
+// samples sat on the first load of each line before; the next expert's rows at
+// a hit's last tile measured no better; benchmarks/RESULTS.md.)
 // `next` is null for rows a thread has copied into a buffer (TileRows): those come from
 // cache, and what follows them is not the stack's next block.
 NUMAOV_INLINE void prefetch_next_block(const uint8_t* next, size_t row_byte) {
     if (!next) return;
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + kTileCols * row_byte + 64 * n), _MM_HINT_T1);
     }
 }
 
