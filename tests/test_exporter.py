@@ -403,7 +403,8 @@ def _cpu_computes_bf16() -> bool:
 @pytest.mark.skipif(not _cpu_computes_bf16(), reason="the CPU plugin computes no bf16 here")
 def test_a_batched_bf16_weight_is_read_bf16_at_bf16() -> None:
     """MLA's absorbed weights: a MatMul of a rank-3 weight stored bf16 (widened, reshaped and
-    sliced on its way, as the exporter writes kv_b_proj's halves). At bf16 the CPU plugin left
+    sliced on its way, as the exporter writes kv_b_proj's halves), here against a 4-D batch of
+    rows (the exporter's own [heads, B*T, .] rows run as a batched FullyConnected). At bf16 the CPU plugin left
     such a MatMul in f32 on an f32 copy of the weight; compile_ir makes it a bf16 MatMul
     (results within bf16 inference's tolerance), and leaves it f32 at f32 and the caller's model
     as it was. A batched f32 weight, or a bf16 one converted through integers on its way, is

@@ -14,12 +14,16 @@ MLA's ``kv_b_proj``, which step 3 reads as batched weights).
   computes with. Opt-in: the bytes win at a few rows per call; from about 5 rows widening the
   fp8 weights costs more, on a CPU without AMX, than OpenVINO's bf16 matmul.
 - **bf16 ones where the kernel reads them faster** (:func:`bf16_projections`, the rule in
-  :func:`bf16_projections_here`): a bf16 export (bf16 weights computed in bf16) on a CPU with
-  AVX512-BF16 and no AMX. There a DeepSeek-V3-shaped step with every projection on the op
+  :func:`bf16_projections_here`): an export computed in bf16 whose other weights are stored
+  bf16 (``--weights bf16``, or ``fp8`` experts with a bf16 rest: then every projection not
+  kept in FP8 and the head), made where the kernel's bf16 path is AVX512-BF16 (no AMX, or
+  ``NUMAOV_MOE_AMX=off``; not ``NUMAOV_MOE_ISA=avx2``). The choice is the export's: its IR
+  runs the projections so on any CPU it is given. There a DeepSeek-V3-shaped step with every projection on the op
   decoded 1.19x / 1.20x faster at 1 / 2 sequences and the same from 4 to 32 (0.99-1.04x), its
   512-token prefill 0.98x (``benchmarks/RESULTS.md``). With AMX, OpenVINO's oneDNN tiles run
   the projections of a prefill, which numaov's tiles were not measured against, so they stay
-  on the ``FullyConnected``; so do the weights NNCF compresses (int8 / int4 exports).
+  on the ``FullyConnected``; so do the weights NNCF compresses (int8 / int4 exports) and the
+  layers no module lists (the routers, Qwen2-MoE's ``shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -76,9 +80,9 @@ def keep_fp8_projections(model: nn.Module, checkpoint_dir: Path, config: Any,
 
 
 def bf16_projections_here(precision: str, storage: str) -> bool:
-    """Whether a bf16 export made on this CPU runs its bf16 projections on ``DenseLinear``
-    (the module docstring): a bf16 export storing its other weights in bf16, and the kernel
-    runs bf16 on AVX512-BF16 (no AMX, not AVX2)."""
+    """Whether an export made here runs its bf16 projections on ``DenseLinear`` (the module
+    docstring): computed in bf16 with its other weights stored bf16, and the kernel's bf16
+    path here is AVX512-BF16 (``moe_ops.bf16_kernel``: no AMX, not AVX2)."""
     if precision != "bf16" or storage != "bf16":
         return False
     return bf16_kernel()["kernel"] == "avx512_bf16"

@@ -371,7 +371,9 @@ def export_lm(
     other than a numaov export. ``weights`` is the IR's weight format (``weight_formats``:
     f32, bf16, int8, int4, fp8; default: ``precision``'s). ``fp8_dense``: with fp8 weights of a
     released FP8 checkpoint, its attention and MLP projections stay fp8 too
-    (``dense_projections``); refused otherwise.
+    (``dense_projections``); refused otherwise. An export computed in bf16 with its other
+    weights stored bf16, made where the experts' bf16 kernel is AVX512-BF16 (no AMX), runs its
+    bf16 projections and head on that kernel too (``dense_projections.bf16_projections_here``).
 
     Raises ``ShardError`` when ``dp`` does not divide the sharded dims, ``CheckpointError``
     when the checkpoint does not fit its config, ``ParityError`` (``out_dir`` left as it was)
@@ -456,6 +458,8 @@ def _export_into(
     min_row_share = None if by_rows is None else MIN_ROW_SHARE[by_rows]
     min_token_share = None if by_rows is None else MIN_TOKEN_SHARE[by_rows]
     storage = other_weights_storage(weights, precision)
+    # asked before any slow work: a bad NUMAOV_MOE_AMX / NUMAOV_MOE_ISA is refused here
+    on_kernel = bf16_projections_here(precision, storage)
 
     spec = _StepSpec.of(family, config, precision)
 
@@ -500,7 +504,6 @@ def _export_into(
         for name, array in _step_inputs(spec, EXAMPLE_SHAPE, np.random.default_rng(1)).items()
     }
     graphs, xml_paths, rank_files = [], [], []
-    on_kernel = bf16_projections_here(precision, storage)
     dense_notes: list[str] = []
     for rank in range(dp):
         start = time.perf_counter()
@@ -521,8 +524,8 @@ def _export_into(
             moved = bf16_projections(shard)
             if rank == 0:
                 dense_notes.append(f"{moved} bf16 projections per rank on numaov's DenseLinear "
-                                   "op (AVX512-BF16 without AMX: faster than OpenVINO's "
-                                   "FullyConnected at a few rows a call)")
+                                   "op (exported where its bf16 kernel is AVX512-BF16: faster "
+                                   "than OpenVINO's FullyConnected at a few rows a call)")
                 report(dense_notes[-1])
         narrow = compute_in_f32(shard) > 0  # the graph holds bf16 weights behind Casts
         timings["load"] += time.perf_counter() - start

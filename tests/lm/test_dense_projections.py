@@ -23,7 +23,8 @@ def test_bf16_projections_only_where_the_kernel_runs_bf16_on_avx512_bf16(
         monkeypatch: pytest.MonkeyPatch, kernel: str | None, expected: bool) -> None:
     """On AVX512-BF16 without AMX the kernel reads a projection of a few rows faster than
     OpenVINO's FullyConnected; with AMX oneDNN's tiles keep a prefill's, and AVX2 was not
-    measured. Only a bf16 export with bf16 weights (not NNCF's, not f32 inference) moves them."""
+    measured. Only an export computed in bf16 whose other weights are stored bf16 (--weights
+    bf16, or fp8 experts with a bf16 rest; not NNCF's, not f32 inference) moves them."""
     monkeypatch.setattr(dense_projections, "bf16_kernel", lambda: {"kernel": kernel})
     assert bf16_projections_here("bf16", "bf16") is expected
     assert not bf16_projections_here("f32", "bf16")

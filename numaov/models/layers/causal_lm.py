@@ -204,10 +204,16 @@ class CausalLM(nn.Module):
 
     # -- running -----------------------------------------------------------------------------
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in: its final norm's (f32 once ``compute_in_f32`` widens
+        the weights, which an export's head on numaov's op, a bf16 or fp8 buffer, is not)."""
+        return self.model.norm.weight.dtype
+
     def empty_cache(self, batch_size: int) -> Tensor:
         """A zero-length KV cache ``[layers, B, 0, kv_cache_dim]``."""
         return torch.zeros(self.config.num_hidden_layers, batch_size, 0,
-                           self.config.kv_cache_dim, dtype=self.lm_head.weight.dtype)
+                           self.config.kv_cache_dim, dtype=self.compute_dtype)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """``input_ids [B, T]`` (``attention_mask [B, T]``, 1 = real, for left padding) ->
@@ -244,7 +250,7 @@ class CausalLM(nn.Module):
         ``new_key_values [layers, B, T, kv_cache_dim])``: only this step's entries, which the
         caller writes into its pool; the pool is read, never returned.
         """
-        past = pooled_past(kv_cache, past_slots, self.lm_head.weight.dtype)
+        past = pooled_past(kv_cache, past_slots, self.compute_dtype)
         hidden, new = self.model(input_ids, position_ids, attention_mask, past)
         return self.lm_head(hidden[:, -1]), new.to(kv_cache.dtype)
 

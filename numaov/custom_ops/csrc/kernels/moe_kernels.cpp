@@ -800,7 +800,8 @@ using Scratch = std::vector<T, UninitialisedAligned64<T>>;
 // dequantizes FP8 weights for a bf16 model (`w.float() * scale`, then `.bfloat16()`; the
 // f32 product is the same: widen_fp8's 2^-8 is undone exactly by kFp8Unit in the scale).
 // The rows are read from memory once, so each line of a row requests the same line of the
-// block after them (the rows the next call takes), as the tiles do: without it the
+// block after them (the rows the next call takes), as the tiles do (into L1 here: the
+// buffer it fills is all this thread holds beside them): without it the
 // loads waited on memory and the bf16 tiles of 8 rows per expert ran at 44 GMAC/s, under
 // half the exact path's 98 (benchmarks/RESULTS.md).
 NUMAOV_TARGET_AVX512_BF16 void dequantize_fp8_rows(const Stack& s, size_t expert, size_t r0, size_t count,
