@@ -18,9 +18,9 @@ MLA's ``kv_b_proj``, which step 3 reads as batched weights).
   bf16 (``--weights bf16``, or ``fp8`` experts with a bf16 rest: then every projection not
   kept in FP8 and the head), made where the kernel's bf16 path is AVX512-BF16 (no AMX, or
   ``NUMAOV_MOE_AMX=off``; not ``NUMAOV_MOE_ISA=avx2``). The choice is the export's: its IR
-  runs the projections so on any CPU it is given. There a DeepSeek-V3-shaped step with every projection on the op
-  decoded 1.19x / 1.20x faster at 1 / 2 sequences and the same from 4 to 32 (0.99-1.04x), its
-  512-token prefill 0.98x (``benchmarks/RESULTS.md``). With AMX, OpenVINO's oneDNN tiles run
+  runs the projections so on any CPU it is given. There a DeepSeek-V3-shaped step with every
+  projection on the op decoded 1.19x / 1.20x faster at 1 / 2 sequences and the same from 4 to
+  32 (0.99-1.04x), its 512-token prefill 0.98x (``benchmarks/RESULTS.md``). With AMX, OpenVINO's oneDNN tiles run
   the projections of a prefill, which numaov's tiles were not measured against, so they stay
   on the ``FullyConnected``; so do the weights NNCF compresses (int8 / int4 exports) and the
   layers no module lists (the routers, Qwen2-MoE's ``shared_expert_gate``).
