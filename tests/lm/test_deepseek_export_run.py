@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -104,20 +105,23 @@ def test_export_writes_rank_graphs_with_collectives_and_one_manifest(exported) -
 
 
 def _reaches(start, kind: str, upstream: bool, limit: int = 64) -> bool:
-    """Whether a node of type `kind` is found walking from `start` (up its inputs or down its
-    outputs) within `limit` nodes."""
-    seen, todo = set(), [start]
-    while todo and len(seen) < limit:
-        node = todo.pop()
+    """Whether a node of type `kind` lies within `limit` nodes of `start`, walking breadth-first
+    up its inputs or down its outputs. Breadth-first, because OpenVINO lists a node's consumers
+    in no fixed order: a depth-first walk could spend the limit down the residual stream into
+    the next layer before it reached the reduce-scatter one step away."""
+    seen, todo = {start.get_name()}, deque([start])
+    while todo and len(seen) <= limit:
+        node = todo.popleft()
         if node.get_type_name() == kind and node is not start:
             return True
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
         if upstream:
-            todo.extend(v.get_node() for v in node.input_values())
+            near = [v.get_node() for v in node.input_values()]
         else:
-            todo.extend(t.get_node() for o in node.outputs() for t in o.get_target_inputs())
+            near = [t.get_node() for o in node.outputs() for t in o.get_target_inputs()]
+        for other in near:
+            if other.get_name() not in seen:  # names are unique; Python wrappers are not
+                seen.add(other.get_name())
+                todo.append(other)
     return False
 
 
