@@ -94,9 +94,13 @@ def test_export_writes_rank_graphs_with_collectives_and_one_manifest(exported) -
     for rank in range(2):
         graph = onnx.load(str(model_dir / f"rank_{rank}/model.onnx"), load_external_data=False)
         collectives = [n for n in graph.graph.node if n.domain == "numaov.collective"]
-        # one gather of the row counts, then a gather + reduce-scatter around each of 3 layers
-        assert sorted(n.op_type for n in collectives) == ["AllGatherIntoTensor"] * 4 + [
+        # one gather of the row counts, then a gather + reduce-scatter around each of 3
+        # layers; around the head a gather of its row counts, of its rows and of the logits
+        assert sorted(n.op_type for n in collectives) == ["AllGatherIntoTensor"] * 7 + [
             "ReduceScatterTensor"] * 3
+        head = next(t for t in graph.graph.initializer if t.name.endswith("lm_head.weight"))
+        vocab = manifest["config"]["vocab_size"]
+        assert list(head.dims) == [vocab // 2, manifest["config"]["hidden_size"]]
         for node in collectives:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attrs == {"group": COLLECTIVE_GROUP.encode(), "world_size": 2}

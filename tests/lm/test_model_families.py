@@ -198,3 +198,29 @@ def test_an_unknown_rope_kind_is_refused() -> None:
         RotaryEmbedding(64, 10000.0, {"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(RopeConfigError, match="'llama3' has no 'low_freq_factor'"):
         RotaryEmbedding(64, 10000.0, {"rope_type": "llama3", "factor": 2.0})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_holds_its_vocabulary_rows_of_a_tied_head(tmp_path: Path, world: int) -> None:
+    """Under DP each rank holds ceil(vocab / dp) rows of lm_head, the last slice padded with
+    zero rows (their logits are cut); a tied head is a copy of the rank's rows of the table,
+    which stays whole, and is the table itself at dp=1."""
+    from support.qwen_moe_harness import save_checkpoint
+
+    from numaov.models.layers.data_parallel import DataParallelGroup
+    from numaov.models.qwen_moe import QwenMoe
+
+    _, checkpoint = save_checkpoint(tmp_path / "tied", "qwen3_moe", 3, tie_word_embeddings=True,
+                                    vocab_size=253)
+    whole = QwenMoe.from_pretrained(checkpoint)
+    table = whole.model.embed_tokens.weight
+    assert whole.lm_head.weight is table and whole.head_is_embedding
+    rows = -(-253 // world)
+    slices = []
+    for rank in range(world):
+        model = QwenMoe.from_pretrained(checkpoint, dp=DataParallelGroup("unused", rank, world))
+        assert not model.head_is_embedding and model.lm_head.weight.shape == (rows, 64)
+        assert torch.equal(model.model.embed_tokens.weight, table)
+        slices.append(model.lm_head.weight)
+    head = torch.cat(slices)
+    assert torch.equal(head[:253], table) and not head[253:].any()

@@ -8,6 +8,11 @@ biases, a dense layer, routed experts, the shared expert split by intermediate w
 replicated sigmoid gate); Qwen3-MoE's only addition, the per-head q/k RMSNorm, is the same
 ``norm_infer`` op every RMSNorm exports through, and its eager parity is in
 ``test_qwen_moe_model.py``.
+
+The checkpoint ties its head to the embedding over an odd vocabulary (253 ids): at dp=2 each
+rank holds its own 127-row slice of the head, the second ending in a zero row, and computes its
+slice of every rank's logits (``data_parallel.logits_from_vocab_shards``), which the tokens
+check end to end.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ SEED = 7
 MAX_NEW_TOKENS = 6
 # rank 0 gets prompts 0 and 2, rank 1 prompt 1 at dp=2; different lengths, so left padding
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41], [200, 2], [77, 12, 19, 101]]
+VOCAB = 253  # odd: dp=2's head slices are 127 rows, the last one zero
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("qwen_moe_export")
-    model, checkpoint = save_checkpoint(root / "checkpoint", "qwen2_moe", SEED)
+    model, checkpoint = save_checkpoint(root / "checkpoint", "qwen2_moe", SEED,
+                                        tie_word_embeddings=True, vocab_size=VOCAB)
     out = {"reference": hf_greedy(model, PROMPTS, MAX_NEW_TOKENS)}
     for dp in (1, 2):
         start = time.perf_counter()

@@ -24,7 +24,12 @@ from numaov.models.checkpoint import (
     open_safetensors_checkpoint,
     read_config,
 )
-from numaov.models.layers.data_parallel import DataParallelGroup, ShardError
+from numaov.models.layers.data_parallel import (
+    DataParallelGroup,
+    ShardError,
+    logits_from_vocab_shards,
+)
+from numaov.models.layers.decoder import multi_rank
 from numaov.models.layers.expert_layout import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
@@ -39,6 +44,7 @@ from numaov.models.layers.lm_loading import (
     positions_from_mask,
     resolve_dtype,
 )
+from numaov.models.layers.sharding import head_rows
 
 
 class CausalLM(nn.Module):
@@ -70,9 +76,18 @@ class CausalLM(nn.Module):
         self.config = config
         self.dp = dp
         self.model = self.build_decoder(config, dp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        # this rank's vocabulary slice (data_parallel.logits_from_vocab_shards): a head tied
+        # to the embedding is tied only where it is the whole table
+        self.vocab_shards = dp.world_size if dp is not None else 1
+        self.lm_head = nn.Linear(config.hidden_size,
+                                 head_rows(config.vocab_size, self.vocab_shards), bias=False)
+        if self.head_is_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def head_is_embedding(self) -> bool:
+        """Whether ``lm_head`` is the embedding table itself (tied, and not split by rank)."""
+        return bool(self.config.tie_word_embeddings) and self.vocab_shards == 1
 
     # -- what a family says ------------------------------------------------------------------
 
@@ -235,7 +250,9 @@ class CausalLM(nn.Module):
         [layers, B, P+T, kv_cache_dim])``.
         """
         hidden, new = self.model(input_ids, position_ids, attention_mask, past_key_values)
-        return self.lm_head(hidden), torch.cat((past_key_values, new), 2)
+        logits = self.logits(hidden.reshape(-1, hidden.shape[-1]))
+        return (logits.view(*hidden.shape[:2], self.config.vocab_size),
+                torch.cat((past_key_values, new), 2))
 
     def step_pooled(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor,
                     kv_cache: Tensor, past_slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -252,7 +269,13 @@ class CausalLM(nn.Module):
         """
         past = pooled_past(kv_cache, past_slots, self.compute_dtype)
         hidden, new = self.model(input_ids, position_ids, attention_mask, past)
-        return self.lm_head(hidden[:, -1]), new.to(kv_cache.dtype)
+        return self.logits(hidden[:, -1]), new.to(kv_cache.dtype)
+
+    def logits(self, rows: Tensor) -> Tensor:
+        """``rows [n, H]`` (final-normed) -> ``logits [n, vocab_size]``; with DP every rank
+        calls at once and each applies its slice of the vocabulary to the rows of all."""
+        return logits_from_vocab_shards(self.lm_head, rows, multi_rank(self.dp),
+                                        self.config.vocab_size)
 
 
 class CausalLMStep(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from numaov.models.checkpoint import check_state_dict
-from numaov.models.layers.sharding import shard_tensor
+from numaov.models.layers.sharding import HEAD, shard_tensor
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -106,8 +106,9 @@ def checkpoint_to_stacked(
         tensor = checkpoint[name]
         state[name] = shard_tensor(name, tensor, rank, world) if world > 1 else tensor
         del tensor  # the full tensor goes before the next one is read
-    if tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if tie_word_embeddings:  # the table itself, or this rank's vocabulary slice of it
+        embedding = state["model.embed_tokens.weight"]
+        state[HEAD] = shard_tensor(HEAD, embedding, rank, world) if world > 1 else embedding
     return state
 
 

@@ -56,10 +56,10 @@ def cast_keep_router(model: nn.Module, dtype: torch.dtype) -> None:
 
 def freeze(model: nn.Module) -> None:
     """Inference only: no gradients; a tied head is the embedding itself again (a load by
-    assignment gives each name its own parameter)."""
+    assignment gives each name its own parameter), unless a rank holds only its slice."""
     for param in model.parameters():
         param.requires_grad_(False)
-    if getattr(model, "config", None) is not None and model.config.tie_word_embeddings:
+    if getattr(model, "head_is_embedding", False):
         model.lm_head.weight = model.model.embed_tokens.weight
 
 

@@ -5,9 +5,10 @@ expert stacks ``mlp.experts.gate_up_proj`` / ``down_proj``).
 
 Weights are split along the intermediate dim of the dense MLPs, the shared experts and every
 routed expert, not by expert: every rank then does ``1/dp`` of every token's work whatever the
-router picks, and the shapes stay data-independent. The router, Qwen2-MoE's
-``mlp.shared_expert_gate`` and everything outside the MLP blocks are replicated. A family says
-which dims that splits (:func:`check_dims_divide`).
+router picks, and the shapes stay data-independent. ``lm_head`` is split by vocabulary rows
+(:func:`head_rows`: zero rows pad a vocabulary ``dp`` does not divide, so it needs no check).
+The router, Qwen2-MoE's ``mlp.shared_expert_gate``, attention, the norms and the embedding are
+replicated. A family says which MLP dims its layers split (:func:`check_dims_divide`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from numaov.models.layers.data_parallel import ShardError
@@ -68,11 +70,22 @@ _SHARD_RULES: tuple[tuple[re.Pattern[str], int], ...] = (
     (re.compile(r"\.mlp\.experts\.down_proj$"), 2),
 )
 _GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")
+HEAD = "lm_head.weight"
+
+
+def head_rows(vocab_size: int, world_size: int) -> int:
+    """The vocabulary rows of ``lm_head`` each of ``world_size`` ranks holds: the vocabulary
+    split evenly, rounded up (the last rank's slice ends in zero rows, whose logits are cut)."""
+    return -(-vocab_size // world_size)
 
 
 def shard_tensor(name: str, tensor: Tensor, rank: int, world_size: int) -> Tensor:
     """Rank ``rank``'s slice of the model-layout tensor ``name`` (a copy, so the full one can
     be freed), or ``tensor`` itself when it is replicated."""
+    if name == HEAD:
+        rows = head_rows(tensor.shape[0], world_size)
+        mine = tensor[rank * rows:(rank + 1) * rows]
+        return torch.cat((mine, mine.new_zeros(rows - len(mine), *tensor.shape[1:])))
     if _GATE_UP.search(name):
         e, two_i, h = tensor.shape
         halves = tensor.view(e, 2, two_i // 2, h)
