@@ -1,8 +1,8 @@
 """How DeepSeek's weights are split across DP ranks (the DP group itself: ``layers.data_parallel``).
 
 Weights are split along the intermediate dim of the dense MLPs, the shared experts and every
-routed expert, not by expert (the package docstring says why); the router and everything
-outside the MLP blocks are replicated.
+routed expert, not by expert (the package docstring says why), and ``lm_head`` by vocabulary
+rows (``layers.sharding``); the router and the rest outside the MLP blocks are replicated.
 """
 
 from __future__ import annotations
