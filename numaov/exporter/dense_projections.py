@@ -57,6 +57,8 @@ def keep_fp8_projections(model: nn.Module, checkpoint_dir: Path, config: Any,
     checkpoint = None
     kept = 0
     for path, module, attribute, linear in _projections(model):
+        if path == "lm_head":  # bf16 in the releases; a rank's slice of it is padded
+            continue
         name = f"{path}.weight"
         checkpoint = checkpoint or open_checkpoint(checkpoint_dir, "checkpoint")
         if name not in checkpoint or checkpoint.dtype(name) not in FLOAT8_DTYPES:
@@ -90,8 +92,9 @@ def bf16_projections_here(precision: str, storage: str) -> bool:
 
 def bf16_projections(model: nn.Module) -> int:
     """Replace each projection of ``model`` still an ``nn.Linear`` with a ``KernelLinear`` of
-    its weight in bf16 (and its bias); returns how many. A head tied to the embedding table
-    stays, so the IR holds the table once."""
+    its weight in bf16 (and its bias); returns how many. A head that is the embedding table
+    (tied, dp=1) stays, so the IR holds the table once; a rank's slice of a tied head is its
+    own copy and moves."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     replaced = 0
     for _, module, attribute, linear in _projections(model):

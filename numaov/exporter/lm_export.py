@@ -13,7 +13,7 @@ module reads nothing of the family's config but through it. ``export_lm`` writes
   holds rank r's MLP shard and no routed experts: each MoE layer's experts are one
   ``numaov.moe::MoeExperts`` node (``custom_ops/moe_ops.py``) naming the rank's store and the
   layer, and the ``numaov.collective`` nodes (group ``COLLECTIVE_GROUP``) sit around every MLP
-  and MoE block when ``dp > 1``;
+  and MoE block and the rank's vocabulary slice of the head when ``dp > 1``;
 - ``reference_sample.npz`` (``dp == 1`` only): one parity input set and PyTorch's output;
 - the checkpoint's tokenizer files (``TOKENIZER_FILES``), copied when present, so the export
   alone takes text prompts;

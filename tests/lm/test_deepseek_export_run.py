@@ -34,6 +34,7 @@ from numaov.custom_ops import OnnxRuntimeUnsupportedError, check_onnxruntime_can
 from numaov.exporter.lm_export import COLLECTIVE_GROUP, export_lm
 from numaov.models.checkpoint import CheckpointError
 from numaov.models.deepseek_v2 import DeepseekV2, ShardError
+from numaov.models.layers.sharding import head_rows
 from numaov.runtime.lm.engine import (
     GenerationInputError,
     RankPlanError,
@@ -95,12 +96,13 @@ def test_export_writes_rank_graphs_with_collectives_and_one_manifest(exported) -
         graph = onnx.load(str(model_dir / f"rank_{rank}/model.onnx"), load_external_data=False)
         collectives = [n for n in graph.graph.node if n.domain == "numaov.collective"]
         # one gather of the row counts, then a gather + reduce-scatter around each of 3
-        # layers; around the head a gather of its row counts, of its rows and of the logits
-        assert sorted(n.op_type for n in collectives) == ["AllGatherIntoTensor"] * 7 + [
-            "ReduceScatterTensor"] * 3
+        # layers; around the head a gather of its row counts and of its rows, and the
+        # all-to-all of the logit slices
+        assert sorted(n.op_type for n in collectives) == ["AllGatherIntoTensor"] * 6 + [
+            "AllToAll"] + ["ReduceScatterTensor"] * 3
         head = next(t for t in graph.graph.initializer if t.name.endswith("lm_head.weight"))
-        vocab = manifest["config"]["vocab_size"]
-        assert list(head.dims) == [vocab // 2, manifest["config"]["hidden_size"]]
+        rows = head_rows(manifest["config"]["vocab_size"], 2)
+        assert list(head.dims) == [rows, manifest["config"]["hidden_size"]]
         for node in collectives:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attrs == {"group": COLLECTIVE_GROUP.encode(), "world_size": 2}

@@ -25,7 +25,8 @@ Semantics follow transformers' ``deepseek_v2`` (which follows DeepSeek's own cod
 
 DP attention: each rank runs attention on its own sequences and, around every MLP and MoE
 block, the exchange of :mod:`numaov.models.layers.data_parallel` (gather every rank's rows, run
-this rank's shard, reduce-scatter the partial sums).
+this rank's shard, reduce-scatter the partial sums); each rank's head is its slice of the
+vocabulary, applied to every rank's last rows (an all-to-all returns each rank its logits).
 
 Sharding is along the intermediate dim (dense MLP, shared experts, and inside every routed
 expert), not by expert. Why: with an intermediate split every rank does exactly ``1/dp`` of

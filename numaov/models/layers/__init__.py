@@ -13,9 +13,9 @@
 - ``gqa``: grouped-query attention (Qwen-MoE) over a cache of rotated K and V heads;
 - ``attention_mask``: the causal mask over past and new tokens that MLA and GQA are given;
 - ``data_parallel``: the DP group a model instance is one rank of, and the exchange around
-  every MLP / MoE block under DP attention;
-- ``sharding``: the check that dp divides the split dims, and which MLP / expert tensors a
-  rank holds a slice of (``shard_tensor``);
+  every MLP / MoE block and the head under DP attention;
+- ``sharding``: the check that dp divides the split dims, and which MLP / expert / head
+  tensors a rank holds a slice of (``shard_tensor``);
 - ``expert_layout``: checkpoints with one tensor per routed expert to and from the model's
   expert stacks (read shard by shard), and the checkpoint file names;
 - ``moe``: DeepSeek's MoE block (router, routed experts, shared experts);

@@ -1,12 +1,12 @@
-"""DP attention's exchange around every MLP / MoE block, for every family.
+"""DP attention's exchange around every MLP / MoE block and the head, for every family.
 
 With a :class:`DataParallelGroup` of ``dp`` ranks, each rank holds its own sequences and runs
 attention on them only; around every MLP and MoE block (``docs/architecture.md``, "DP
 attention, in one paragraph"):
 
 1. the ranks agree on the padded row count ``M = max_r rows_r`` (one all-gather of the counts
-   per forward, :func:`agree_rows`, at least 1 row so an idle rank's empty batch still has a
-   shape);
+   per forward, shared by every layer, :func:`agree_rows`, at least 1 row so an idle rank's
+   empty batch still has a shape);
 2. each rank pads its normalised rows to ``M`` and ``all_gather_into_tensor`` stacks them:
    rank r's rows sit at ``r*M ..`` (MAX_LEN layout);
 3. every rank runs its shard of the block on the real rows of all ranks: a partial sum;
@@ -15,9 +15,9 @@ attention, in one paragraph"):
    partial ``dp`` times.
 
 and once more around ``lm_head``, which each rank holds a vocabulary slice of
-(:func:`logits_from_vocab_shards`): the rows are gathered, each rank computes its slice of the
-vocabulary for all of them, and a second all-gather hands every rank all the slices of its own
-rows. A replicated head would have each rank read the whole ``[vocab, hidden]`` matrix every
+(:func:`logits_from_vocab_shards`): the rows are gathered (with their own count: the head
+takes each sequence's last row), each rank computes its slice of the vocabulary for all of
+them, and an all-to-all hands every rank all the slices of its own rows. A replicated head would have each rank read the whole ``[vocab, hidden]`` matrix every
 step (a fifth to a half of a cut checkpoint's bytes a token, 2-9% of a released model's), and
 ranks that share a memory bus read it ``dp`` times.
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from numaov import NumaovError
-from numaov.custom_ops import all_gather_into_tensor, reduce_scatter_tensor
+from numaov.custom_ops import all_gather_into_tensor, all_to_all, reduce_scatter_tensor
 
 
 class ShardError(NumaovError):
@@ -76,7 +76,8 @@ def agree_rows(dp: DataParallelGroup | None, rows: int) -> RankRows | None:
     """Every rank's row count this step: the padding (the largest count, at least 1: the
     MAX_LEN of the exchange) and where the real rows sit among the gathered ones.
 
-    One tiny all-gather per forward, shared by every layer's exchange. None without DP.
+    One tiny all-gather, shared by every layer's exchange (the head has its own: its rows are
+    the sequences' last ones). None without DP.
     """
     if dp is None or dp.world_size == 1:
         return None
@@ -129,6 +130,7 @@ def logits_from_vocab_shards(head: nn.Module, rows: Tensor, dp: DataParallelGrou
     padded = F.pad(rows, (0, 0, 0, rows_of.padded - n))  # [M, H]
     everyone = all_gather_into_tensor(padded, group, world)  # [world*M, H]
     mine = head(everyone)  # [world*M, V/world]: this rank's vocabulary slice of every row
-    slices = all_gather_into_tensor(mine, group, world)  # [world (slice), world*M, V/world]
-    slices = slices.view(world, world, rows_of.padded, -1)[:, dp.rank]  # [slice, M, V/world]
+    # rank r's rows go to rank r; block s of what comes back is rank s's slice of this rank's
+    # rows (an all-gather would hand every rank all ranks' rows: world times the bytes)
+    slices = all_to_all(mine, group, world).view(world, rows_of.padded, -1)  # [slice, M, V/w]
     return slices.permute(1, 0, 2).reshape(rows_of.padded, -1)[:n, :vocab_size]

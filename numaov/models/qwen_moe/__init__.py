@@ -24,7 +24,8 @@ The KV cache entry of a token and layer is its rotated keys then its values
 (``CacheLayout("gqa", layers, (("key", kv*D), ("value", kv*D)))``, see
 :mod:`numaov.models.layers.gqa`). DP attention and sharding are DeepSeek-V2's: attention and
 the router replicated, the dense MLPs, the shared expert and every routed expert split along
-their intermediate dim (:func:`check_dp_divides` names the dims a dp does not divide).
+their intermediate dim (:func:`check_dp_divides` names the dims a dp does not divide), the
+head by vocabulary rows.
 
 Modules: ``family`` (what the rest of numaov reads), ``config``, ``sharding``,
 ``checkpoint_layout``, ``moe``, ``decoder``, ``causal_lm``.
