@@ -200,27 +200,31 @@ def test_an_unknown_rope_kind_is_refused() -> None:
         RotaryEmbedding(64, 10000.0, {"rope_type": "llama3", "factor": 2.0})
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_holds_its_vocabulary_rows_of_a_tied_head(tmp_path: Path, world: int) -> None:
+@pytest.mark.slow  # four checkpoint loads per head
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_rank_holds_its_vocabulary_rows_of_the_head(tmp_path: Path, tied: bool) -> None:
     """Under DP each rank holds ceil(vocab / dp) rows of lm_head, the last slice padded with
-    zero rows (their logits are cut); a tied head is a copy of the rank's rows of the table,
-    which stays whole, and is the table itself at dp=1."""
+    zero rows (their logits are cut): an untied head's rows read alone from the checkpoint, a
+    tied head's a copy of the rank's rows of the table, which stays whole and is the head
+    itself at dp=1."""
     from support.qwen_moe_harness import save_checkpoint
 
     from numaov.models.layers.data_parallel import DataParallelGroup
     from numaov.models.qwen_moe import QwenMoe
 
-    _, checkpoint = save_checkpoint(tmp_path / "tied", "qwen3_moe", 3, tie_word_embeddings=True,
+    _, checkpoint = save_checkpoint(tmp_path / "tied", "qwen3_moe", 3, tie_word_embeddings=tied,
                                     vocab_size=253)
     whole = QwenMoe.from_pretrained(checkpoint)
-    table = whole.model.embed_tokens.weight
-    assert whole.lm_head.weight is table and whole.head_is_embedding
-    rows = -(-253 // world)
-    slices = []
-    for rank in range(world):
-        model = QwenMoe.from_pretrained(checkpoint, dp=DataParallelGroup("unused", rank, world))
-        assert not model.head_is_embedding and model.lm_head.weight.shape == (rows, 64)
-        assert torch.equal(model.model.embed_tokens.weight, table)
-        slices.append(model.lm_head.weight)
-    head = torch.cat(slices)
-    assert torch.equal(head[:253], table) and not head[253:].any()
+    table, head = whole.model.embed_tokens.weight, whole.lm_head.weight
+    assert (head is table) == tied and whole.head_is_embedding == tied
+    for world in (2, 4):
+        rows = -(-253 // world)
+        slices = []
+        for rank in range(world):
+            model = QwenMoe.from_pretrained(checkpoint,
+                                            dp=DataParallelGroup("unused", rank, world))
+            assert not model.head_is_embedding and model.lm_head.weight.shape == (rows, 64)
+            assert torch.equal(model.model.embed_tokens.weight, table)
+            slices.append(model.lm_head.weight)
+        rebuilt = torch.cat(slices)
+        assert torch.equal(rebuilt[:253], head) and not rebuilt[253:].any(), world

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from numaov.models.checkpoint import check_state_dict
-from numaov.models.layers.sharding import HEAD, shard_tensor
+from numaov.models.layers.sharding import HEAD, head_slice, padded_head, shard_tensor
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -79,8 +79,8 @@ def checkpoint_to_stacked(
 
     Tensors are read one at a time and converted as they are read, so the result is the only
     copy of the weights: a per-expert tensor's rows are read straight into its place in the
-    expert stack (a rank reads only its own rows), and a tensor to shard is sliced and let go
-    before the next is read.
+    expert stack (a rank reads only its own rows, as it does of the head), and a tensor to
+    shard is sliced and let go before the next is read.
 
     Raises CheckpointError naming the missing, unexpected and mis-shaped tensors.
     """
@@ -102,6 +102,11 @@ def checkpoint_to_stacked(
                                             num_experts, moe_intermediate_size, rank, world))
     for name in shapes:
         if name in state or PER_EXPERT.match(name) or (not read_experts and STACK.match(name)):
+            continue
+        if name == HEAD and world > 1:  # only this rank's vocabulary rows are read
+            vocab = shapes[name][0]
+            state[name] = padded_head(checkpoint.read(name, head_slice(vocab, rank, world)),
+                                      vocab, world)
             continue
         tensor = checkpoint[name]
         state[name] = shard_tensor(name, tensor, rank, world) if world > 1 else tensor

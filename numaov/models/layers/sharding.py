@@ -79,13 +79,26 @@ def head_rows(vocab_size: int, world_size: int) -> int:
     return -(-vocab_size // world_size)
 
 
+def head_slice(vocab_size: int, rank: int, world_size: int) -> slice:
+    """The rows of the whole head that are rank ``rank``'s (fewer than :func:`head_rows` for
+    the last rank of a vocabulary ``world_size`` does not divide)."""
+    rows = head_rows(vocab_size, world_size)
+    return slice(min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size))
+
+
+def padded_head(mine: Tensor, vocab_size: int, world_size: int) -> Tensor:
+    """A rank's rows of the head (:func:`head_slice`) padded with zero rows to
+    :func:`head_rows`."""
+    missing = head_rows(vocab_size, world_size) - len(mine)
+    return torch.cat((mine, mine.new_zeros(missing, *mine.shape[1:])))
+
+
 def shard_tensor(name: str, tensor: Tensor, rank: int, world_size: int) -> Tensor:
     """Rank ``rank``'s slice of the model-layout tensor ``name`` (a copy, so the full one can
     be freed), or ``tensor`` itself when it is replicated."""
     if name == HEAD:
-        rows = head_rows(tensor.shape[0], world_size)
-        mine = tensor[rank * rows:(rank + 1) * rows]
-        return torch.cat((mine, mine.new_zeros(rows - len(mine), *tensor.shape[1:])))
+        vocab = tensor.shape[0]
+        return padded_head(tensor[head_slice(vocab, rank, world_size)], vocab, world_size)
     if _GATE_UP.search(name):
         e, two_i, h = tensor.shape
         halves = tensor.view(e, 2, two_i // 2, h)
