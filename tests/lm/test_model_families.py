@@ -200,7 +200,7 @@ def test_an_unknown_rope_kind_is_refused() -> None:
         RotaryEmbedding(64, 10000.0, {"rope_type": "llama3", "factor": 2.0})
 
 
-@pytest.mark.slow  # four checkpoint loads per head
+@pytest.mark.slow  # seven checkpoint loads per head
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_rank_holds_its_vocabulary_rows_of_the_head(tmp_path: Path, tied: bool) -> None:
     """Under DP each rank holds ceil(vocab / dp) rows of lm_head, the last slice padded with

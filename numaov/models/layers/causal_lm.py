@@ -29,7 +29,6 @@ from numaov.models.layers.data_parallel import (
     ShardError,
     logits_from_vocab_shards,
 )
-from numaov.models.layers.decoder import multi_rank
 from numaov.models.layers.expert_layout import (
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
@@ -274,8 +273,7 @@ class CausalLM(nn.Module):
     def logits(self, rows: Tensor) -> Tensor:
         """``rows [n, H]`` (final-normed) -> ``logits [n, vocab_size]``; with DP every rank
         calls at once and each applies its slice of the vocabulary to the rows of all."""
-        return logits_from_vocab_shards(self.lm_head, rows, multi_rank(self.dp),
-                                        self.config.vocab_size)
+        return logits_from_vocab_shards(self.lm_head, rows, self.dp, self.config.vocab_size)
 
 
 class CausalLMStep(nn.Module):

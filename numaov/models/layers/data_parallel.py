@@ -15,11 +15,12 @@ attention, in one paragraph"):
    partial ``dp`` times.
 
 and once more around ``lm_head``, which each rank holds a vocabulary slice of
-(:func:`logits_from_vocab_shards`): the rows are gathered (with their own count: the head
-takes each sequence's last row), each rank computes its slice of the vocabulary for all of
-them, and an all-to-all hands every rank all the slices of its own rows. A replicated head would have each rank read the whole ``[vocab, hidden]`` matrix every
-step (a fifth to a half of a cut checkpoint's bytes a token, 2-9% of a released model's), and
-ranks that share a memory bus read it ``dp`` times.
+(:func:`logits_from_vocab_shards`): the rows are gathered (with their own count: the head takes
+each sequence's last row), each rank computes its slice of the vocabulary for all of them, and
+an all-to-all hands every rank all the slices of its own rows. A replicated head would have
+each rank read the whole ``[vocab, hidden]`` matrix every step (a fifth to a half of a cut
+checkpoint's bytes a token, 2-9% of a released model's), and ranks that share a memory bus read
+it ``dp`` times.
 
 The collectives are called by group name only; which transport serves the group (gloo,
 shared memory, the OpenVINO extension op) is not the model's concern.
@@ -121,7 +122,7 @@ def logits_from_vocab_shards(head: nn.Module, rows: Tensor, dp: DataParallelGrou
                              vocab_size: int) -> Tensor:
     """``rows [n, H]`` of this rank -> their logits ``[n, vocab_size]``, with ``head`` this
     rank's slice of the vocabulary (``sharding.head_rows`` rows, rank-major) and every rank
-    calling at once; without DP, ``head(rows)``."""
+    calling at once; without DP (or a group of one), ``head(rows)``."""
     n = rows.shape[0]
     rows_of = agree_rows(dp, n)
     if dp is None or rows_of is None:
