@@ -109,7 +109,8 @@ PROBE_SOURCE = r"""
 //   kind 1: f32 FMAs (16 independent chains of 16 lanes: 256 multiply-adds an iteration);
 //   kind 2: AVX512-BF16 dot products (16 chains x 32: 512 an iteration);
 //   kind 3: AMX bf16 tiles (4 accumulators x 16 x 16 x 32: 32768 an iteration);
-//   kind 4: AMX int8 tiles (4 accumulators x 16 x 16 x 64: 65536 an iteration).
+//   kind 4: AMX int8 tiles (4 accumulators x 16 x 16 x 64: 65536 an iteration);
+//   kind 5: AVX512-VNNI int8 dot products (16 chains x 64: 1024 an iteration).
 // The compute loops touch registers (tiles) only. Each function that issues wide
 // instructions carries its own target attribute, so the library loads on any x86-64 and the
 // caller decides from the CPU's flags what may run.
@@ -127,6 +128,7 @@ PROBE_SOURCE = r"""
 
 #define TARGET_AVX512 __attribute__((target("avx512f")))
 #define TARGET_BF16 __attribute__((target("avx512f,avx512bf16")))
+#define TARGET_VNNI __attribute__((target("avx512f,avx512vnni")))
 #define TARGET_AMX __attribute__((target("amx-tile,amx-bf16,amx-int8")))
 
 volatile double probe_sink;
@@ -174,6 +176,18 @@ TARGET_BF16 static double dot_bf16(long iters) {
     }
     _Pragma("GCC unroll 16") for (int j = 1; j < 16; ++j) acc[0] = _mm512_add_ps(acc[0], acc[j]);
     return (double)_mm512_reduce_add_ps(acc[0]);
+}
+
+// u8 1 times s8 1, four to a lane: the int32 sums grow by 4 a step (they wrap, at no cost).
+TARGET_VNNI static double dot_vnni(long iters) {
+    __m512i acc[16];
+    _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_epi32(j);
+    const __m512i a = _mm512_set1_epi8(1);
+    for (long i = 0; i < iters; ++i) {
+        _Pragma("GCC unroll 16") for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], a, a);
+    }
+    _Pragma("GCC unroll 16") for (int j = 1; j < 16; ++j) acc[0] = _mm512_add_epi32(acc[0], acc[j]);
+    return (double)_mm512_reduce_add_epi32(acc[0]);
 }
 
 #ifndef PROBE_NO_AMX
@@ -277,7 +291,8 @@ static void* run_worker(void* arg) {
                 case 1: w->sink += fma_f32(s->iters); break;
                 case 2: w->sink += dot_bf16(s->iters); break;
                 case 3: w->sink += amx_loop(s->iters, 0); break;
-                default: w->sink += amx_loop(s->iters, 1); break;
+                case 4: w->sink += amx_loop(s->iters, 1); break;
+                default: w->sink += dot_vnni(s->iters); break;
             }
         }
         s->start[p * s->threads + w->index] = t0;
@@ -363,6 +378,7 @@ PROBES = {
     "dot_bf16": Probe(2, "GMAC/s", 16 * 32, ("avx512f", "avx512_bf16")),
     "amx_bf16": Probe(3, "GMAC/s", 4 * 16 * 16 * 32, ("amx_tile", "amx_bf16")),
     "amx_int8": Probe(4, "GMAC/s", 4 * 16 * 16 * 64, ("amx_tile", "amx_int8")),
+    "dot_vnni": Probe(5, "GMAC/s", 16 * 64, ("avx512f", "avx512_vnni")),
 }
 
 
@@ -556,10 +572,11 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     kernel runs ``weights`` on at this many rows per expert: bf16 on AMX tiles where the kernel
     puts such an expert on them (``moe_ops.bf16_kernel``), else AVX512-BF16 dot products;
     fp8 as bf16 from the kernel's ``fp8_tile_min_rows`` rows per expert (the op is compiled
-    as a bf16 model runs it, `stored_op`); f32, int8, int4 and fp8 below that in f32 FMAs
-    (weight-only: the weights are widened to f32). None when that peak was not measured, or the
+    as a bf16 model runs it, `stored_op`); int8, compiled so too, on AVX512-VNNI dot products
+    where the kernel runs it so (``moe_ops.int8_kernel``); f32, int4, and int8 and fp8
+    otherwise, in f32 FMAs (weight-only: the weights are widened to f32). None when that peak was not measured, or the
     kernel runs on AVX2 (``NUMAOV_MOE_ISA``: its 8-lane FMAs' peak is not one of the probes)."""
-    from numaov.custom_ops.moe_ops import bf16_kernel, kernel_isa
+    from numaov.custom_ops.moe_ops import bf16_kernel, int8_kernel, kernel_isa
 
     if kernel_isa(weights) == "avx2":
         return None
@@ -569,6 +586,8 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     if weights == "bf16" or (weights == "fp8" and fp8_tiles and rows_per_expert >= fp8_tiles):
         on_tiles = kernel["kernel"] == "amx" and rows_per_expert >= (kernel["amx_min_rows"] or 1)
         name = "amx_bf16" if on_tiles else "dot_bf16"
+    if weights == "int8" and int8_kernel()["kernel"] == "vnni":
+        name = "dot_vnni"
     limit = measured["limits"].get(name)
     return (name, limit["all_cores"]["median"]) if limit else None
 
@@ -621,8 +640,9 @@ def stored_op(shape: LayerShape, formats: list[str], threads: int, where: Path
         per_expert = store.layers[0].plan.expert_bytes()
         onnx_path = write_store_moe_onnx(directory / "moe.onnx", STORE_NAME, store.store_id,
                                          0, h, shape.top_k)
-        # fp8 as a bf16 model runs it: its prefill on the bf16 tiles (decode is exact either way)
-        precision = "bf16" if weights in ("bf16", "fp8") else "f32"
+        # fp8 and int8 as a bf16 model runs them: fp8's prefill on the bf16 tiles (decode is
+        # exact either way), int8 on VNNI against quantized activations (int8_kernel)
+        precision = "bf16" if weights in ("bf16", "fp8", "int8") else "f32"
         xml = convert_to_ir(onnx_path, directory / "moe.xml", precision)
         request = compile_ir(xml, precision, {"INFERENCE_NUM_THREADS": threads}
                              ).create_infer_request()

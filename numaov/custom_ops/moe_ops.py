@@ -19,8 +19,9 @@ with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then 
   ONNX Runtime has no kernel for it: ``check_onnxruntime_can_run`` refuses such a graph.
 - **OpenVINO**: the extension op ``MoeExperts`` (``csrc/ops/moe_op.cpp``, kernel in
   ``csrc/kernels/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
-  products, int8 / int4 / fp8 weights widened and scaled as they are read; cost proportional to
-  the routed rows.
+  products, int8 / int4 / fp8 weights widened and scaled as they are read (int8 in a bf16 model:
+  int8 products on AVX512-VNNI against activations quantized per row, ``int8_kernel``); cost
+  proportional to the routed rows.
 
 Weight formats (``WEIGHT_FORMATS``; :func:`quantize_experts` writes them, the layout is drawn
 in ``csrc/kernels/moe_kernels.hpp``): ``f32`` and ``bf16`` stacks as they are; ``int8``: int8 stacks
@@ -66,6 +67,7 @@ __all__ = [
     "quantize_block_fp8",
     "quantize_experts",
     "bf16_kernel",
+    "int8_kernel",
     "kernel_isa",
     "kernel_unavailable_reason",
     "dense_linear",
@@ -517,6 +519,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         try:
             isa = None if missing else kernel_isa(weight_format)
             bf16 = bf16_kernel() if isa and weight_format == "bf16" else None
+            int8 = int8_kernel() if isa == "avx512" and weight_format == "int8" else None
         except MoeOpError as exc:
             kernels[weight_format] = {"kernel": None, "reason": str(exc)}
             continue
@@ -524,6 +527,10 @@ def format_kernels() -> dict[str, dict[str, Any]]:
             kernels[weight_format] = {"kernel": None, "reason": missing}
         elif bf16 is not None and bf16["kernel"] is None:
             kernels[weight_format] = {"kernel": None, "reason": bf16["reason"]}
+        elif int8 is not None and int8["kernel"] == "vnni":
+            kernels[weight_format] = {
+                "kernel": f"AVX512-VNNI: int8 weights against activations quantized per row in "
+                          f"groups of {int8['act_group']} ({int8['reason']})", "reason": ""}
         elif bf16 is not None:
             fp8_tile_min_rows = bf16["fp8_tile_min_rows"]
             described = {
@@ -543,6 +550,16 @@ def format_kernels() -> dict[str, dict[str, Any]]:
     return kernels
 
 
+def int8_kernel() -> dict[str, Any]:
+    """Which kernel the OpenVINO ops run int8 weights on here, under ``NUMAOV_MOE_VNNI``
+    (``auto``: AVX512-VNNI products against activations quantized per row in groups of
+    ``act_group`` values in a bf16 model, where the CPU has AVX512-VNNI; ``off``: widened to
+    f32; ``always``: VNNI in f32 models too) and ``NUMAOV_MOE_ISA``: ``{"kernel": "vnni" |
+    "f32" | None, "act_group": int | None, "reason": str}``. Raises MoeOpError for a bad
+    setting of either."""
+    return _kernel_report("moe_int8_kernel", "NUMAOV_MOE_VNNI")
+
+
 def bf16_kernel() -> dict[str, Any]:
     """Which kernel the OpenVINO op runs bf16 experts on here, under ``NUMAOV_MOE_AMX``
     (``auto``: AMX tiles for experts of ``amx_min_rows`` rows or more where AMX is usable;
@@ -553,12 +570,18 @@ def bf16_kernel() -> dict[str, Any]:
     ``fp8_tile_min_rows``: the rows per expert (a call's average) from which a bf16 model's fp8
     experts run on these tiles, dequantized to bf16 (None: never). Raises MoeOpError for a bad
     setting of either."""
+    return _kernel_report("moe_bf16_kernel", "NUMAOV_MOE_AMX")
+
+
+def _kernel_report(function: str, variable: str) -> dict[str, Any]:
+    """The native library's report ``function()``; a bad ``variable`` or ``NUMAOV_MOE_ISA``
+    setting as a MoeOpError naming the one that is wrong."""
     from numaov.native import native_module
 
     try:
-        return dict(native_module().moe_bf16_kernel())
+        return dict(getattr(native_module(), function)())
     except ValueError as exc:
-        name = "NUMAOV_MOE_ISA" if "NUMAOV_MOE_ISA" in str(exc) else "NUMAOV_MOE_AMX"
+        name = "NUMAOV_MOE_ISA" if "NUMAOV_MOE_ISA" in str(exc) else variable
         raise MoeOpError(str(exc), parameter=name) from None
 
 

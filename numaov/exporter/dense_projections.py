@@ -22,8 +22,16 @@ MLA's ``kv_b_proj``, which step 3 reads as batched weights).
   projection on the op decoded 1.19x / 1.20x faster at 1 / 2 sequences and the same from 4 to
   32 (0.99-1.04x), its 512-token prefill 0.98x (``benchmarks/RESULTS.md``). With AMX, OpenVINO's oneDNN tiles run
   the projections of a prefill, which numaov's tiles were not measured against, so they stay
-  on the ``FullyConnected``; so do the weights NNCF compresses (int8 / int4 exports) and the
-  layers no module lists (the routers, Qwen2-MoE's ``shared_expert_gate``).
+  on the ``FullyConnected``; so do the layers no module lists (the routers, Qwen2-MoE's
+  ``shared_expert_gate``).
+- **int8 ones where the kernel runs int8 on AVX512-VNNI** (:func:`int8_projections`, the rule in
+  :func:`int8_projections_here`): an int8 export computed in bf16 (``--weights int8``), made
+  where the kernel's int8 path is VNNI (``moe_ops.int8_kernel``). Each projection is quantized
+  as NNCF's ``INT8_SYM`` would compress it on the ``FullyConnected`` (symmetric, one scale per
+  output row), and both quantize the activations of a bf16 model per row in groups (the plugin
+  of 32 values, the kernel of 64). A chain of 4,096 x 2,048 int8 projections ran 1.2x faster
+  than OpenVINO's at 1-4 rows a call, 0.87-0.94x at 8-16, even or faster from 32
+  (``benchmarks/RESULTS.md``). int4 stays on NNCF's ``FullyConnected``.
 """
 
 from __future__ import annotations
@@ -35,7 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from numaov.custom_ops.moe_ops import MoeOpError, bf16_kernel, fp8_row_scales
+from numaov.custom_ops.moe_ops import (
+    MoeOpError,
+    bf16_kernel,
+    fp8_row_scales,
+    int8_kernel,
+    quantize_experts,
+)
 from numaov.exporter.expert_streaming import fp8_block, open_checkpoint
 from numaov.models.checkpoint import FLOAT8_DTYPES, SCALE_SUFFIX
 from numaov.models.layers.kernel_linear import KernelLinear
@@ -90,18 +104,45 @@ def bf16_projections_here(precision: str, storage: str) -> bool:
     return bf16_kernel()["kernel"] == "avx512_bf16"
 
 
+def int8_projections_here(precision: str, weights: str) -> bool:
+    """Whether an export made here runs its int8 projections on ``DenseLinear`` (the module
+    docstring): int8 weights computed in bf16, and the kernel runs int8 weights of a bf16 model
+    on AVX512-VNNI here (``moe_ops.int8_kernel``)."""
+    if precision != "bf16" or weights != "int8":
+        return False
+    return int8_kernel()["kernel"] == "vnni"
+
+
 def bf16_projections(model: nn.Module) -> int:
     """Replace each projection of ``model`` still an ``nn.Linear`` with a ``KernelLinear`` of
-    its weight in bf16 (and its bias); returns how many. A head that is the embedding table
-    (tied, dp=1) stays, so the IR holds the table once; a rank's slice of a tied head is its
-    own copy and moves."""
+    its weight in bf16 (and its bias); returns how many (see :func:`_move_projections`)."""
+    return _move_projections(model, lambda weight: (weight.to(torch.bfloat16), None))
+
+
+def int8_projections(model: nn.Module) -> int:
+    """Replace each projection of ``model`` still an ``nn.Linear`` with a ``KernelLinear`` of
+    its weight in int8, symmetric with one scale per output row (``moe_ops.quantize_experts``,
+    as NNCF's ``INT8_SYM``), and its bias; returns how many (see :func:`_move_projections`)."""
+    def to_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        stored, scale = quantize_experts(weight.float()[None], "int8")
+        return stored[0], None if scale is None else scale[0]
+
+    return _move_projections(model, to_int8)
+
+
+def _move_projections(model: nn.Module, stored: Any) -> int:
+    """Each projection of ``model`` still an ``nn.Linear`` as a ``KernelLinear`` of its weight
+    as ``stored(weight)`` gives it (``(weight, scale)``), and its bias; returns how many. A
+    head that is the embedding table (tied, dp=1) stays, so the IR holds the table once; a
+    rank's slice of a tied head is its own copy and moves."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     replaced = 0
     for _, module, attribute, linear in _projections(model):
         if id(linear.weight) in embeddings:
             continue
         bias = None if linear.bias is None else linear.bias.detach()
-        setattr(module, attribute, KernelLinear(linear.weight.detach().to(torch.bfloat16), None, bias))
+        weight, scale = stored(linear.weight.detach())
+        setattr(module, attribute, KernelLinear(weight, scale, bias))
         replaced += 1
     return replaced
 

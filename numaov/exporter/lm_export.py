@@ -442,6 +442,8 @@ def _export_into(
     from numaov.exporter.dense_projections import (
         bf16_projections,
         bf16_projections_here,
+        int8_projections,
+        int8_projections_here,
         keep_fp8_projections,
     )
     from numaov.models.checkpoint import compute_in_f32
@@ -458,8 +460,9 @@ def _export_into(
     min_row_share = None if by_rows is None else MIN_ROW_SHARE[by_rows]
     min_token_share = None if by_rows is None else MIN_TOKEN_SHARE[by_rows]
     storage = other_weights_storage(weights, precision)
-    # asked before any slow work: a bad NUMAOV_MOE_AMX / NUMAOV_MOE_ISA is refused here
+    # asked before any slow work: a bad NUMAOV_MOE_AMX / VNNI / ISA is refused here
     on_kernel = bf16_projections_here(precision, storage)
+    int8_on_kernel = int8_projections_here(precision, weights)
 
     spec = _StepSpec.of(family, config, precision)
 
@@ -527,6 +530,12 @@ def _export_into(
                                    "op (exported where its bf16 kernel is AVX512-BF16: faster "
                                    "than OpenVINO's FullyConnected at a few rows a call)")
                 report(dense_notes[-1])
+        if int8_on_kernel:
+            moved = int8_projections(shard)
+            if rank == 0:
+                dense_notes.append(f"{moved} int8 projections per rank on numaov's DenseLinear "
+                                   "op (exported where its int8 kernel is AVX512-VNNI)")
+                report(dense_notes[-1])
         narrow = compute_in_f32(shard) > 0  # the graph holds bf16 weights behind Casts
         timings["load"] += time.perf_counter() - start
         start = time.perf_counter()
@@ -541,7 +550,8 @@ def _export_into(
         start = time.perf_counter()
         xml_path = convert_to_ir(graph.path, rank_dir / IR_NAME, storage, report,
                                  compress if weights in ("int8", "int4") else None,
-                                 keep_weight_casts=narrow)
+                                 keep_weight_casts=narrow,
+                                 computes_in_bf16=inference_precision == "bf16")
         timings["openvino_convert"] = (
             timings.get("openvino_convert", 0.0) + time.perf_counter() - start
         )

@@ -299,6 +299,7 @@ def convert_to_ir(
     compress: Callable[[Any], None] | None = None,
     keep_weight_casts: bool = False,
     f32_inputs: tuple[str, ...] = (),
+    computes_in_bf16: bool | None = None,
 ) -> Path:
     """Convert ``onnx_path`` to ``xml_path`` (+ ``.bin``); returns the ``.xml`` path.
 
@@ -311,7 +312,10 @@ def convert_to_ir(
     which fold every such Cast into an f32 copy of the weight (2x the weights in memory, the
     CPU plugin folds it when it compiles anyway), so the IR stores the bf16 weights as read.
     ``f32_inputs``: graph inputs whose own computations (the nodes that depend on them and on
-    no other input) stay f32 at bf16 (``_keep_f32_from``; the Wan transformer's timestep)."""
+    no other input) stay f32 at bf16 (``_keep_f32_from``; the Wan transformer's timestep).
+    ``computes_in_bf16``: the IR will be compiled at bf16 (default: when ``precision`` is), so
+    its MoE routers are kept f32 (``_keep_routing_f32``): an int8 / int4 export stores its other
+    weights through NNCF, not bf16, and still computes in bf16."""
     import openvino as ov
 
     from numaov.custom_ops import library_path
@@ -352,9 +356,10 @@ def convert_to_ir(
         ov.save_model(model, str(xml_path), compress_to_fp16=False)
     except Exception as exc:
         raise ConversionError(f"cannot write OpenVINO IR to {str(xml_path)!r} ({exc})") from exc
-    if precision == "bf16":
+    if precision == "bf16" if computes_in_bf16 is None else computes_in_bf16:
         routing = _keep_routing_f32(xml_path)
         logger.info("kept %d nodes of the MoE routers in f32", routing)
+    if precision == "bf16":
         marked = _mark_weight_decompression(xml_path)
         logger.info("marked %d bf16 weights as decompressed where used", marked)
     if f32_inputs:

@@ -26,6 +26,7 @@ TWO_RANKS = 2
 _ISA_MEANING = {
     "amx_usable": "AMX tiles: OpenVINO runs bf16/int8 matmuls on the matrix units (fastest)",
     "avx512_bf16": "AVX512-BF16: OpenVINO runs bf16 matmuls with vector dot products",
+    "avx512_vnni": "AVX512-VNNI: int8 dot products (OpenVINO's and numaov's int8 weights)",
     "avx512f": "AVX-512: fp32 kernels and fast fp32<->bf16 conversion",
     "avx2": "AVX2: baseline vector kernels",
 }
@@ -105,17 +106,23 @@ def _attention_info() -> dict[str, Any]:
 
 def _moe_info() -> dict[str, Any]:
     """Which kernel the MoE experts op runs bf16 experts on, under NUMAOV_MOE_AMX:
-    ``bf16_kernel`` "amx" (experts of ``amx_min_rows`` rows or more), "avx512_bf16" or None."""
-    from numaov.custom_ops.moe_ops import MoeOpError, bf16_kernel, format_kernels
+    ``bf16_kernel`` "amx" (experts of ``amx_min_rows`` rows or more), "avx512_bf16" or None;
+    and int8 ones, under NUMAOV_MOE_VNNI: ``int8_kernel`` "vnni", "f32" or None."""
+    from numaov.custom_ops.moe_ops import MoeOpError, bf16_kernel, format_kernels, int8_kernel
 
-    formats = format_kernels()
+    info: dict[str, Any] = {"formats": format_kernels()}
     try:
         kernel = bf16_kernel()
+        info.update(bf16_kernel=kernel["kernel"], amx_min_rows=kernel["amx_min_rows"],
+                    reason=kernel["reason"])
     except MoeOpError as exc:
-        return {"bf16_kernel": None, "amx_min_rows": None, "reason": str(exc),
-                "formats": formats}
-    return {"bf16_kernel": kernel["kernel"], "amx_min_rows": kernel["amx_min_rows"],
-            "reason": kernel["reason"], "formats": formats}
+        info.update(bf16_kernel=None, amx_min_rows=None, reason=str(exc))
+    try:
+        kernel = int8_kernel()
+        info.update(int8_kernel=kernel["kernel"], int8_reason=kernel["reason"])
+    except MoeOpError as exc:
+        info.update(int8_kernel=None, int8_reason=str(exc))
+    return info
 
 
 def _shm_needed(world_size: int) -> int | None:

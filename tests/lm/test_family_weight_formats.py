@@ -13,7 +13,7 @@ import pytest
 from support import deepseek_v3_harness, qwen_moe_harness
 
 from numaov.custom_ops.expert_store import STORE_NAME, open_store
-from numaov.exporter.dense_projections import bf16_projections_here
+from numaov.exporter.dense_projections import bf16_projections_here, int8_projections_here
 from numaov.exporter.lm_export import export_lm
 from numaov.runtime.lm.engine import SamplingParams, run_lm
 
@@ -32,6 +32,7 @@ NEW_TOKENS = 4
 
 @pytest.mark.parametrize(("family", "precision", "weights", "store_format"), [
     ("qwen3_moe", "f32", "int8", "int8"),
+    ("qwen3_moe", "bf16", "int8", "int8"),
     ("qwen3_moe", "bf16", "bf16", "bf16"),
     ("deepseek_v3", "bf16", "bf16", "bf16"),
     ("deepseek_v3", "f32", "int4", "int4"),
@@ -59,13 +60,13 @@ def test_export_passes_its_format_rules_and_generates(
     store = open_store(out / "rank_0" / STORE_NAME)
     assert {layer.plan.weight_format for layer in store.layers.values()} == {store_format}
     if precision == "bf16":
-        _assert_routers_compute_in_f32(out / "rank_0")
+        _assert_routers_compute_in_f32(out / "rank_0", weights)
     result = run_lm(out, PROMPTS, NEW_TOKENS, "openvino",
                     params=SamplingParams(NEW_TOKENS, ignore_eos=True))
     assert [len(tokens) for tokens in result.tokens] == [NEW_TOKENS] * len(PROMPTS)
 
 
-def _assert_routers_compute_in_f32(rank_dir: Path) -> None:
+def _assert_routers_compute_in_f32(rank_dir: Path, weights: str) -> None:
     """At bf16 every matmul but the MoE routers' runs in bf16; each router (its matmul, scores,
     top-k and weights) stays f32, as transformers computes it (``_keep_routing_f32``)."""
     from numaov.custom_ops import compile_ir
@@ -84,11 +85,16 @@ def _assert_routers_compute_in_f32(rank_dir: Path) -> None:
     assert moe_layers >= 1
     assert kinds["FullyConnected"].count("f32") == moe_layers, kinds["FullyConnected"]
     # the projections: numaov's DenseLinear on bf16 weights where the export's CPU runs bf16
-    # on AVX512-BF16 without AMX (exporter.dense_projections), else bf16 FullyConnecteds of
-    # 2-D weights (MLA's absorbed kv_b_proj halves are batched ones of 3-D weights either way)
-    projections = xml.read_text().count('type="DenseLinear"')
-    if bf16_projections_here("bf16", "bf16"):
+    # on AVX512-BF16 without AMX, on int8 ones where it runs int8 on AVX512-VNNI
+    # (exporter.dense_projections), else bf16 FullyConnecteds of 2-D weights, NNCF-compressed
+    # for int8 (MLA's absorbed kv_b_proj halves are batched ones of 3-D weights either way)
+    text = xml.read_text()
+    projections = text.count('type="DenseLinear"')
+    if weights == "bf16" and bf16_projections_here("bf16", "bf16") or (
+            weights == "int8" and int8_projections_here("bf16", "int8")):
         assert projections >= 4 and ("bf16", 2) not in linear, linear
     else:
         assert projections == 0 and ("bf16", 2) in linear, linear
+    if weights == "int8" and projections:  # each DenseLinear's weight an int8 constant
+        assert text.count('element_type="i8"') >= projections
     assert set(kinds["TopK"]) == {"f32"}, kinds["TopK"]

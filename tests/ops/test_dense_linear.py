@@ -9,7 +9,9 @@ float64 on the dequantized weight (f32 sums in another order); bf16 weights, and
 model from the bf16 tiles' row count, 3e-2 against float64 (activations and weights rounded
 to bf16, 2^-9 relative each); bf16-valued activations and weights, 1e-2 (only the output is
 rounded to bf16). Below that row count a bf16 model's fp8 linear is the f32
-model's result rounded to bf16 once: compared bit for bit.
+model's result rounded to bf16 once: compared bit for bit. int8 weights against quantized activations
+(AVX512-VNNI; test_moe_op.py's rule): 1e-5 against float64 on the activations as quantized
+(exact int32 sums per group, scaled in f32), 3e-2 against the unquantized ones.
 """
 
 from __future__ import annotations
@@ -19,13 +21,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.moe_kernel import bf16_tiles_missing, needs_kernel, relative_error
+from support.moe_kernel import (
+    bf16_tiles_missing,
+    needs_kernel,
+    quantized_activations,
+    relative_error,
+    vnni_missing,
+)
 
 from numaov.custom_ops import MoeOpError, compile_ir
 from numaov.custom_ops.moe_ops import (
     bf16_kernel,
     dense_linear,
     dequantize_experts,
+    int8_kernel,
     quantize_experts,
     write_dense_linear_onnx,
 )
@@ -36,10 +45,10 @@ BF16_TOL = 3e-2
 BF16_OUTPUT_TOL = 1e-2
 
 
-def _weight(outs: int, k: int, weight_format: str, seed: int = 0):
+def _weight(outs: int, k: int, weight_format: str, seed: int = 0, group_size: int | None = None):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(1, outs, k, generator=g) / k**0.5
-    stored, scale = quantize_experts(w, weight_format)
+    stored, scale = quantize_experts(w, weight_format, group_size)
     return stored[0], None if scale is None else scale[0]
 
 
@@ -118,6 +127,73 @@ def test_bf16_weights_on_either_side_of_the_outer_products(tmp_path: Path, k: in
         # bf16-valued operands: exact products, f32 sums, one rounding of the output to bf16
         # (2^-9 of a value, measured 2e-3 .. 3.5e-3 of the largest)
         assert relative_error(got, x.double() @ stored.double().T) < BF16_OUTPUT_TOL, rows
+
+
+# int8 weights against quantized activations: 160 values (two 64-value groups, the second
+# short), 256 in one scale group per row and in weight groups of 64; rows 1 to 5 (every
+# micro-tile height, then a second tile), 64 and 300 (across threads); 131 outputs (a partial
+# last tile)
+@pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
+@pytest.mark.parametrize(("k", "group_size"), [(160, None), (256, None), (256, 64)])
+def test_int8_weights_against_quantized_activations(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, k: int,
+                                                    group_size: int | None) -> None:
+    """A bf16 model runs int8 weights against activations quantized per row in groups of 64
+    (the weight stays int8: the CPU plugin does not widen it); with bf16-valued activations its
+    result is the f32 model's under NUMAOV_MOE_VNNI=always rounded once. An f32 model under
+    auto keeps f32 activations, bit for bit what off gives."""
+    monkeypatch.delenv("NUMAOV_MOE_ISA", raising=False)
+    stored, scale = _weight(131, k, "int8", group_size=group_size)
+    (tmp_path / "bf16").mkdir()
+    compiled = _compiled(tmp_path / "bf16", stored, scale, "bf16")
+    (op,) = [n for n in compiled.model.get_runtime_model().get_ordered_ops()
+             if n.get_rt_info()["layerType"].astype(str) == "Reference"]
+    assert [op.get_input_element_type(i).get_type_name() for i in (0, 1)] == ["bf16", "i8"]
+    bf16, f32 = compiled.runner(), _compiled(tmp_path, stored, scale, "f32").runner()
+    weight = _standing_for(stored, scale)
+    for rows in (1, 2, 3, 4, 5, 64, 300):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16().float()
+        monkeypatch.setenv("NUMAOV_MOE_VNNI", "off")
+        (exact,) = f32({"x": x.numpy()})
+        monkeypatch.setenv("NUMAOV_MOE_VNNI", "auto")
+        (f32_auto,) = f32({"x": x.numpy()})
+        (got,) = bf16({"x": x.numpy()})
+        monkeypatch.setenv("NUMAOV_MOE_VNNI", "always")
+        (quantized,) = f32({"x": x.numpy()})
+        assert np.array_equal(f32_auto, exact), rows
+        assert np.array_equal(got, torch.from_numpy(quantized).bfloat16().float().numpy()), rows
+        assert relative_error(quantized, quantized_activations(x) @ weight.T) < F32_TOL, rows
+        assert relative_error(quantized, x.double() @ weight.T) < 3e-2, rows
+
+
+@pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
+def test_int8_weight_groups_finer_than_the_activations_keep_f32_activations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weight scale groups of 16 values do not hold whole 64-value activation groups: such a
+    weight runs on f32 activations even under NUMAOV_MOE_VNNI=always."""
+    stored, scale = _weight(40, 128, "int8", group_size=16)
+    run = _compiled(tmp_path, stored, scale, "f32").runner()
+    x = torch.randn(3, 128)
+    monkeypatch.setenv("NUMAOV_MOE_VNNI", "always")
+    (got,) = run({"x": x.numpy()})
+    monkeypatch.setenv("NUMAOV_MOE_VNNI", "off")
+    (exact,) = run({"x": x.numpy()})
+    assert np.array_equal(got, exact)
+    assert relative_error(got, x.double() @ _standing_for(stored, scale).T) < F32_TOL
+
+
+@needs_kernel
+def test_a_bad_vnni_setting_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stored, scale = _weight(8, 64, "int8")
+    run = _compiled(tmp_path, stored, scale, "f32").runner()
+    monkeypatch.setenv("NUMAOV_MOE_VNNI", "sometimes")
+    with pytest.raises(MoeOpError, match="NUMAOV_MOE_VNNI='sometimes'; expected auto, off or "
+                       "always") as caught:
+        int8_kernel()
+    assert caught.value.parameter == "NUMAOV_MOE_VNNI"
+    with pytest.raises(Exception, match="NUMAOV_MOE_VNNI='sometimes'") as caught:
+        run({"x": np.zeros((2, 64), np.float32)})
+    assert "Traceback" not in str(caught.value)
 
 
 def test_eager_refuses_bad_inputs() -> None:

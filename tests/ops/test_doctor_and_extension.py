@@ -69,6 +69,12 @@ def test_doctor_reports_the_moe_bf16_kernel_under_numaov_moe_amx() -> None:
     assert off.returncode == 0, off.stderr
     moe = json.loads(off.stdout)["extension"]["moe"]
     formats = moe.pop("formats")
+    int8 = {key: moe.pop(key) for key in ("int8_kernel", "int8_reason")}
+    if read_topology().isa.avx512_vnni:
+        assert int8 == {"int8_kernel": "vnni",
+                        "int8_reason": "in a bf16 model; f32 models widen the weights to f32"}
+        assert formats["int8"]["kernel"].startswith("AVX512-VNNI: int8 weights against "
+                                                    "activations quantized per row in groups of 64")
     if read_topology().isa.avx512_bf16:
         assert moe == {"bf16_kernel": "avx512_bf16", "amx_min_rows": None,
                        "reason": "NUMAOV_MOE_AMX=off"}
@@ -83,7 +89,16 @@ def test_doctor_reports_the_moe_bf16_kernel_under_numaov_moe_amx() -> None:
     assert bad.returncode == 0, bad.stderr
     assert ("bf16 MoE experts: cannot run (NUMAOV_MOE_AMX='yes'; expected auto, off or always)"
             in bad.stdout), bad.stdout
-    assert "int8 MoE experts: AVX-512: int8 weights widened" in bad.stdout, bad.stdout
+    assert "int8 MoE experts: AVX-512: int8 weights widened" in bad.stdout or (
+        "int8 MoE experts: AVX512-VNNI" in bad.stdout), bad.stdout
+    bad = _doctor(env=dict(os.environ, NUMAOV_MOE_VNNI="yes"))
+    assert bad.returncode == 0, bad.stderr
+    if read_topology().isa.avx512f:  # the AVX2 kernel never reads it
+        assert ("int8 MoE experts: cannot run (NUMAOV_MOE_VNNI='yes'; expected auto, off or "
+                "always)" in bad.stdout), bad.stdout
+    off = json.loads(_doctor("--json", env=dict(os.environ, NUMAOV_MOE_VNNI="off")).stdout)
+    assert off["extension"]["moe"]["int8_kernel"] in ("f32", None)
+    assert "widened to f32" in off["extension"]["moe"]["formats"]["int8"]["kernel"]
 
 
 def test_doctor_text_says_what_two_ranks_would_get() -> None:

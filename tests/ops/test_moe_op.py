@@ -17,6 +17,13 @@ Tolerances (max |got - expected| / max |expected|):
   weights, not of the op: each value is within half a step (its group's scale / 2) of the
   original, checked exactly; on these random stacks the layer output moves by ~1e-2 (int8)
   and ~2e-1 (int4) of its scale, which the export's per-format tolerances bound.
+- int8 weights against int8 activations (AVX512-VNNI; a bf16 model's, or any under
+  NUMAOV_MOE_VNNI=always): against float64 on the dequantized weights and on the rows as
+  quantized (x, and each pair's silu(gate) * up), 5e-3: the int32 sums of a group are exact,
+  but the kernel's f32 silu(gate) * up and the reference's float64 one can put a value on
+  neighbouring steps (a step is 1/127 of its group's largest value), measured up to 1.3e-3.
+  Against the unquantized rows, 3e-2: each activation moves by up to half a step, twice per
+  expert (x, then silu(gate) * up); measured 1.3e-2 .. 1.8e-2 on these random stacks.
 - fp8 (E4M3FN, weight-only like int8): the same two 1e-5 comparisons. Quantizing moves each
   value by at most half an E4M3 step: 2^-4 of the value, or half the subnormal step (2^-10 of
   the block's scale) near 0. The kernel's widening of every byte is checked exactly.
@@ -30,7 +37,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.moe_kernel import bf16_tiles_missing, needs_kernel, relative_error
+from support.moe_kernel import (
+    bf16_tiles_missing,
+    needs_kernel,
+    quantized_activations,
+    relative_error,
+    vnni_missing,
+)
 
 from numaov.custom_ops import (
     MoeOpError,
@@ -67,16 +80,20 @@ def _problem(rows: int, experts: int, top_k: int, hidden: int = 48, inter: int =
     return x, ids, weights, gate_up, down
 
 
-def _reference(x, ids, weights, gate_up, down) -> torch.Tensor:
-    """float64, one (row, slot) pair at a time: the definition, not the grouped algorithm."""
-    x, gate_up, down = x.double(), gate_up.double(), down.double()
+def _reference(x, ids, weights, gate_up, down, seen=None) -> torch.Tensor:
+    """float64, one (row, slot) pair at a time: the definition, not the grouped algorithm.
+    ``seen``: what the kernel makes of activation rows ``[N, K]`` (x, and each pair's silu(gate)
+    * up) before multiplying them (None: nothing)."""
+    seen = seen or (lambda rows: rows.double())
+    x, gate_up, down = seen(x), gate_up.double(), down.double()
     inter = down.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
     for n in range(ids.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[n, j])
             gate, up = gate_up[e, :inter] @ x[n], gate_up[e, inter:] @ x[n]
-            out[n] += weights[n, j].double() * (down[e] @ (torch.nn.functional.silu(gate) * up))
+            h = seen((torch.nn.functional.silu(gate) * up)[None])[0]
+            out[n] += weights[n, j].double() * (down[e] @ h)
     return out
 
 
@@ -291,6 +308,46 @@ def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: st
                                          seed=rows)
         (got,) = run(_feeds(x, ids, weights))
         assert relative_error(got, moe_experts(x, ids, weights, qg, qd, sg, sd)) < F32_TOL, rows
+
+
+# 96 / 64 values: one 64-value group and a rest; 256 / 128 in weight scale groups of 64 (the
+# activations' groups); rows per call from one (decode) to 300 (across threads)
+@pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
+@pytest.mark.parametrize(("group_size", "hidden", "inter"), [(None, 96, 64), (64, 256, 128)])
+def test_int8_experts_against_quantized_activations(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    group_size: int | None, hidden: int,
+                                                    inter: int) -> None:
+    """int8 experts in a bf16 model (and in an f32 one under NUMAOV_MOE_VNNI=always) multiply
+    quantized activations; an f32 model under auto keeps f32 ones, bit for bit what off
+    gives. In the bf16 model (bf16-valued x and routing weights) the result is the f32
+    model's under always, rounded to bf16 once."""
+    monkeypatch.delenv("NUMAOV_MOE_ISA", raising=False)
+    _, _, _, gate_up, down = _problem(1, experts=8, top_k=6, hidden=hidden, inter=inter)
+    (qg, sg), (qd, sd) = (quantize_experts(w, "int8", group_size) for w in (gate_up, down))
+    dequantized = [dequantize_experts(q, s) for q, s in ((qg, sg), (qd, sd))]
+    for name in ("f32", "bf16"):
+        (tmp_path / name).mkdir()
+    f32 = _compiled(tmp_path / "f32", qg, qd, 6, "f32", (sg, sd)).runner()
+    bf16 = _compiled(tmp_path / "bf16", qg, qd, 6, "bf16", (sg, sd)).runner()
+    for rows in (1, 3, 7, 64, 300):
+        x, ids, weights, _, _ = _problem(rows, experts=8, top_k=6, hidden=hidden, inter=inter,
+                                         seed=rows)
+        x, weights = x.bfloat16().float(), weights.bfloat16().float()
+        feeds = _feeds(x, ids, weights)
+        monkeypatch.setenv("NUMAOV_MOE_VNNI", "off")
+        (exact,) = f32(feeds)
+        monkeypatch.setenv("NUMAOV_MOE_VNNI", "auto")
+        (f32_auto,) = f32(feeds)
+        (got,) = bf16(feeds)
+        monkeypatch.setenv("NUMAOV_MOE_VNNI", "always")
+        (quantized,) = f32(feeds)
+        assert np.array_equal(f32_auto, exact), rows
+        assert np.array_equal(got, torch.from_numpy(quantized).bfloat16().float().numpy()), rows
+        as_quantized = _reference(x, ids, weights, *dequantized, seen=quantized_activations)
+        assert relative_error(quantized, as_quantized) < 5e-3, rows
+        assert relative_error(quantized, _reference(x, ids, weights, *dequantized)) < 3e-2, rows
+        assert relative_error(exact, _reference(x, ids, weights, *dequantized)) < F32_TOL, rows
 
 
 @needs_kernel

@@ -1,6 +1,6 @@
 """What the MoE kernel's op tests share (tests/ops/test_moe_op.py, test_dense_linear.py):
-whether the kernel runs here, whether its bf16 tiles do, and the relative error they judge
-by."""
+whether the kernel runs here, whether its bf16 tiles and its int8 products (AVX512-VNNI) do,
+the activations those products see, and the relative error they judge by."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from numaov.custom_ops.moe_ops import bf16_kernel, kernel_unavailable_reason
+from numaov.custom_ops.moe_ops import bf16_kernel, int8_kernel, kernel_unavailable_reason
 
 # every format runs where the kernel does (AVX-512, or AVX2 with FMA and F16C)
 KERNEL_MISSING = kernel_unavailable_reason("f32")
@@ -30,3 +30,28 @@ def relative_error(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.n
     if expected.numel() == 0:
         return 0.0
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+def vnni_missing() -> str:
+    """Why int8 weights do not run against quantized activations here; "" when they do (in a
+    bf16 model, or any under NUMAOV_MOE_VNNI=always)."""
+    if KERNEL_MISSING:
+        return KERNEL_MISSING
+    kernel = int8_kernel()
+    return "" if kernel["kernel"] == "vnni" else f"int8 weights run on {kernel}"
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x [N, K]`` as the int8 products see them, in float64: per row, groups of
+    ``act_group`` values (the last one shorter) quantized symmetrically, ``q = rint(x * (127 /
+    max|x|))`` in f32 (ties to even), standing for ``q * (max|x| / 127)``."""
+    group = int8_kernel()["act_group"]
+    x = x.float()
+    rows, k = x.shape
+    padded = torch.zeros(rows, -(-k // group) * group)
+    padded[:, :k] = x
+    groups = padded.view(rows, -1, group)
+    largest = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
+    q = torch.round(groups * inverse)
+    return (q.double() * (largest / 127.0).double()).view(rows, -1)[:, :k]

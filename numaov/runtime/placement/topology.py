@@ -93,6 +93,7 @@ class IsaFlags:
     avx512f: bool = False
     avx512_bf16: bool = False
     avx512_fp16: bool = False
+    avx512_vnni: bool = False
     amx_bf16: bool = False
     amx_int8: bool = False
     amx_tile: bool = False
@@ -168,6 +169,7 @@ def _read_isa(proc_root: Path) -> IsaFlags:
         avx512f="avx512f" in flags,
         avx512_bf16="avx512_bf16" in flags,
         avx512_fp16="avx512_fp16" in flags,
+        avx512_vnni="avx512_vnni" in flags,
         amx_bf16="amx_bf16" in flags,
         amx_int8="amx_int8" in flags,
         amx_tile=amx_tile,

@@ -294,6 +294,19 @@ PYBIND11_MODULE(_native, m) {
         "of at least amx_min_rows rows), 'avx512_bf16' (outer products from outer_min_rows rows) or None, the "
         "rows per expert from which a bf16 model's fp8 experts run on it (fp8_tile_min_rows), and the reason.");
     m.def(
+        "moe_int8_kernel",
+        [] {
+            const auto k = numaov::moe::int8_kernel();
+            py::dict out;
+            out["kernel"] = k.kernel.empty() ? py::object(py::none()) : py::object(py::str(k.kernel));
+            out["act_group"] = k.act_group ? py::object(py::int_(k.act_group)) : py::object(py::none());
+            out["reason"] = k.reason;
+            return out;
+        },
+        "Which kernel the MoeExperts and DenseLinear ops run int8 weights on here under NUMAOV_MOE_VNNI: 'vnni' "
+        "(against activations quantized per row in groups of act_group values), 'f32' (widened) or None, and "
+        "the reason.");
+    m.def(
         "open_expert_store",
         [](const std::string& path) {
             std::shared_ptr<const numaov::store::ExpertStore> store;

@@ -56,11 +56,14 @@ constexpr size_t kFp8TileMinRows = 8;
 // the dot-product tiles' 4 x 4 sums end in 16 horizontal adds and reread the activations
 // for every 4 weight rows, which left a 512-row bf16 linear at 123 GMAC/s against OpenVINO's
 // 178 on 2 cores (benchmarks/RESULTS.md); below it the padded 16-row blocks waste products.
+// int8 experts on quantized activations (AVX512-VNNI) switch at the same count: a 512-row int8
+// linear ran 158 GMAC/s on the dot-product tiles, 301 as outer products.
 constexpr size_t kOuterMinRows = 16;
 
 struct Features {
     bool avx512 = false;
     bool avx512_bf16 = false;
+    bool avx512_vnni = false;
     bool avx2 = false;  // with FMA and F16C
 };
 
@@ -72,6 +75,7 @@ const Features& features() {
         s.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                    __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
         s.avx512_bf16 = s.avx512 && __builtin_cpu_supports("avx512bf16");
+        s.avx512_vnni = s.avx512 && __builtin_cpu_supports("avx512vnni");
         s.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         return s;
     }();
@@ -795,6 +799,282 @@ struct UninitialisedAligned64 : amx::Aligned64<T> {
 template <class T>
 using Scratch = std::vector<T, UninitialisedAligned64<T>>;
 
+// fn(n) for each of `rows` rows of `width` values: on this thread for a few rows (decode: a
+// fork and join of the threads would cost more than the rows), else across the threads.
+template <class Fn>
+void for_rows(size_t rows, size_t width, const Fn& fn) {
+    constexpr size_t kSerialValues = 1 << 15;
+    if (rows * width <= kSerialValues) {
+        for (size_t n = 0; n < rows; ++n) fn(n);
+    } else {
+        ov::parallel_for(rows, fn);
+    }
+}
+
+// -- int8 weights against int8 activations (AVX512-VNNI) -------------------------------------
+//
+// int8 weights in a bf16 model (NUMAOV_MOE_VNNI, int8_activations) multiply activations
+// quantized per row in groups of kActGroup values, as OpenVINO's CPU plugin quantizes the
+// activations of its int8-compressed FullyConnected (DYNAMIC_QUANTIZATION_GROUP_SIZE, 32 by
+// default): q = rint(x * 127 / max|x|) in [-127, 127], the group's scale max|x| / 127. One
+// vpdpbusd then takes 64 products in int32, exact, where the f32 path widens each weight
+// (two conversions) and spends one FMA per 16 products and row: that path is bound by those
+// instructions from two rows per expert (its int8 prefill ran at 39-55% of the f32 FMA peak,
+// its projections of 2+ rows at 0.31-0.54x OpenVINO's; benchmarks/RESULTS.md). vpdpbusd
+// takes one unsigned operand: the weights, moved to w + 128 by one xor per 64 (shared by the
+// tile's rows), so a group's int32 sum carries 128 * sum(q) extra, which each row's quantizer
+// stored negated beside the group's scale and the sum starts from. Each group's exact int32
+// sum is converted once and added times the activations' scale (and the weights' group
+// scale) into f32 sums.
+constexpr size_t kActGroup = 64;
+
+// (avx512bf16 too so the AVX-512 helpers inline; these functions run no bf16 instruction, so
+// a CPU with VNNI and without BF16 runs them.)
+#define NUMAOV_TARGET_AVX512_VNNI \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
+
+// A quantized row of K values: ceil(K / 64) groups of 64 int8 values (zeros past K), then the
+// groups' f32 scales, then their int32 starting sums (-128 * the group's sum of q), padded to
+// 64 bytes so every row starts on a line.
+size_t quantized_groups(size_t K) { return (K + kActGroup - 1) / kActGroup; }
+size_t quantized_row_bytes(size_t K) {
+    const size_t groups = quantized_groups(K);
+    return (groups * kActGroup + 8 * groups + 63) / 64 * 64;
+}
+
+// One row of K values (f32, or bf16 when In is uint16_t) quantized into q (quantized_row_bytes).
+template <class In>
+NUMAOV_TARGET_AVX512_VNNI void quantize_row(const In* x, size_t K, uint8_t* q) {
+    const size_t groups = quantized_groups(K);
+    float* scale = reinterpret_cast<float*>(q + groups * kActGroup);
+    int32_t* start = reinterpret_cast<int32_t*>(scale + groups);
+    for (size_t g = 0; g < groups; ++g) {
+        const size_t k0 = g * kActGroup;
+        __m512 v[kActGroup / 16];
+        __m512 amax = _mm512_setzero_ps();
+        NUMAOV_UNROLL for (size_t i = 0; i < kActGroup / 16; ++i) {
+            const size_t k = k0 + 16 * i;
+            const __mmask16 mask = k >= K ? 0 : K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+            if constexpr (std::is_same_v<In, uint16_t>) {
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x + k)), 16));
+            } else {
+                v[i] = _mm512_maskz_loadu_ps(mask, x + k);
+            }
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+        }
+        const float largest = _mm512_reduce_max_ps(amax);
+        const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+        __m512i sum = _mm512_setzero_si512();
+        NUMAOV_UNROLL for (size_t i = 0; i < kActGroup / 16; ++i) {
+            const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // to nearest even
+            sum = _mm512_add_epi32(sum, qi);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k0 + 16 * i), _mm512_cvtsepi32_epi8(qi));
+        }
+        scale[g] = largest / 127.0f;
+        start[g] = -128 * _mm512_reduce_add_epi32(sum);
+    }
+}
+
+// `rows` rows of `width` values of x (f32, or bf16 when x_bf16) quantized into `out`.
+void quantize_rows(const void* x, bool x_bf16, size_t rows, size_t width, Scratch<uint8_t>& out) {
+    const size_t stride = quantized_row_bytes(width);
+    out.resize(rows * stride);
+    for_rows(rows, width, [&](size_t n) {
+        if (x_bf16) {
+            quantize_row(static_cast<const uint16_t*>(x) + n * width, width, out.data() + n * stride);
+        } else {
+            quantize_row(static_cast<const float*>(x) + n * width, width, out.data() + n * stride);
+        }
+    });
+}
+
+// Dot products of M quantized rows a[m] with kTileCols int8 weight rows over K values, the
+// weights' scales in groups of `group` values (K, or a multiple of kActGroup), into c as
+// dot_tile_bytes does. One iteration takes 64 bytes of each weight row (masked past K).
+template <int M>
+NUMAOV_TARGET_AVX512_VNNI void dot_tile_vnni(const uint8_t* const* a_in, const uint8_t* const* w_in,
+                                             const float* const* scale, size_t K, size_t group,
+                                             const uint8_t* next, float* c) {
+    const uint8_t* a[M];
+    const uint8_t* w[kTileCols];
+    local_rows<M>(a_in, w_in, a, w);
+    const size_t groups = quantized_groups(K);
+    const float* a_scale[M];
+    const int32_t* a_start[M];
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+        a_scale[m] = reinterpret_cast<const float*>(a[m] + groups * kActGroup);
+        a_start[m] = reinterpret_cast<const int32_t*>(a_scale[m] + groups);
+    }
+    const bool grouped = group < K;
+    const __m512i offset = _mm512_set1_epi8(char(0x80));
+    __m512 acc[M][kTileCols];
+    zero_tile<M>(acc);
+    __m512 ws[kTileCols];
+    size_t wg = 0, left = group;  // the weights' scale group and its values still to come
+    NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) ws[n] = _mm512_set1_ps(scale[n][0]);
+    for (size_t g = 0, k = 0; k < K; ++g, k += kActGroup) {
+        prefetch_next_block(next, k);
+        const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+        __m512i wv[kTileCols];
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+            wv[n] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[n] + k), offset);
+        }
+        NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+            const __m512i av = _mm512_load_si512(a[m] + k);
+            const __m512i start = _mm512_maskz_set1_epi32(__mmask16(1), a_start[m][g]);
+            const __m512 sa = _mm512_set1_ps(a_scale[m][g]);
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+                const __m512 sum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wv[n], av));
+                acc[m][n] = _mm512_fmadd_ps(sum, grouped ? _mm512_mul_ps(sa, ws[n]) : sa, acc[m][n]);
+            }
+        }
+        if (grouped && (left -= kActGroup) == 0 && k + kActGroup < K) {
+            ++wg;
+            left = group;
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) ws[n] = _mm512_set1_ps(scale[n][wg]);
+        }
+    }
+    NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
+        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+            const float sum = _mm512_reduce_add_ps(acc[m][n]);
+            c[m * kTileCols + n] = grouped ? sum : sum * scale[n][0];
+        }
+    }
+}
+
+// dot_rows for quantized activation rows against an int8 stack.
+void dot_rows_vnni(const uint8_t* const* a, size_t rows, const Stack& s, const size_t* r, float* c) {
+    std::fill(c, c + kTileRows * kTileCols, 0.0f);
+    const uint8_t* w[kTileCols];
+    const float* scale[kTileCols];
+    for (size_t n = 0; n < kTileCols; ++n) {
+        w[n] = s.row(0, r[n]);
+        scale[n] = s.row_scale(0, r[n]);
+    }
+    const uint8_t* next = s.streamed ? w[0] + kTileCols * s.row_bytes() : nullptr;
+    const size_t group = s.K / s.groups;
+    switch (rows) {
+        case 1: return dot_tile_vnni<1>(a, w, scale, s.K, group, next, c);
+        case 2: return dot_tile_vnni<2>(a, w, scale, s.K, group, next, c);
+        case 3: return dot_tile_vnni<3>(a, w, scale, s.K, group, next, c);
+        default: return dot_tile_vnni<4>(a, w, scale, s.K, group, next, c);
+    }
+}
+
+// Experts of many rows (kOuterMinRows and more) take their quantized rows in 16-row blocks,
+// as the bf16 outer products do: a block is the rows' quads, [ceil(K / 64) * 16][16] words
+// (word (p, m): values 4p .. 4p + 3 of row m), then per activation group the 16 rows' scales
+// and the 16 rows' starting sums (zero for rows past the block's count).
+size_t quad_block_words(size_t K) {
+    const size_t groups = quantized_groups(K);
+    return groups * kActGroup / 4 * 16 + 2 * groups * 16;
+}
+
+// `count` (<= 16) quantized rows (quantize_row) of K values as one block.
+void pack_quads(const uint8_t* const* rows, size_t count, size_t K, uint32_t* block) {
+    const size_t groups = quantized_groups(K), quads = groups * kActGroup / 4;
+    std::fill(block, block + quad_block_words(K), 0u);
+    for (size_t m = 0; m < count; ++m) {
+        const uint8_t* row = rows[m];
+        for (size_t p = 0; p < quads; ++p) std::memcpy(&block[p * 16 + m], row + 4 * p, 4);
+        const uint32_t* tail = reinterpret_cast<const uint32_t*>(row + groups * kActGroup);
+        for (size_t g = 0; g < 2 * groups; ++g) block[quads * 16 + g * 16 + m] = tail[g];
+    }
+}
+
+// `count` (<= 16) int8 weight rows of K values from `first` (one after the other) with their
+// scales (`groups` per row); count 0 marks an unused block.
+struct Int8Block {
+    const uint8_t* first;
+    const float* scale;
+    size_t count, groups;
+};
+
+// Four int8 weight rows w[r] against one or two blocks of quads (`act`, blocks `words`
+// apart): c[b] + 16 r gets weight row r's sums over the block's 16 rows. Each step broadcasts
+// four weights of a row (moved to w + 128, as dot_tile_vnni does) against the block's quads:
+// one vpdpbusd per 64 products, each activation row's sum in its own lane; each activation
+// group's int32 sums start from the rows' starting sums and are scaled into f32 at its end.
+// Quads past K read the weights through a zero-padded copy (nothing is read past a row's end
+// but within the stack, where the quads' zero activations cancel it).
+template <int B>
+NUMAOV_TARGET_AVX512_VNNI void outer_rows_int8(const uint8_t* const (&w)[4], const float* const (&scale)[4],
+                                               size_t weight_group, const uint32_t* act, size_t words, size_t K,
+                                               float* const (&c)[B]) {
+    const size_t groups = quantized_groups(K), quads = groups * kActGroup / 4;
+    const bool grouped = weight_group < K;
+    const float* a_scale = reinterpret_cast<const float*>(act + quads * 16);
+    const int32_t* a_start = reinterpret_cast<const int32_t*>(act + quads * 16 + groups * 16);
+    __m512 acc[4][B];
+    NUMAOV_UNROLL for (int r = 0; r < 4; ++r) {
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+    }
+    const size_t whole = K / 4;  // quads read in place
+    const __m512i offset = _mm512_set1_epi8(char(0x80));
+    for (size_t g = 0; g < groups; ++g) {
+        __m512i sums[4][B];
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) {
+            const __m512i start = _mm512_load_si512(a_start + b * words + g * 16);
+            NUMAOV_UNROLL for (int r = 0; r < 4; ++r) sums[r][b] = start;
+        }
+        const size_t p1 = std::min(quads, (g + 1) * kActGroup / 4);
+        for (size_t p = g * kActGroup / 4; p < p1; ++p) {
+            __m512i a[B];
+            NUMAOV_UNROLL for (int b = 0; b < B; ++b) a[b] = _mm512_load_si512(act + b * words + p * 16);
+            NUMAOV_UNROLL for (int r = 0; r < 4; ++r) {
+                __m512i wq;
+                if (p < whole) {  // a broadcast load: no trip through a general register
+                    wq = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(w[r] + 4 * p));
+                } else {
+                    uint32_t quad = 0;
+                    if (4 * p < K) std::memcpy(&quad, w[r] + 4 * p, K - 4 * p);
+                    wq = _mm512_set1_epi32(int(quad));
+                }
+                wq = _mm512_xor_si512(wq, offset);
+                NUMAOV_UNROLL for (int b = 0; b < B; ++b) sums[r][b] = _mm512_dpbusd_epi32(sums[r][b], wq, a[b]);
+            }
+        }
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) {
+            const __m512 sa = _mm512_load_ps(a_scale + b * words + g * 16);
+            NUMAOV_UNROLL for (int r = 0; r < 4; ++r) {
+                const __m512 s = grouped ? _mm512_mul_ps(sa, _mm512_set1_ps(scale[r][g * kActGroup / weight_group])) : sa;
+                acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][b]), s, acc[r][b]);
+            }
+        }
+    }
+    NUMAOV_UNROLL for (int r = 0; r < 4; ++r) {
+        NUMAOV_UNROLL for (int b = 0; b < B; ++b) {
+            const __m512 out = grouped ? acc[r][b] : _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale[r][0]));
+            _mm512_store_ps(c[b] + 16 * r, out);
+        }
+    }
+}
+
+// outer_products (the bf16 one) for int8 weight blocks against blocks of quads: the same
+// result tiles (rows of a weight block past its count hold a repeat of its last, unused).
+void outer_products_int8(const Int8Block (&w)[2], const uint32_t* panel, size_t blocks, size_t K, float* c) {
+    constexpr size_t kResult = amx_tiles::kTile * amx_tiles::kTile;
+    const size_t words = quad_block_words(K);
+    for (size_t a = 0; a < 2; ++a) {
+        for (size_t r0 = 0; r0 < w[a].count; r0 += 4) {
+            const uint8_t* rows[4];
+            const float* scales[4];
+            for (size_t r = 0; r < 4; ++r) {  // a group's rows past the count repeat its last
+                const size_t row = std::min(r0 + r, w[a].count - 1);
+                rows[r] = w[a].first + row * K;
+                scales[r] = w[a].scale + row * w[a].groups;
+            }
+            float* const tiles[2] = {c + 2 * a * kResult + 16 * r0, c + (2 * a + 1) * kResult + 16 * r0};
+            if (blocks == 2) {
+                outer_rows_int8<2>(rows, scales, K / w[a].groups, panel, words, K, tiles);
+            } else {
+                float* const one[1] = {tiles[0]};
+                outer_rows_int8<1>(rows, scales, K / w[a].groups, panel, words, K, one);
+            }
+        }
+    }
+}
+
 // `count` fp8 rows of `s` (from row r0 of `expert`) as bf16 rows of s.K values into `out`:
 // each weight times its group's scale in f32, rounded to bf16 (nearest even), as PyTorch
 // dequantizes FP8 weights for a bf16 model (`w.float() * scale`, then `.bfloat16()`; the
@@ -847,22 +1127,34 @@ public:
     const uint16_t* bf16(const Stack& s, size_t expert, size_t r0, size_t count, int slot) {
         return static_cast<const uint16_t*>(rows(s, expert, r0, count, slot).data);
     }
+    // Those rows as a weight block of the panel products (count 0: an unused block): bf16 rows
+    // (AMX tiles, outer products), or int8 rows in place with their scales (quantized rows).
+    auto block(const Stack& s, size_t expert, size_t r0, size_t count, int slot) {
+        if constexpr (std::is_same_v<T, uint8_t>) {
+            if (!count) return Int8Block{nullptr, nullptr, 0, s.groups};
+            return Int8Block{s.row(expert, r0), s.row_scale(expert, r0), count, s.groups};
+        } else {
+            return amx_tiles::WeightBlock{count ? bf16(s, expert, r0, count, slot) : nullptr, count};
+        }
+    }
 
 private:
     Scratch<uint16_t> buffers_[2];
 };
 
-// NUMAOV_MOE_AMX: "auto" (unset), "off" or "always".
+// NUMAOV_MOE_AMX and NUMAOV_MOE_VNNI: "auto" (unset), "off" or "always".
 enum class AmxSetting { automatic, off, always };
 
-AmxSetting amx_setting() {
-    const char* value = std::getenv("NUMAOV_MOE_AMX");
+AmxSetting auto_off_always(const char* variable) {
+    const char* value = std::getenv(variable);
     const std::string v = value ? value : "";
     if (v.empty() || v == "auto") return AmxSetting::automatic;
     if (v == "off") return AmxSetting::off;
     if (v == "always") return AmxSetting::always;
-    throw std::invalid_argument("NUMAOV_MOE_AMX='" + v + "'; expected auto, off or always");
+    throw std::invalid_argument(std::string(variable) + "='" + v + "'; expected auto, off or always");
 }
+
+AmxSetting amx_setting() { return auto_off_always("NUMAOV_MOE_AMX"); }
 
 // The fewest rows a bf16 expert needs to run on AMX tiles in this call; SIZE_MAX: none does.
 size_t amx_min_rows() {
@@ -889,6 +1181,7 @@ struct PanelTiles {
 
 template <class T>
 PanelTiles panel_tiles(bool avx2) {
+    if (std::is_same_v<T, uint8_t>) return {kOuterMinRows, false};  // AVX512-VNNI (int8_activations)
     if (!std::is_same_v<T, uint16_t> || avx2) return {SIZE_MAX, false};
     const size_t amx_rows = amx_min_rows();
     if (amx_rows != SIZE_MAX) return {amx_rows, true};
@@ -967,18 +1260,26 @@ void panel_products(bool amx, const amx_tiles::WeightBlock (&w)[2], const uint32
     outer_products(w, panel, blocks, K, c);
 }
 
+void panel_products(bool, const Int8Block (&w)[2], const uint32_t* panel, size_t blocks, size_t K, float* c) {
+    outer_products_int8(w, panel, blocks, K, c);
+}
+
 // The experts on packed activations (AMX tiles or outer products, PanelTiles): which hits, and
-// where their packed activations (moe_amx.hpp's pairs layout) start in one buffer.
+// where their packed activations start in one buffer, in 16-row blocks of T's layout (bf16,
+// uint16_t: moe_amx.hpp's pairs; quantized rows, uint8_t: quads, pack_quads).
+template <class T>
 struct PanelPlan {
     std::vector<size_t> panel_at;  // per hit; SIZE_MAX: the hit runs on the micro-tiles
     size_t words = 0;
+    size_t block_words;  // of one 16-row block
     bool any = false;
 
-    PanelPlan(const Routing& routing, size_t min_rows, size_t K) {
+    PanelPlan(const Routing& routing, size_t min_rows, size_t K)
+        : block_words(std::is_same_v<T, uint8_t> ? quad_block_words(K) : amx_tiles::block_words(K)) {
         for (const auto& hit : routing.hits) {
             if (hit.count >= min_rows) {
                 panel_at.push_back(words);
-                words += amx_tiles::panel_words(hit.count, K);
+                words += (hit.count + amx_tiles::kTile - 1) / amx_tiles::kTile * block_words;
                 any = true;
             } else {
                 panel_at.push_back(SIZE_MAX);
@@ -987,7 +1288,7 @@ struct PanelPlan {
     }
     bool uses(size_t hit) const { return panel_at[hit] != SIZE_MAX; }
 
-    // Each AMX hit's rows (rows_of(hit, m) for its m-th pair) packed into `panels`.
+    // Each such hit's rows (rows_of(hit, m) for its m-th pair) packed into `panels`.
     template <class RowsOf>
     void pack(const Routing& routing, size_t K, Scratch<uint32_t>& panels, RowsOf rows_of) const {
         if (!any) return;
@@ -1003,9 +1304,14 @@ struct PanelPlan {
             const auto [h, b] = blocks[i];
             const auto& hit = routing.hits[h];
             const size_t first = b * amx_tiles::kTile, count = std::min(amx_tiles::kTile, hit.count - first);
-            const uint16_t* rows[amx_tiles::kTile];
+            const T* rows[amx_tiles::kTile];
             for (size_t m = 0; m < count; ++m) rows[m] = rows_of(hit, first + m);
-            amx_tiles::pack_panel(rows, count, K, panels.data() + panel_at[h] + b * amx_tiles::block_words(K));
+            uint32_t* block = panels.data() + panel_at[h] + b * block_words;
+            if constexpr (std::is_same_v<T, uint8_t>) {
+                pack_quads(rows, count, K, block);
+            } else {
+                amx_tiles::pack_panel(rows, count, K, block);
+            }
         });
     }
 };
@@ -1021,10 +1327,11 @@ PairBlock pair_block(const Routing::Hit& hit, size_t block) {
     return {hit.start + first, std::min(amx_tiles::kTile, hit.count - first)};
 }
 
-// silu(gate) * up of one AMX block as bf16 into the block's rows of `act`
+// silu(gate) * up of one AMX block into the block's rows of `act`, bf16 or f32
 // (rows of I values, `act` already at the block's first column), `cols` columns.
+template <class Act>
 NUMAOV_TARGET_AVX512_BF16 void store_gate_up_block(const float* gate, const float* up, size_t cols, PairBlock pb,
-                                                   uint16_t* act, size_t I) {
+                                                   Act* act, size_t I) {
     constexpr size_t kTile = amx_tiles::kTile;
     alignas(64) float g[kTile * kTile], u[kTile * kTile], h[kTile];
     amx_tiles::transpose_tile(gate, g);
@@ -1032,7 +1339,11 @@ NUMAOV_TARGET_AVX512_BF16 void store_gate_up_block(const float* gate, const floa
     const __mmask16 mask = __mmask16((1u << cols) - 1);
     for (size_t m = 0; m < pb.count; ++m) {
         silu_mul(g + m * kTile, u + m * kTile, h);
-        _mm256_mask_storeu_epi16(act + (pb.first + m) * I, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(h)));
+        if constexpr (std::is_same_v<Act, float>) {
+            _mm512_mask_storeu_ps(act + (pb.first + m) * I, mask, _mm512_load_ps(h));
+        } else {
+            _mm256_mask_storeu_epi16(act + (pb.first + m) * I, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(h)));
+        }
     }
 }
 
@@ -1052,23 +1363,15 @@ NUMAOV_TARGET_AVX512_BF16 void add_down_block(const float* tile, size_t cols, Pa
     }
 }
 
-// fn(n) for each of `rows` rows of `width` values: on this thread for a few rows (decode: a
-// fork and join of the threads would cost more than the rows), else across the threads.
-template <class Fn>
-void for_rows(size_t rows, size_t width, const Fn& fn) {
-    constexpr size_t kSerialValues = 1 << 15;
-    if (rows * width <= kSerialValues) {
-        for (size_t n = 0; n < rows; ++n) fn(n);
-    } else {
-        ov::parallel_for(rows, fn);
-    }
-}
-
-// `rows` rows of `width` values of x (f32, or bf16 when x_bf16) in the weights' type T: x
-// itself when it already is, else converted into `converted`.
+// `rows` rows of `width` values of x (f32, or bf16 when x_bf16) in the tiles' type T: x
+// itself when it already is, else converted into `converted` (T = uint8_t: quantized rows).
 template <class T>
 const T* activations_as(const void* x, bool x_bf16, size_t rows, size_t width, Scratch<T>& converted) {
     constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+    if constexpr (std::is_same_v<T, uint8_t>) {
+        quantize_rows(x, x_bf16, rows, width, converted);
+        return converted.data();
+    }
     if (x_bf16 == kBf16) return static_cast<const T*>(x);
     converted.resize(rows * width);
     for_rows(rows, width, [&](size_t n) {
@@ -1076,18 +1379,34 @@ const T* activations_as(const void* x, bool x_bf16, size_t rows, size_t width, S
             if constexpr (kBf16) {
                 converted[n * width + h] = to_bf16(static_cast<const float*>(x)[n * width + h]);
             } else {
-                converted[n * width + h] = from_bf16(static_cast<const uint16_t*>(x)[n * width + h]);
+                converted[n * width + h] = T(from_bf16(static_cast<const uint16_t*>(x)[n * width + h]));
             }
         }
     });
     return converted.data();
 }
 
-// One micro-tile of `rows` rows against weight rows r of a one-expert stack, on AVX2 or AVX-512.
+// Row n of rows of K values in the tiles' type T (uint8_t: quantized rows).
+template <class T>
+const T* row_at(const T* rows, size_t n, size_t K) {
+    if constexpr (std::is_same_v<T, uint8_t>) {
+        return rows + n * quantized_row_bytes(K);
+    } else {
+        return rows + n * K;
+    }
+}
+
+// One micro-tile of `rows` rows against weight rows r of a one-expert stack, on AVX2 or AVX-512
+// (quantized rows: on AVX512-VNNI).
 template <class T>
 void dot_micro_tile(bool avx2, const T* const* a, size_t rows, const Stack& w, const size_t* r, float* c) {
-    if (avx2) return dot_rows_avx2(a, rows, w, r, c);
-    dot_rows(a, rows, w, r, c);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+        dot_rows_vnni(a, rows, w, r, c);
+    } else if (avx2) {
+        dot_rows_avx2(a, rows, w, r, c);
+    } else {
+        dot_rows(a, rows, w, r, c);
+    }
 }
 
 // The second pass (the down projection), shared with the dense linear:
@@ -1102,11 +1421,11 @@ void down_pass(const Stack& w, const T* act, const Routing& routing, size_t rows
     constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
     constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
     const PanelTiles kind = panel_tiles<T>(avx2);
-    const PanelPlan down_plan(routing, kind.min_rows, I);
+    const PanelPlan<T> down_plan(routing, kind.min_rows, I);
     Scratch<uint32_t> act_panels;
-    if constexpr (kBf16) {
+    if constexpr (kBf16 || std::is_same_v<T, uint8_t>) {
         down_plan.pack(routing, I, act_panels,
-                       [&](const Routing::Hit& hit, size_t m) { return act + (hit.start + m) * I; });
+                       [&](const Routing::Hit& hit, size_t m) { return row_at(act, hit.start + m, I); });
     }
     const size_t bh = block_columns(H, 1, threads, down_plan.any ? 2 * kTile : kTileCols);
     const size_t h_blocks = (H + bh - 1) / bh;
@@ -1133,13 +1452,12 @@ void down_pass(const Stack& w, const T* act, const Routing& routing, size_t rows
                     for (size_t n0 = c0; n0 < c1; n0 += 2 * kTile) {
                         const size_t cols[2] = {std::min(kTile, c1 - n0),
                                                 n0 + kTile < c1 ? std::min(kTile, c1 - n0 - kTile) : 0};
-                        const amx_tiles::WeightBlock wb2[2] = {
-                            {weight_rows.bf16(w, hit.expert, n0, cols[0], 0), cols[0]},
-                            {cols[1] ? weight_rows.bf16(w, hit.expert, n0 + kTile, cols[1], 1) : nullptr,
-                             cols[1]}};
+                        const decltype(weight_rows.block(w, 0, 0, 0, 0)) wb2[2] = {
+                            weight_rows.block(w, hit.expert, n0, cols[0], 0),
+                            weight_rows.block(w, hit.expert, n0 + kTile, cols[1], 1)};
                         for (size_t b0 = 0; b0 < blocks; b0 += 2) {
                             const size_t nb = std::min<size_t>(2, blocks - b0);
-                            panel_products(kind.amx, wb2, panel + b0 * amx_tiles::block_words(I), nb, I, c);
+                            panel_products(kind.amx, wb2, panel + b0 * down_plan.block_words, nb, I, c);
                             for (size_t wb = 0; wb < 2; ++wb) {
                                 for (size_t b = 0; b < nb; ++b) {
                                     add_down_block(c + (2 * wb + b) * kResult, cols[wb], pair_block(hit, b0 + b),
@@ -1156,7 +1474,7 @@ void down_pass(const Stack& w, const T* act, const Routing& routing, size_t rows
                     const Stack block = weight_rows.rows(w, hit.expert, j, cols, 0);
                     for (size_t m0 = hit.start; m0 < hit.start + hit.count; m0 += kTileRows) {
                         const size_t count = std::min(kTileRows, hit.start + hit.count - m0);
-                        for (size_t m = 0; m < count; ++m) a[m] = act + (m0 + m) * I;
+                        for (size_t m = 0; m < count; ++m) a[m] = row_at(act, m0 + m, I);
                         dot_micro_tile(avx2, a, count, block, wd, y);
                         for (size_t m = 0; m < count; ++m) {
                             float* dst = out + routing.row[m0 + m] * H + j;
@@ -1187,6 +1505,27 @@ bool on_bf16_tiles(WeightFormat format, bool x_bf16, bool avx2, size_t pairs, si
            pairs >= kFp8TileMinRows * hits;
 }
 
+// Whether int8 weights whose stacks have `groups[i]` scale groups over rows of `K[i]` values
+// run against quantized activations (dot_tile_vnni) under NUMAOV_MOE_VNNI: auto: in a bf16
+// model (x_bf16), where the CPU has AVX512-VNNI and the AVX-512 kernel runs; always: in an f32
+// model too (an error without AVX512-VNNI); off: never. Weight groups that are not whole
+// activation groups (a multiple of kActGroup values) stay on the f32 path.
+template <size_t S>
+bool int8_activations(WeightFormat format, bool x_bf16, bool avx2, const size_t (&K)[S], const size_t (&groups)[S]) {
+    if (format != WeightFormat::int8) return false;
+    const AmxSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
+    if (setting == AmxSetting::off) return false;
+    if (setting == AmxSetting::always && (avx2 || !features().avx512_vnni)) {
+        throw std::runtime_error(avx2 ? "NUMAOV_MOE_VNNI=always, but the kernel runs on AVX2 here"
+                                      : "NUMAOV_MOE_VNNI=always, but the CPU has no AVX512-VNNI");
+    }
+    if (avx2 || !features().avx512_vnni || (setting == AmxSetting::automatic && !x_bf16)) return false;
+    for (size_t i = 0; i < S; ++i) {
+        if (groups[i] > 1 && (K[i] / groups[i]) % kActGroup != 0) return false;
+    }
+    return true;
+}
+
 // `avx2`: the tiles run on AVX2 (dot_rows_avx2), and bf16 experts never on AMX.
 template <class T>
 void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
@@ -1201,18 +1540,20 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
     const Stack gate_up{t.gate_up, t.gate_up_scale, 2 * I, H, t.gate_up_groups, t.format};
     const Stack down{t.down, t.down_scale, H, I, t.down_groups, t.format};
 
-    // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I].
-    Scratch<T> act(pairs * I);
+    // 1. gate/up: silu(gate . x) * (up . x) per sorted pair, into `act` [pairs, I] (f32 for
+    // quantized activations, quantized once whole for the down pass).
+    constexpr bool kQuantized = std::is_same_v<T, uint8_t>;
+    Scratch<std::conditional_t<kQuantized, float, T>> act(pairs * I);
     constexpr size_t kTile = amx_tiles::kTile, kResult = kTile * kTile;
     const auto dot = [avx2](const T* const* a, size_t rows, const Stack& w, const size_t* r, float* c) {
         dot_micro_tile(avx2, a, rows, w, r, c);
     };
     const PanelTiles kind = panel_tiles<T>(avx2);
-    const PanelPlan up_plan(routing, kind.min_rows, H);
+    const PanelPlan<T> up_plan(routing, kind.min_rows, H);
     Scratch<uint32_t> x_panels;
-    if constexpr (kBf16) {
+    if constexpr (kBf16 || kQuantized) {
         up_plan.pack(routing, H, x_panels,
-                     [&](const Routing::Hit& hit, size_t m) { return x + routing.row[hit.start + m] * H; });
+                     [&](const Routing::Hit& hit, size_t m) { return row_at(x, routing.row[hit.start + m], H); });
     }
     const size_t bi = block_columns(I, routing.hits.size(), threads, up_plan.any ? kTile : kTileCols);
     const size_t i_blocks = (I + bi - 1) / bi;
@@ -1229,7 +1570,7 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
             const size_t hit_index = item / i_blocks;
             const auto& hit = routing.hits[hit_index];
             const size_t c0 = (item % i_blocks) * bi, c1 = std::min(I, c0 + bi);
-            if constexpr (kBf16) {
+            if constexpr (kBf16 || kQuantized) {
                 if (up_plan.uses(hit_index)) {
                     // Blocks of 16 intermediate columns: the gate rows and the up rows
                     // as the two weight blocks, against two 16-row blocks of pairs.
@@ -1238,12 +1579,12 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
                     const size_t blocks = (hit.count + kTile - 1) / kTile;
                     for (size_t n0 = c0; n0 < c1; n0 += kTile) {
                         const size_t cols = std::min(kTile, c1 - n0);
-                        const amx_tiles::WeightBlock w[2] = {
-                            {weight_rows.bf16(gate_up, hit.expert, n0, cols, 0), cols},
-                            {weight_rows.bf16(gate_up, hit.expert, I + n0, cols, 1), cols}};
+                        const decltype(weight_rows.block(gate_up, 0, 0, 0, 0)) w[2] = {
+                            weight_rows.block(gate_up, hit.expert, n0, cols, 0),
+                            weight_rows.block(gate_up, hit.expert, I + n0, cols, 1)};
                         for (size_t b0 = 0; b0 < blocks; b0 += 2) {
                             const size_t nb = std::min<size_t>(2, blocks - b0);
-                            panel_products(kind.amx, w, panel + b0 * amx_tiles::block_words(H), nb, H, c);
+                            panel_products(kind.amx, w, panel + b0 * up_plan.block_words, nb, H, c);
                             // gate's tiles at c + b * 256, up's at c + (2 + b) * 256
                             for (size_t b = 0; b < nb; ++b) {
                                 store_gate_up_block(c + b * kResult, c + (2 + b) * kResult, cols,
@@ -1264,7 +1605,7 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
                     const Stack up = weight_rows.rows(gate_up, hit.expert, I + j, cols, 1);
                     for (size_t m0 = r0; m0 < r1; m0 += kTileRows) {
                         const size_t rows = std::min(kTileRows, r1 - m0);
-                        for (size_t m = 0; m < rows; ++m) a[m] = x + routing.row[m0 + m] * H;
+                        for (size_t m = 0; m < rows; ++m) a[m] = row_at(x, routing.row[m0 + m], H);
                         dot(a, rows, gate, wr, g);
                         dot(a, rows, up, wr, u);
                         if (avx2) {
@@ -1287,7 +1628,13 @@ void run(const Tensors& t, const Shape& s, const Routing& routing, bool avx2) {
         sums.resize(s.rows * H);
         out = sums.data();
     }
-    down_pass<T>(down, act.data(), routing, s.rows, out, avx2);
+    if constexpr (kQuantized) {
+        Scratch<uint8_t> quantized;
+        quantize_rows(act.data(), false, pairs, I, quantized);
+        down_pass<T>(down, quantized.data(), routing, s.rows, out, avx2);
+    } else {
+        down_pass<T>(down, act.data(), routing, s.rows, out, avx2);
+    }
     if (t.x_bf16) round_to_bf16(sums.data(), s.rows, H, t.out);
 }
 
@@ -1377,6 +1724,25 @@ Bf16Kernel bf16_kernel() {
     }
 }
 
+Int8Kernel int8_kernel() {
+    const Features& f = features();
+    std::string isa;
+    try {
+        isa = kernel_isa(WeightFormat::int8);
+    } catch (const std::runtime_error& e) {
+        return {"", e.what()};
+    }
+    const AmxSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
+    if (setting == AmxSetting::off) return {"f32", "NUMAOV_MOE_VNNI=off", 0};
+    if (isa == "avx2") return {"f32", "the kernel runs on AVX2 here", 0};
+    if (!f.avx512_vnni) {
+        if (setting == AmxSetting::always) return {"", "NUMAOV_MOE_VNNI=always, but the CPU has no AVX512-VNNI", 0};
+        return {"f32", "the CPU has no AVX512-VNNI", 0};
+    }
+    if (setting == AmxSetting::always) return {"vnni", "NUMAOV_MOE_VNNI=always: f32 models too", kActGroup};
+    return {"vnni", "in a bf16 model; f32 models widen the weights to f32", kActGroup};
+}
+
 void moe_experts(const Tensors& tensors, const Shape& shape) {
     const std::string missing = unavailable_reason(tensors.format);
     if (!missing.empty()) throw std::runtime_error("numaov MoE experts kernel: " + missing);
@@ -1395,6 +1761,9 @@ void moe_experts(const Tensors& tensors, const Shape& shape) {
     const bool avx2 = kernel_isa(tensors.format) == "avx2";
     if (on_bf16_tiles(tensors.format, tensors.x_bf16, avx2, shape.rows * shape.top_k, routing.hits.size())) {
         run<uint16_t>(tensors, shape, routing, avx2);
+    } else if (int8_activations(tensors.format, tensors.x_bf16, avx2, {shape.hidden, shape.inter},
+                                {tensors.gate_up_groups, tensors.down_groups})) {
+        run<uint8_t>(tensors, shape, routing, avx2);
     } else {
         run<float>(tensors, shape, routing, avx2);
     }
@@ -1437,6 +1806,8 @@ void linear(const LinearTensors& tensors, size_t rows, size_t in, size_t outs) {
     const bool avx2 = kernel_isa(tensors.format) == "avx2";
     if (on_bf16_tiles(tensors.format, tensors.x_bf16, avx2, rows, 1)) {
         run_linear<uint16_t>(tensors, rows, in, outs, routing, avx2);
+    } else if (int8_activations(tensors.format, tensors.x_bf16, avx2, {in}, {tensors.groups})) {
+        run_linear<uint8_t>(tensors, rows, in, outs, routing, avx2);
     } else {
         run_linear<float>(tensors, rows, in, outs, routing, avx2);
     }
