@@ -40,8 +40,9 @@
    hidden x intermediate) per second, as a share of the f32 FMA peak and of the peak of the
    instructions the kernel runs the format on (bf16: AMX tiles for experts of two rows or
    more where usable, else AVX512-BF16; fp8, compiled as a bf16 model runs it, the same from
-   the kernel's ``fp8_tile_min_rows`` rows per expert (dequantized to bf16); int8 / int4, and
-   fp8 below that, are widened to f32 FMAs); and the roofline: the time the larger of the two bounds allows over the time taken. An empty call
+   the kernel's ``fp8_tile_min_rows`` rows per expert (dequantized to bf16); int8 / int4,
+   compiled so too, on AVX512-VNNI against quantized activations where the kernel runs them
+   so (``moe_ops.int8_kernel``), else widened to f32 FMAs like fp8 below that); and the roofline: the time the larger of the two bounds allows over the time taken. An empty call
    (a model with the op's inputs returning x, compiled the same way) is timed in the same
    rounds: what one ``infer`` costs by itself (~60 us here: inputs set, threads woken, the
    output returned), which the op does not pay inside a model's step; ``op%read`` is the
@@ -572,9 +573,9 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     kernel runs ``weights`` on at this many rows per expert: bf16 on AMX tiles where the kernel
     puts such an expert on them (``moe_ops.bf16_kernel``), else AVX512-BF16 dot products;
     fp8 as bf16 from the kernel's ``fp8_tile_min_rows`` rows per expert (the op is compiled
-    as a bf16 model runs it, `stored_op`); int8, compiled so too, on AVX512-VNNI dot products
-    where the kernel runs it so (``moe_ops.int8_kernel``); f32, int4, and int8 and fp8
-    otherwise, in f32 FMAs (weight-only: the weights are widened to f32). None when that peak was not measured, or the
+    as a bf16 model runs it, `stored_op`); int8 and int4, compiled so too, on AVX512-VNNI dot
+    products where the kernel runs them so (``moe_ops.int8_kernel``); f32, and int8, int4 and
+    fp8 otherwise, in f32 FMAs (weight-only: the weights are widened to f32). None when that peak was not measured, or the
     kernel runs on AVX2 (``NUMAOV_MOE_ISA``: its 8-lane FMAs' peak is not one of the probes)."""
     from numaov.custom_ops.moe_ops import bf16_kernel, int8_kernel, kernel_isa
 
@@ -586,7 +587,7 @@ def compute_peak(measured: dict[str, Any], weights: str, rows_per_expert: float
     if weights == "bf16" or (weights == "fp8" and fp8_tiles and rows_per_expert >= fp8_tiles):
         on_tiles = kernel["kernel"] == "amx" and rows_per_expert >= (kernel["amx_min_rows"] or 1)
         name = "amx_bf16" if on_tiles else "dot_bf16"
-    if weights == "int8" and int8_kernel()["kernel"] == "vnni":
+    if weights in ("int8", "int4") and int8_kernel()["kernel"] == "vnni":
         name = "dot_vnni"
     limit = measured["limits"].get(name)
     return (name, limit["all_cores"]["median"]) if limit else None
@@ -640,9 +641,9 @@ def stored_op(shape: LayerShape, formats: list[str], threads: int, where: Path
         per_expert = store.layers[0].plan.expert_bytes()
         onnx_path = write_store_moe_onnx(directory / "moe.onnx", STORE_NAME, store.store_id,
                                          0, h, shape.top_k)
-        # fp8 and int8 as a bf16 model runs them: fp8's prefill on the bf16 tiles (decode is
-        # exact either way), int8 on VNNI against quantized activations (int8_kernel)
-        precision = "bf16" if weights in ("bf16", "fp8", "int8") else "f32"
+        # fp8, int8 and int4 as a bf16 model runs them: fp8's prefill on the bf16 tiles (decode
+        # is exact either way), int8 and int4 on VNNI against quantized activations (int8_kernel)
+        precision = "bf16" if weights in ("bf16", "fp8", "int8", "int4") else "f32"
         xml = convert_to_ir(onnx_path, directory / "moe.xml", precision)
         request = compile_ir(xml, precision, {"INFERENCE_NUM_THREADS": threads}
                              ).create_infer_request()

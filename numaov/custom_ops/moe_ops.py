@@ -19,8 +19,9 @@ with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then 
   ONNX Runtime has no kernel for it: ``check_onnxruntime_can_run`` refuses such a graph.
 - **OpenVINO**: the extension op ``MoeExperts`` (``csrc/ops/moe_op.cpp``, kernel in
   ``csrc/kernels/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
-  products, int8 / int4 / fp8 weights widened and scaled as they are read (int8 in a bf16 model:
-  int8 products on AVX512-VNNI against activations quantized per row, ``int8_kernel``); cost
+  products, int8 / int4 / fp8 weights widened and scaled as they are read (int8 and int4 in a
+  bf16 model: int8 products on AVX512-VNNI against activations quantized per row,
+  ``int8_kernel``); cost
   proportional to the routed rows.
 
 Weight formats (``WEIGHT_FORMATS``; :func:`quantize_experts` writes them, the layout is drawn
@@ -519,7 +520,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         try:
             isa = None if missing else kernel_isa(weight_format)
             bf16 = bf16_kernel() if isa and weight_format == "bf16" else None
-            int8 = int8_kernel() if isa == "avx512" and weight_format == "int8" else None
+            int8 = int8_kernel() if isa == "avx512" and weight_format in ("int8", "int4") else None
         except MoeOpError as exc:
             kernels[weight_format] = {"kernel": None, "reason": str(exc)}
             continue
@@ -529,8 +530,9 @@ def format_kernels() -> dict[str, dict[str, Any]]:
             kernels[weight_format] = {"kernel": None, "reason": bf16["reason"]}
         elif int8 is not None and int8["kernel"] == "vnni":
             kernels[weight_format] = {
-                "kernel": f"AVX512-VNNI: int8 weights against activations quantized per row in "
-                          f"groups of {int8['act_group']} ({int8['reason']})", "reason": ""}
+                "kernel": f"AVX512-VNNI: {weight_format} weights against activations quantized "
+                          f"per row in groups of {int8['act_group']} ({int8['reason']}; weight "
+                          f"groups of fewer values widened to f32)", "reason": ""}
         elif bf16 is not None:
             fp8_tile_min_rows = bf16["fp8_tile_min_rows"]
             described = {
@@ -551,7 +553,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
 
 
 def int8_kernel() -> dict[str, Any]:
-    """Which kernel the OpenVINO ops run int8 weights on here, under ``NUMAOV_MOE_VNNI``
+    """Which kernel the OpenVINO ops run int8 and int4 weights on here, under ``NUMAOV_MOE_VNNI``
     (``auto``: AVX512-VNNI products against activations quantized per row in groups of
     ``act_group`` values in a bf16 model, where the CPU has AVX512-VNNI; ``off``: widened to
     f32; ``always``: VNNI in f32 models too) and ``NUMAOV_MOE_ISA``: ``{"kernel": "vnni" |

@@ -10,7 +10,7 @@ model from the bf16 tiles' row count, 3e-2 against float64 (activations and weig
 to bf16, 2^-9 relative each); bf16-valued activations and weights, 1e-2 (only the output is
 rounded to bf16). Below that row count a bf16 model's fp8 linear is the f32
 model's result rounded to bf16 once: compared bit for bit. int8 weights against quantized activations
-(AVX512-VNNI; test_moe_op.py's rule): 1e-5 against float64 on the activations as quantized
+(and int4 ones; AVX512-VNNI; test_moe_op.py's rule): 1e-5 against float64 on the activations as quantized
 (exact int32 sums per group, scaled in f32), 3e-2 against the unquantized ones.
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from support.moe_kernel import (
+    ACT_GROUP,
     bf16_tiles_missing,
     needs_kernel,
     quantized_activations,
@@ -129,29 +130,34 @@ def test_bf16_weights_on_either_side_of_the_outer_products(tmp_path: Path, k: in
         assert relative_error(got, x.double() @ stored.double().T) < BF16_OUTPUT_TOL, rows
 
 
-# int8 weights against quantized activations: 160 values (two 64-value groups, the second
-# short), 256 in one scale group per row and in weight groups of 64; rows 1 to 5 (every
-# micro-tile height, then a second tile), 64 and 300 (across threads); 131 outputs (a partial
-# last tile)
+# int8 / int4 weights against quantized activations: 160 values (two 64-value groups, the
+# second short), 256 in one scale group per row and in weight groups of 64 (int4: 128, its
+# default, and 64), 192 (int4 in three groups of 64); rows 1 to 5 (every micro-tile height,
+# then a second tile), 16 (one outer-product block), 64 and 300 (across threads); 131 outputs
+# (a partial last tile)
 @pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
-@pytest.mark.parametrize(("k", "group_size"), [(160, None), (256, None), (256, 64)])
-def test_int8_weights_against_quantized_activations(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch, k: int,
-                                                    group_size: int | None) -> None:
-    """A bf16 model runs int8 weights against activations quantized per row in groups of 64
-    (the weight stays int8: the CPU plugin does not widen it); with bf16-valued activations its
-    result is the f32 model's under NUMAOV_MOE_VNNI=always rounded once. An f32 model under
-    auto keeps f32 activations, bit for bit what off gives."""
+@pytest.mark.parametrize(("weight_format", "k", "group_size"), [
+    ("int8", 160, None), ("int8", 256, None), ("int8", 256, 64), ("int4", 256, None),
+    ("int4", 256, 64), ("int4", 192, None)])
+def test_int8_and_int4_weights_against_quantized_activations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_format: str, k: int,
+        group_size: int | None) -> None:
+    """A bf16 model runs int8 / int4 weights against activations quantized per row in groups
+    of 64 (the weight stays as stored: the CPU plugin does not widen it); with bf16-valued
+    activations its result is the f32 model's under NUMAOV_MOE_VNNI=always rounded once. An
+    f32 model under auto keeps f32 activations, bit for bit what off gives."""
     monkeypatch.delenv("NUMAOV_MOE_ISA", raising=False)
-    stored, scale = _weight(131, k, "int8", group_size=group_size)
+    assert int8_kernel()["act_group"] == ACT_GROUP
+    stored, scale = _weight(131, k, weight_format, group_size=group_size)
     (tmp_path / "bf16").mkdir()
     compiled = _compiled(tmp_path / "bf16", stored, scale, "bf16")
     (op,) = [n for n in compiled.model.get_runtime_model().get_ordered_ops()
              if n.get_rt_info()["layerType"].astype(str) == "Reference"]
-    assert [op.get_input_element_type(i).get_type_name() for i in (0, 1)] == ["bf16", "i8"]
+    assert [op.get_input_element_type(i).get_type_name() for i in (0, 1)] == [
+        "bf16", "i8" if weight_format == "int8" else "u8"]
     bf16, f32 = compiled.runner(), _compiled(tmp_path, stored, scale, "f32").runner()
     weight = _standing_for(stored, scale)
-    for rows in (1, 2, 3, 4, 5, 64, 300):
+    for rows in (1, 2, 3, 4, 5, 16, 64, 300):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16().float()
         monkeypatch.setenv("NUMAOV_MOE_VNNI", "off")
         (exact,) = f32({"x": x.numpy()})
@@ -167,11 +173,14 @@ def test_int8_weights_against_quantized_activations(tmp_path: Path,
 
 
 @pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
-def test_int8_weight_groups_finer_than_the_activations_keep_f32_activations(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weight scale groups of 16 values do not hold whole 64-value activation groups: such a
-    weight runs on f32 activations even under NUMAOV_MOE_VNNI=always."""
-    stored, scale = _weight(40, 128, "int8", group_size=16)
+@pytest.mark.parametrize(("weight_format", "group_size"), [("int8", 16), ("int4", 32)])
+def test_weight_groups_finer_than_the_activations_keep_f32_activations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_format: str,
+        group_size: int) -> None:
+    """Weight scale groups of 16 (int8) or 32 (int4) values do not hold whole 64-value
+    activation groups: such a weight runs on f32 activations even under
+    NUMAOV_MOE_VNNI=always."""
+    stored, scale = _weight(40, 128, weight_format, group_size=group_size)
     run = _compiled(tmp_path, stored, scale, "f32").runner()
     x = torch.randn(3, 128)
     monkeypatch.setenv("NUMAOV_MOE_VNNI", "always")

@@ -17,7 +17,7 @@ Tolerances (max |got - expected| / max |expected|):
   weights, not of the op: each value is within half a step (its group's scale / 2) of the
   original, checked exactly; on these random stacks the layer output moves by ~1e-2 (int8)
   and ~2e-1 (int4) of its scale, which the export's per-format tolerances bound.
-- int8 weights against int8 activations (AVX512-VNNI; a bf16 model's, or any under
+- int8 / int4 weights against int8 activations (AVX512-VNNI; a bf16 model's, or any under
   NUMAOV_MOE_VNNI=always): against float64 on the dequantized weights and on the rows as
   quantized (x, and each pair's silu(gate) * up), 5e-3: the int32 sums of a group are exact,
   but the kernel's f32 silu(gate) * up and the reference's float64 one can put a value on
@@ -311,20 +311,22 @@ def test_openvino_op_equals_eager_op_int8_int4(tmp_path: Path, weight_format: st
 
 
 # 96 / 64 values: one 64-value group and a rest; 256 / 128 in weight scale groups of 64 (the
-# activations' groups); rows per call from one (decode) to 300 (across threads)
+# activations' groups) and, int4, of 128 (its default here); rows per call from one (decode)
+# to 300 (across threads; experts of 16 rows and more as outer products)
 @pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
-@pytest.mark.parametrize(("group_size", "hidden", "inter"), [(None, 96, 64), (64, 256, 128)])
-def test_int8_experts_against_quantized_activations(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch,
-                                                    group_size: int | None, hidden: int,
-                                                    inter: int) -> None:
-    """int8 experts in a bf16 model (and in an f32 one under NUMAOV_MOE_VNNI=always) multiply
-    quantized activations; an f32 model under auto keeps f32 ones, bit for bit what off
-    gives. In the bf16 model (bf16-valued x and routing weights) the result is the f32
+@pytest.mark.parametrize(("weight_format", "group_size", "hidden", "inter"), [
+    ("int8", None, 96, 64), ("int8", 64, 256, 128), ("int4", None, 256, 128),
+    ("int4", 64, 256, 128)])
+def test_int8_and_int4_experts_against_quantized_activations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_format: str,
+        group_size: int | None, hidden: int, inter: int) -> None:
+    """int8 / int4 experts in a bf16 model (and in an f32 one under NUMAOV_MOE_VNNI=always)
+    multiply quantized activations; an f32 model under auto keeps f32 ones, bit for bit what
+    off gives. In the bf16 model (bf16-valued x and routing weights) the result is the f32
     model's under always, rounded to bf16 once."""
     monkeypatch.delenv("NUMAOV_MOE_ISA", raising=False)
     _, _, _, gate_up, down = _problem(1, experts=8, top_k=6, hidden=hidden, inter=inter)
-    (qg, sg), (qd, sd) = (quantize_experts(w, "int8", group_size) for w in (gate_up, down))
+    (qg, sg), (qd, sd) = (quantize_experts(w, weight_format, group_size) for w in (gate_up, down))
     dequantized = [dequantize_experts(q, s) for q, s in ((qg, sg), (qd, sd))]
     for name in ("f32", "bf16"):
         (tmp_path / name).mkdir()

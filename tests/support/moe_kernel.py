@@ -41,11 +41,16 @@ def vnni_missing() -> str:
     return "" if kernel["kernel"] == "vnni" else f"int8 weights run on {kernel}"
 
 
+# Values per quantized activation group: the kernel's kActGroup, which int8_kernel() reports as
+# act_group where the int8 products run (test_dense_linear checks that it is this one).
+ACT_GROUP = 64
+
+
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """The rows of ``x [N, K]`` as the int8 products see them, in float64: per row, groups of
-    ``act_group`` values (the last one shorter) quantized symmetrically, ``q = rint(x * (127 /
+    ``ACT_GROUP`` values (the last one shorter) quantized symmetrically, ``q = rint(x * (127 /
     max|x|))`` in f32 (ties to even), standing for ``q * (max|x| / 127)``."""
-    group = int8_kernel()["act_group"]
+    group = ACT_GROUP
     x = x.float()
     rows, k = x.shape
     padded = torch.zeros(rows, -(-k // group) * group)

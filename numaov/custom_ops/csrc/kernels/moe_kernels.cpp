@@ -888,10 +888,24 @@ void quantize_rows(const void* x, bool x_bf16, size_t rows, size_t width, Scratc
     });
 }
 
-// Dot products of M quantized rows a[m] with kTileCols int8 weight rows over K values, the
-// weights' scales in groups of `group` values (K, or a multiple of kActGroup), into c as
-// dot_tile_bytes does. One iteration takes 64 bytes of each weight row (masked past K).
-template <int M>
+// 64 int4 weights (32 bytes at p; `mask` over those bytes) as their stored nibbles q + 8 in
+// value order (a block of 32 values is 16 bytes, low nibbles first): values 0 .. 15, the
+// unsigned operand of vpdpbusd as they are, so an int4 group's sum carries 8 * sum(q) extra
+// (the quantizer's starting sum divided by 16).
+NUMAOV_TARGET_AVX512_VNNI NUMAOV_INLINE __m512i int4_nibbles(const uint8_t* p, __mmask32 mask) {
+    const __m256i bytes = _mm256_maskz_loadu_epi8(mask, p);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_and_si256(bytes, low4);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);  // l0 l1 h0 h1
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));                 // l0 h0 l1 h1
+}
+
+// Dot products of M quantized rows a[m] with kTileCols int8 (or int4, kInt4) weight rows over
+// K values, the weights' scales in groups of `group` values (K, or a multiple of kActGroup),
+// into c as dot_tile_bytes does. One iteration takes 64 values of each weight row (masked
+// past K).
+template <int M, bool kInt4>
 NUMAOV_TARGET_AVX512_VNNI void dot_tile_vnni(const uint8_t* const* a_in, const uint8_t* const* w_in,
                                              const float* const* scale, size_t K, size_t group,
                                              const uint8_t* next, float* c) {
@@ -913,15 +927,22 @@ NUMAOV_TARGET_AVX512_VNNI void dot_tile_vnni(const uint8_t* const* a_in, const u
     size_t wg = 0, left = group;  // the weights' scale group and its values still to come
     NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) ws[n] = _mm512_set1_ps(scale[n][0]);
     for (size_t g = 0, k = 0; k < K; ++g, k += kActGroup) {
-        prefetch_next_block(next, k);
-        const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
         __m512i wv[kTileCols];
-        NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
-            wv[n] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[n] + k), offset);
+        if constexpr (kInt4) {  // 32 bytes a row: a line every other step
+            if (k % 128 == 0) prefetch_next_block(next, k / 2);
+            const __mmask32 mask = K - k >= 64 ? ~__mmask32(0) : (__mmask32(1) << ((K - k) / 2)) - 1;
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) wv[n] = int4_nibbles(w[n] + k / 2, mask);
+        } else {
+            prefetch_next_block(next, k);
+            const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+            NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
+                wv[n] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[n] + k), offset);
+            }
         }
         NUMAOV_UNROLL for (int m = 0; m < M; ++m) {
             const __m512i av = _mm512_load_si512(a[m] + k);
-            const __m512i start = _mm512_maskz_set1_epi32(__mmask16(1), a_start[m][g]);
+            const __m512i start =
+                _mm512_maskz_set1_epi32(__mmask16(1), kInt4 ? a_start[m][g] / 16 : a_start[m][g]);
             const __m512 sa = _mm512_set1_ps(a_scale[m][g]);
             NUMAOV_UNROLL for (size_t n = 0; n < kTileCols; ++n) {
                 const __m512 sum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wv[n], av));
@@ -942,7 +963,7 @@ NUMAOV_TARGET_AVX512_VNNI void dot_tile_vnni(const uint8_t* const* a_in, const u
     }
 }
 
-// dot_rows for quantized activation rows against an int8 stack.
+// dot_rows for quantized activation rows against an int8 or int4 stack.
 void dot_rows_vnni(const uint8_t* const* a, size_t rows, const Stack& s, const size_t* r, float* c) {
     std::fill(c, c + kTileRows * kTileCols, 0.0f);
     const uint8_t* w[kTileCols];
@@ -953,11 +974,19 @@ void dot_rows_vnni(const uint8_t* const* a, size_t rows, const Stack& s, const s
     }
     const uint8_t* next = s.streamed ? w[0] + kTileCols * s.row_bytes() : nullptr;
     const size_t group = s.K / s.groups;
+    if (s.format == WeightFormat::int4) {
+        switch (rows) {
+            case 1: return dot_tile_vnni<1, true>(a, w, scale, s.K, group, next, c);
+            case 2: return dot_tile_vnni<2, true>(a, w, scale, s.K, group, next, c);
+            case 3: return dot_tile_vnni<3, true>(a, w, scale, s.K, group, next, c);
+            default: return dot_tile_vnni<4, true>(a, w, scale, s.K, group, next, c);
+        }
+    }
     switch (rows) {
-        case 1: return dot_tile_vnni<1>(a, w, scale, s.K, group, next, c);
-        case 2: return dot_tile_vnni<2>(a, w, scale, s.K, group, next, c);
-        case 3: return dot_tile_vnni<3>(a, w, scale, s.K, group, next, c);
-        default: return dot_tile_vnni<4>(a, w, scale, s.K, group, next, c);
+        case 1: return dot_tile_vnni<1, false>(a, w, scale, s.K, group, next, c);
+        case 2: return dot_tile_vnni<2, false>(a, w, scale, s.K, group, next, c);
+        case 3: return dot_tile_vnni<3, false>(a, w, scale, s.K, group, next, c);
+        default: return dot_tile_vnni<4, false>(a, w, scale, s.K, group, next, c);
     }
 }
 
@@ -988,6 +1017,7 @@ struct Int8Block {
     const uint8_t* first;
     const float* scale;
     size_t count, groups;
+    bool nibbles = false;  // int4 rows unpacked to their nibbles q + 8 (unpack_int4_rows)
 };
 
 // Four int8 weight rows w[r] against one or two blocks of quads (`act`, blocks `words`
@@ -996,11 +1026,13 @@ struct Int8Block {
 // one vpdpbusd per 64 products, each activation row's sum in its own lane; each activation
 // group's int32 sums start from the rows' starting sums and are scaled into f32 at its end.
 // Quads past K read the weights through a zero-padded copy (nothing is read past a row's end
-// but within the stack, where the quads' zero activations cancel it).
+// but within the stack, where the quads' zero activations cancel it). `nibbles`: int4 rows
+// unpacked to q + 8 (unpack_int4_rows), unsigned already: no xor, and the sums start from a
+// 16th of the starting sums (8, not 128, times sum(q)).
 template <int B>
 NUMAOV_TARGET_AVX512_VNNI void outer_rows_int8(const uint8_t* const (&w)[4], const float* const (&scale)[4],
-                                               size_t weight_group, const uint32_t* act, size_t words, size_t K,
-                                               float* const (&c)[B]) {
+                                               size_t weight_group, bool nibbles, const uint32_t* act,
+                                               size_t words, size_t K, float* const (&c)[B]) {
     const size_t groups = quantized_groups(K), quads = groups * kActGroup / 4;
     const bool grouped = weight_group < K;
     const float* a_scale = reinterpret_cast<const float*>(act + quads * 16);
@@ -1010,11 +1042,12 @@ NUMAOV_TARGET_AVX512_VNNI void outer_rows_int8(const uint8_t* const (&w)[4], con
         NUMAOV_UNROLL for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
     }
     const size_t whole = K / 4;  // quads read in place
-    const __m512i offset = _mm512_set1_epi8(char(0x80));
+    const __m512i offset = _mm512_set1_epi8(char(nibbles ? 0 : 0x80));
+    const int shift = nibbles ? 4 : 0;  // the starts are multiples of 128
     for (size_t g = 0; g < groups; ++g) {
         __m512i sums[4][B];
         NUMAOV_UNROLL for (int b = 0; b < B; ++b) {
-            const __m512i start = _mm512_load_si512(a_start + b * words + g * 16);
+            const __m512i start = _mm512_srai_epi32(_mm512_load_si512(a_start + b * words + g * 16), shift);
             NUMAOV_UNROLL for (int r = 0; r < 4; ++r) sums[r][b] = start;
         }
         const size_t p1 = std::min(quads, (g + 1) * kActGroup / 4);
@@ -1066,11 +1099,26 @@ void outer_products_int8(const Int8Block (&w)[2], const uint32_t* panel, size_t 
             }
             float* const tiles[2] = {c + 2 * a * kResult + 16 * r0, c + (2 * a + 1) * kResult + 16 * r0};
             if (blocks == 2) {
-                outer_rows_int8<2>(rows, scales, K / w[a].groups, panel, words, K, tiles);
+                outer_rows_int8<2>(rows, scales, K / w[a].groups, w[a].nibbles, panel, words, K, tiles);
             } else {
                 float* const one[1] = {tiles[0]};
-                outer_rows_int8<1>(rows, scales, K / w[a].groups, panel, words, K, one);
+                outer_rows_int8<1>(rows, scales, K / w[a].groups, w[a].nibbles, panel, words, K, one);
             }
+        }
+    }
+}
+
+// `count` int4 rows of `s` (from row r0 of `expert`) as their nibbles q + 8, one byte a value,
+// into `out` (rows of s.K bytes), for the outer products.
+NUMAOV_TARGET_AVX512_VNNI void unpack_int4_rows(const Stack& s, size_t expert, size_t r0, size_t count,
+                                                uint8_t* out) {
+    const size_t K = s.K;
+    for (size_t r = 0; r < count; ++r) {
+        const uint8_t* row = s.row(expert, r0 + r);
+        for (size_t k = 0; k < K; k += 64) {
+            const __mmask32 mask = K - k >= 64 ? ~__mmask32(0) : (__mmask32(1) << ((K - k) / 2)) - 1;
+            const __mmask64 values = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+            _mm512_mask_storeu_epi8(out + r * K + k, values, int4_nibbles(row + k / 2, mask));
         }
     }
 }
@@ -1132,6 +1180,12 @@ public:
     auto block(const Stack& s, size_t expert, size_t r0, size_t count, int slot) {
         if constexpr (std::is_same_v<T, uint8_t>) {
             if (!count) return Int8Block{nullptr, nullptr, 0, s.groups};
+            if (s.format == WeightFormat::int4) {
+                auto& buffer = nibbles_[slot];
+                if (buffer.size() < count * s.K) buffer.resize(count * s.K);
+                unpack_int4_rows(s, expert, r0, count, buffer.data());
+                return Int8Block{buffer.data(), s.row_scale(expert, r0), count, s.groups, true};
+            }
             return Int8Block{s.row(expert, r0), s.row_scale(expert, r0), count, s.groups};
         } else {
             return amx_tiles::WeightBlock{count ? bf16(s, expert, r0, count, slot) : nullptr, count};
@@ -1140,6 +1194,7 @@ public:
 
 private:
     Scratch<uint16_t> buffers_[2];
+    Scratch<uint8_t> nibbles_[2];
 };
 
 // NUMAOV_MOE_AMX and NUMAOV_MOE_VNNI: "auto" (unset), "off" or "always".
@@ -1505,14 +1560,14 @@ bool on_bf16_tiles(WeightFormat format, bool x_bf16, bool avx2, size_t pairs, si
            pairs >= kFp8TileMinRows * hits;
 }
 
-// Whether int8 weights whose stacks have `groups[i]` scale groups over rows of `K[i]` values
+// Whether int8 or int4 weights whose stacks have `groups[i]` scale groups over rows of `K[i]` values
 // run against quantized activations (dot_tile_vnni) under NUMAOV_MOE_VNNI: auto: in a bf16
 // model (x_bf16), where the CPU has AVX512-VNNI and the AVX-512 kernel runs; always: in an f32
 // model too (an error without AVX512-VNNI); off: never. Weight groups that are not whole
 // activation groups (a multiple of kActGroup values) stay on the f32 path.
 template <size_t S>
 bool int8_activations(WeightFormat format, bool x_bf16, bool avx2, const size_t (&K)[S], const size_t (&groups)[S]) {
-    if (format != WeightFormat::int8) return false;
+    if (format != WeightFormat::int8 && format != WeightFormat::int4) return false;
     const AmxSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
     if (setting == AmxSetting::off) return false;
     if (setting == AmxSetting::always && (avx2 || !features().avx512_vnni)) {

@@ -36,11 +36,13 @@
 // of a few KB are too short for the hardware prefetcher), which batched decode's
 // tiles of a few rows need as much as one row's. The sums over slots are f32;
 // the output is rounded once to x's type.
-// With bf16 x, int8 experts run on AVX512-VNNI instead where the CPU has it (NUMAOV_MOE_VNNI;
-// int8_kernel): the activations (x, then each pair's silu(gate) * up) are quantized per row in
-// groups of 64 values, q = rint(x * 127 / max|x|), as OpenVINO's CPU plugin quantizes those
-// of its own int8 weights, and each group's products are summed exactly in int32, then
-// scaled in f32 (dot_tile_vnni; experts of 16+ rows as outer products, outer_rows_int8).
+// With bf16 x, int8 and int4 experts run on AVX512-VNNI instead where the CPU has it
+// (NUMAOV_MOE_VNNI; int8_kernel): the activations (x, then each pair's silu(gate) * up) are
+// quantized per row in groups of 64 values, q = rint(x * 127 / max|x|), as OpenVINO's CPU
+// plugin quantizes those of its own int8 / int4 weights, and each group's products are summed
+// exactly in int32, then scaled in f32 (dot_tile_vnni; experts of 16+ rows as outer products,
+// outer_rows_int8). Weight scale groups must hold whole 64-value groups (int4's groups of 32
+// stay on the f32 path).
 // With bf16 x (a bf16 model), fp8 experts run on the bf16 tiles instead once the call
 // averages 8 or more rows per expert it reads (Bf16Kernel's fp8_tile_min_rows): each
 // block of weight rows is dequantized to
@@ -119,10 +121,10 @@ struct Bf16Kernel {
 };
 Bf16Kernel bf16_kernel();
 
-// Which kernel int8 experts run on here under NUMAOV_MOE_VNNI (auto, off, always) and
+// Which kernel int8 and int4 experts run on here under NUMAOV_MOE_VNNI (auto, off, always) and
 // NUMAOV_MOE_ISA: "vnni" (int8 products against activations quantized per row in groups of
 // act_group values: in a bf16 model, or in every model under always), "f32" (weights
-// widened to f32), or "" when int8 weights cannot run; `reason` says why. Throws
+// widened to f32), or "" when they cannot run; `reason` says why. Throws
 // std::invalid_argument for a setting other than those the variables take.
 struct Int8Kernel {
     std::string kernel, reason;
