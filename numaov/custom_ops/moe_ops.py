@@ -520,7 +520,7 @@ def format_kernels() -> dict[str, dict[str, Any]]:
         try:
             isa = None if missing else kernel_isa(weight_format)
             bf16 = bf16_kernel() if isa and weight_format == "bf16" else None
-            int8 = int8_kernel() if isa == "avx512" and weight_format in ("int8", "int4") else None
+            int8 = int8_kernel() if isa and weight_format in ("int8", "int4") else None
         except MoeOpError as exc:
             kernels[weight_format] = {"kernel": None, "reason": str(exc)}
             continue
@@ -528,6 +528,8 @@ def format_kernels() -> dict[str, dict[str, Any]]:
             kernels[weight_format] = {"kernel": None, "reason": missing}
         elif bf16 is not None and bf16["kernel"] is None:
             kernels[weight_format] = {"kernel": None, "reason": bf16["reason"]}
+        elif int8 is not None and int8["kernel"] is None:
+            kernels[weight_format] = {"kernel": None, "reason": int8["reason"]}
         elif int8 is not None and int8["kernel"] == "vnni":
             kernels[weight_format] = {
                 "kernel": f"AVX512-VNNI: {weight_format} weights against activations quantized "

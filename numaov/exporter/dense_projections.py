@@ -107,10 +107,12 @@ def bf16_projections_here(precision: str, storage: str) -> bool:
 def int8_projections_here(precision: str, weights: str) -> bool:
     """Whether an export made here runs its int8 projections on ``DenseLinear`` (the module
     docstring): int8 weights computed in bf16, and the kernel runs int8 weights of a bf16 model
-    on AVX512-VNNI here (``moe_ops.int8_kernel``)."""
-    if precision != "bf16" or weights != "int8":
+    on AVX512-VNNI here (``moe_ops.int8_kernel``, asked for any int8 / int4 export: a bad
+    ``NUMAOV_MOE_VNNI`` is refused before the export's slow work)."""
+    if weights not in ("int8", "int4"):
         return False
-    return int8_kernel()["kernel"] == "vnni"
+    kernel = int8_kernel()["kernel"]
+    return precision == "bf16" and weights == "int8" and kernel == "vnni"
 
 
 def bf16_projections(model: nn.Module) -> int:

@@ -131,13 +131,13 @@ def test_bf16_weights_on_either_side_of_the_outer_products(tmp_path: Path, k: in
 
 
 # int8 / int4 weights against quantized activations: 160 values (two 64-value groups, the
-# second short), 256 in one scale group per row and in weight groups of 64 (int4: 128, its
+# second short), 131 (a last quad of 3 values: read through a zero-padded word), 256 in one scale group per row and in weight groups of 64 (int4: 128, its
 # default, and 64), 192 (int4 in three groups of 64); rows 1 to 5 (every micro-tile height,
 # then a second tile), 16 (one outer-product block), 64 and 300 (across threads); 131 outputs
 # (a partial last tile)
 @pytest.mark.skipif(bool(vnni_missing()), reason=f"no VNNI int8 products: {vnni_missing()}")
 @pytest.mark.parametrize(("weight_format", "k", "group_size"), [
-    ("int8", 160, None), ("int8", 256, None), ("int8", 256, 64), ("int4", 256, None),
+    ("int8", 160, None), ("int8", 131, None), ("int8", 256, None), ("int8", 256, 64), ("int4", 256, None),
     ("int4", 256, 64), ("int4", 192, None)])
 def test_int8_and_int4_weights_against_quantized_activations(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_format: str, k: int,

@@ -57,6 +57,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     padded[:, :k] = x
     groups = padded.view(rows, -1, group)
     largest = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
+    smallest = torch.tensor(127.0) / torch.finfo(torch.float32).max  # the kernel's: zeros below
+    inverse = torch.where(largest > smallest, torch.tensor(127.0) / largest, torch.zeros(()))
     q = torch.round(groups * inverse)
     return (q.double() * (largest / 127.0).double()).view(rows, -1)[:, :k]

@@ -827,6 +827,8 @@ void for_rows(size_t rows, size_t width, const Fn& fn) {
 // sum is converted once and added times the activations' scale (and the weights' group
 // scale) into f32 sums.
 constexpr size_t kActGroup = 64;
+// Groups whose largest magnitude is at most this (127 / FLT_MAX) quantize to zeros.
+constexpr float kSmallestQuantized = 127.0f / 3.4028234663852886e38f;
 
 // (avx512bf16 too so the AVX-512 helpers inline; these functions run no bf16 instruction, so
 // a CPU with VNNI and without BF16 runs them.)
@@ -863,7 +865,8 @@ NUMAOV_TARGET_AVX512_VNNI void quantize_row(const In* x, size_t K, uint8_t* q) {
             amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
         }
         const float largest = _mm512_reduce_max_ps(amax);
-        const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+        // a group too small for 127 / largest to be finite quantizes to zeros
+        const __m512 inverse = _mm512_set1_ps(largest > kSmallestQuantized ? 127.0f / largest : 0.0f);
         __m512i sum = _mm512_setzero_si512();
         NUMAOV_UNROLL for (size_t i = 0; i < kActGroup / 16; ++i) {
             const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));  // to nearest even
@@ -1025,10 +1028,14 @@ struct Int8Block {
 // four weights of a row (moved to w + 128, as dot_tile_vnni does) against the block's quads:
 // one vpdpbusd per 64 products, each activation row's sum in its own lane; each activation
 // group's int32 sums start from the rows' starting sums and are scaled into f32 at its end.
-// Quads past K read the weights through a zero-padded copy (nothing is read past a row's end
-// but within the stack, where the quads' zero activations cancel it). `nibbles`: int4 rows
+// The last quad of a row whose K is not a multiple of 4 is copied into a zero-padded word, and
+// quads past K are zeros (the activations there are zeros too), so nothing is read past a
+// row's end. `nibbles`: int4 rows
 // unpacked to q + 8 (unpack_int4_rows), unsigned already: no xor, and the sums start from a
 // 16th of the starting sums (8, not 128, times sum(q)).
+// Four weight bytes read as one word wherever they lie (GCC: any alignment, any aliasing).
+typedef int32_t UnalignedInt32 __attribute__((aligned(1), may_alias));
+
 template <int B>
 NUMAOV_TARGET_AVX512_VNNI void outer_rows_int8(const uint8_t* const (&w)[4], const float* const (&scale)[4],
                                                size_t weight_group, bool nibbles, const uint32_t* act,
@@ -1057,7 +1064,7 @@ NUMAOV_TARGET_AVX512_VNNI void outer_rows_int8(const uint8_t* const (&w)[4], con
             NUMAOV_UNROLL for (int r = 0; r < 4; ++r) {
                 __m512i wq;
                 if (p < whole) {  // a broadcast load: no trip through a general register
-                    wq = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(w[r] + 4 * p));
+                    wq = _mm512_set1_epi32(*reinterpret_cast<const UnalignedInt32*>(w[r] + 4 * p));
                 } else {
                     uint32_t quad = 0;
                     if (4 * p < K) std::memcpy(&quad, w[r] + 4 * p, K - 4 * p);
@@ -1789,7 +1796,10 @@ Int8Kernel int8_kernel() {
     }
     const AmxSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
     if (setting == AmxSetting::off) return {"f32", "NUMAOV_MOE_VNNI=off", 0};
-    if (isa == "avx2") return {"f32", "the kernel runs on AVX2 here", 0};
+    if (isa == "avx2") {
+        if (setting == AmxSetting::always) return {"", "NUMAOV_MOE_VNNI=always, but the kernel runs on AVX2 here", 0};
+        return {"f32", "the kernel runs on AVX2 here", 0};
+    }
     if (!f.avx512_vnni) {
         if (setting == AmxSetting::always) return {"", "NUMAOV_MOE_VNNI=always, but the CPU has no AVX512-VNNI", 0};
         return {"f32", "the CPU has no AVX512-VNNI", 0};
