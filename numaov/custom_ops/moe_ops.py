@@ -21,8 +21,7 @@ with the experts as weight stacks ``gate_up [E, 2I, H]`` (gate rows first, then 
   ``csrc/kernels/moe_kernels.cpp``): f32 weights with AVX-512 FMA, bf16 weights with AVX512-BF16 dot
   products, int8 / int4 / fp8 weights widened and scaled as they are read (int8 and int4 in a
   bf16 model: int8 products on AVX512-VNNI against activations quantized per row,
-  ``int8_kernel``); cost
-  proportional to the routed rows.
+  ``int8_kernel``); cost proportional to the routed rows.
 
 Weight formats (``WEIGHT_FORMATS``; :func:`quantize_experts` writes them, the layout is drawn
 in ``csrc/kernels/moe_kernels.hpp``): ``f32`` and ``bf16`` stacks as they are; ``int8``: int8 stacks

@@ -125,9 +125,9 @@ def int8_projections(model: nn.Module) -> int:
     """Replace each projection of ``model`` still an ``nn.Linear`` with a ``KernelLinear`` of
     its weight in int8, symmetric with one scale per output row (``moe_ops.quantize_experts``,
     as NNCF's ``INT8_SYM``), and its bias; returns how many (see :func:`_move_projections`)."""
-    def to_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def to_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stored, scale = quantize_experts(weight.float()[None], "int8")
-        return stored[0], None if scale is None else scale[0]
+        return stored[0], scale[0]
 
     return _move_projections(model, to_int8)
 

@@ -356,7 +356,9 @@ def convert_to_ir(
         ov.save_model(model, str(xml_path), compress_to_fp16=False)
     except Exception as exc:
         raise ConversionError(f"cannot write OpenVINO IR to {str(xml_path)!r} ({exc})") from exc
-    if precision == "bf16" if computes_in_bf16 is None else computes_in_bf16:
+    if computes_in_bf16 is None:
+        computes_in_bf16 = precision == "bf16"
+    if computes_in_bf16:
         routing = _keep_routing_f32(xml_path)
         logger.info("kept %d nodes of the MoE routers in f32", routing)
     if precision == "bf16":

@@ -63,7 +63,6 @@ NUMAOV_TARGET_AMX void transpose_words(__m512i (&r)[kTile]) {
 
 size_t block_words(size_t K) { return padded_k(K) / 2 * kTile; }
 
-size_t panel_words(size_t M, size_t K) { return (M + kTile - 1) / kTile * block_words(K); }
 
 NUMAOV_TARGET_AMX void pack_panel(const uint16_t* const* rows, size_t M, size_t K, uint32_t* panel) {
     const size_t words = block_words(K);

@@ -24,9 +24,7 @@ namespace numaov::moe::amx_tiles {
 constexpr size_t kTile = 16;   // rows of a tile; fp32 columns of a result tile
 constexpr size_t kTileK = 32;  // bf16 values in a 64-byte tile row
 
-// 32-bit words of the packed activations of M rows of K values, and of one
-// 16-row block of them.
-size_t panel_words(size_t M, size_t K);
+// 32-bit words of one 16-row block of packed activations of K values.
 size_t block_words(size_t K);
 
 // rows[m] (m < M) hold K bf16 values each; `panel` gets them in the pairs

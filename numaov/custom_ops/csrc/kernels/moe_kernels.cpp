@@ -1023,6 +1023,9 @@ struct Int8Block {
     bool nibbles = false;  // int4 rows unpacked to their nibbles q + 8 (unpack_int4_rows)
 };
 
+// Four weight bytes read as one word wherever they lie (GCC: any alignment, any aliasing).
+typedef int32_t UnalignedInt32 __attribute__((aligned(1), may_alias));
+
 // Four int8 weight rows w[r] against one or two blocks of quads (`act`, blocks `words`
 // apart): c[b] + 16 r gets weight row r's sums over the block's 16 rows. Each step broadcasts
 // four weights of a row (moved to w + 128, as dot_tile_vnni does) against the block's quads:
@@ -1030,12 +1033,8 @@ struct Int8Block {
 // group's int32 sums start from the rows' starting sums and are scaled into f32 at its end.
 // The last quad of a row whose K is not a multiple of 4 is copied into a zero-padded word, and
 // quads past K are zeros (the activations there are zeros too), so nothing is read past a
-// row's end. `nibbles`: int4 rows
-// unpacked to q + 8 (unpack_int4_rows), unsigned already: no xor, and the sums start from a
-// 16th of the starting sums (8, not 128, times sum(q)).
-// Four weight bytes read as one word wherever they lie (GCC: any alignment, any aliasing).
-typedef int32_t UnalignedInt32 __attribute__((aligned(1), may_alias));
-
+// row's end. `nibbles`: int4 rows unpacked to q + 8 (unpack_int4_rows), unsigned already: no
+// xor, and the sums start from a 16th of the starting sums (8, not 128, times sum(q)).
 template <int B>
 NUMAOV_TARGET_AVX512_VNNI void outer_rows_int8(const uint8_t* const (&w)[4], const float* const (&scale)[4],
                                                size_t weight_group, bool nibbles, const uint32_t* act,
@@ -1205,24 +1204,24 @@ private:
 };
 
 // NUMAOV_MOE_AMX and NUMAOV_MOE_VNNI: "auto" (unset), "off" or "always".
-enum class AmxSetting { automatic, off, always };
+enum class KernelSetting { automatic, off, always };
 
-AmxSetting auto_off_always(const char* variable) {
+KernelSetting auto_off_always(const char* variable) {
     const char* value = std::getenv(variable);
     const std::string v = value ? value : "";
-    if (v.empty() || v == "auto") return AmxSetting::automatic;
-    if (v == "off") return AmxSetting::off;
-    if (v == "always") return AmxSetting::always;
+    if (v.empty() || v == "auto") return KernelSetting::automatic;
+    if (v == "off") return KernelSetting::off;
+    if (v == "always") return KernelSetting::always;
     throw std::invalid_argument(std::string(variable) + "='" + v + "'; expected auto, off or always");
 }
 
-AmxSetting amx_setting() { return auto_off_always("NUMAOV_MOE_AMX"); }
+KernelSetting amx_setting() { return auto_off_always("NUMAOV_MOE_AMX"); }
 
 // The fewest rows a bf16 expert needs to run on AMX tiles in this call; SIZE_MAX: none does.
 size_t amx_min_rows() {
     switch (amx_setting()) {
-        case AmxSetting::off: return SIZE_MAX;
-        case AmxSetting::always:
+        case KernelSetting::off: return SIZE_MAX;
+        case KernelSetting::always:
             if (!amx::usable()) {
                 throw std::runtime_error("NUMAOV_MOE_AMX=always, but AMX tiles are not usable here: " +
                                          amx::unavailable_reason());
@@ -1567,21 +1566,35 @@ bool on_bf16_tiles(WeightFormat format, bool x_bf16, bool avx2, size_t pairs, si
            pairs >= kFp8TileMinRows * hits;
 }
 
+// What NUMAOV_MOE_VNNI (auto, off, always) allows on this CPU, the tiles on AVX2 or not: whether
+// int8 / int4 weights can run against quantized activations (`runs`; in f32 models too under
+// always), else why not; under always a reason is an error (`refused`).
+struct VnniChoice {
+    bool runs, f32_models, refused;
+    std::string why_not;
+};
+
+VnniChoice vnni_choice(bool avx2) {
+    const KernelSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
+    if (setting == KernelSetting::off) return {false, false, false, "NUMAOV_MOE_VNNI=off"};
+    const bool always = setting == KernelSetting::always;
+    const char* missing = avx2 ? "the kernel runs on AVX2 here"
+                               : features().avx512_vnni ? nullptr : "the CPU has no AVX512-VNNI";
+    if (missing) return {false, false, always, always ? std::string("NUMAOV_MOE_VNNI=always, but ") + missing : missing};
+    return {true, always, false, ""};
+}
+
 // Whether int8 or int4 weights whose stacks have `groups[i]` scale groups over rows of `K[i]` values
-// run against quantized activations (dot_tile_vnni) under NUMAOV_MOE_VNNI: auto: in a bf16
-// model (x_bf16), where the CPU has AVX512-VNNI and the AVX-512 kernel runs; always: in an f32
-// model too (an error without AVX512-VNNI); off: never. Weight groups that are not whole
-// activation groups (a multiple of kActGroup values) stay on the f32 path.
+// run against quantized activations (dot_tile_vnni) under NUMAOV_MOE_VNNI (vnni_choice): auto:
+// in a bf16 model (x_bf16), where the CPU has AVX512-VNNI and the AVX-512 kernel runs; always:
+// in an f32 model too (an error without AVX512-VNNI); off: never. Weight groups that are not
+// whole activation groups (a multiple of kActGroup values) stay on the f32 path.
 template <size_t S>
 bool int8_activations(WeightFormat format, bool x_bf16, bool avx2, const size_t (&K)[S], const size_t (&groups)[S]) {
     if (format != WeightFormat::int8 && format != WeightFormat::int4) return false;
-    const AmxSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
-    if (setting == AmxSetting::off) return false;
-    if (setting == AmxSetting::always && (avx2 || !features().avx512_vnni)) {
-        throw std::runtime_error(avx2 ? "NUMAOV_MOE_VNNI=always, but the kernel runs on AVX2 here"
-                                      : "NUMAOV_MOE_VNNI=always, but the CPU has no AVX512-VNNI");
-    }
-    if (avx2 || !features().avx512_vnni || (setting == AmxSetting::automatic && !x_bf16)) return false;
+    const VnniChoice choice = vnni_choice(avx2);
+    if (choice.refused) throw std::runtime_error(choice.why_not);
+    if (!choice.runs || (!choice.f32_models && !x_bf16)) return false;
     for (size_t i = 0; i < S; ++i) {
         if (groups[i] > 1 && (K[i] / groups[i]) % kActGroup != 0) return false;
     }
@@ -1775,8 +1788,8 @@ Bf16Kernel bf16_kernel() {
         return {"avx2", features().avx512_bf16 ? "NUMAOV_MOE_ISA=avx2" : "the CPU has no AVX512-BF16", 0, 0};
     }
     switch (amx_setting()) {
-        case AmxSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0, kFp8TileMinRows, kOuterMinRows};
-        case AmxSetting::always:
+        case KernelSetting::off: return {"avx512_bf16", "NUMAOV_MOE_AMX=off", 0, kFp8TileMinRows, kOuterMinRows};
+        case KernelSetting::always:
             if (!amx::usable()) return {"", "NUMAOV_MOE_AMX=always, but " + amx::unavailable_reason(), 0, 0};
             return {"amx", "NUMAOV_MOE_AMX=always: every expert that gets rows", 1, kFp8TileMinRows};
         default:
@@ -1787,24 +1800,16 @@ Bf16Kernel bf16_kernel() {
 }
 
 Int8Kernel int8_kernel() {
-    const Features& f = features();
     std::string isa;
     try {
         isa = kernel_isa(WeightFormat::int8);
     } catch (const std::runtime_error& e) {
         return {"", e.what()};
     }
-    const AmxSetting setting = auto_off_always("NUMAOV_MOE_VNNI");
-    if (setting == AmxSetting::off) return {"f32", "NUMAOV_MOE_VNNI=off", 0};
-    if (isa == "avx2") {
-        if (setting == AmxSetting::always) return {"", "NUMAOV_MOE_VNNI=always, but the kernel runs on AVX2 here", 0};
-        return {"f32", "the kernel runs on AVX2 here", 0};
-    }
-    if (!f.avx512_vnni) {
-        if (setting == AmxSetting::always) return {"", "NUMAOV_MOE_VNNI=always, but the CPU has no AVX512-VNNI", 0};
-        return {"f32", "the CPU has no AVX512-VNNI", 0};
-    }
-    if (setting == AmxSetting::always) return {"vnni", "NUMAOV_MOE_VNNI=always: f32 models too", kActGroup};
+    const VnniChoice choice = vnni_choice(isa == "avx2");
+    if (choice.refused) return {"", choice.why_not, 0};
+    if (!choice.runs) return {"f32", choice.why_not, 0};
+    if (choice.f32_models) return {"vnni", "NUMAOV_MOE_VNNI=always: f32 models too", kActGroup};
     return {"vnni", "in a bf16 model; f32 models widen the weights to f32", kActGroup};
 }
 
